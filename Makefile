@@ -1,0 +1,52 @@
+# sparsetrain: `make help` lists the targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# x86_64 Python 3.11 boxes carry these wheels on disk; elsewhere pip picks a build for the machine.
+TORCH_PINS ?= $(shell [ "$$(uname -m)" = x86_64 ] && echo "torch==2.14.1 torchvision==0.29.1")
+RESULTS ?= results
+FIGURES ?= figures
+
+.PHONY: help venv data run test test-full lint figures bench slurm-up slurm-down clean
+
+help:  ## show this help
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_PINS),$(PY) -m pip install -q $(TORCH_PINS))
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+venv: $(VENV)/.installed  ## create .venv with the package and dev tools (once)
+
+data:  ## make Fashion-MNIST available offline (Debian package when apt and root are there)
+	@bash scripts/get_data.sh
+
+run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 ranks, Fashion-MNIST
+	$(PY) scripts/compare.py
+
+test: venv data  ## fast test suite (under ~10 minutes on 2 cores)
+	$(PY) -m pytest -m "not slow" -q
+
+test-full: venv data  ## every test, slow ones too
+	$(PY) -m pytest -q
+
+lint: venv  ## ruff
+	$(VENV)/bin/ruff check sparsetrain tests scripts
+
+figures: venv  ## tables and figures from $(RESULTS) into $(FIGURES)
+	$(PY) -m sparsetrain.analysis $(RESULTS)/* --out $(FIGURES)
+
+bench: venv  ## compressor micro-benchmark (1 thread)
+	$(PY) scripts/bench_compress.py --threads 1
+
+slurm-up:  ## start the single-node SLURM cluster on this machine (root)
+	bash scripts/slurm_cluster.sh start
+
+slurm-down:  ## stop it
+	bash scripts/slurm_cluster.sh stop
+
+clean:  ## remove run outputs (keeps .venv and results/)
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,397 @@
+"""Read run folders (the trainer's results files) into pandas frames.
+
+A run folder is any folder holding ``summary.json`` or ``.hydra/config.yaml``; a sweep folder holds
+numbered job folders and ``multirun.yaml``. Both are found recursively under the given paths. A job
+that Hydra's sweep promised but that left no folder at all is reported as an ``absent`` row, so a
+crashed sweep cannot shrink a grid without a trace.
+
+No torch here: results are plain files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
+# Phases that a dense run does not have: absent there means zero, not unknown.
+SPARSE_ONLY_PHASES = ("compress", "decompress")
+
+# The axes that tell runs apart, in the order tables list them. ``seed`` is the replicate axis.
+AXES = (
+    "scheme",
+    "scope",
+    "aggregation",
+    "ratio",
+    "world_size",
+    "error_feedback",
+    "block_size",
+    "model",
+    "data",
+    "epochs_planned",
+    "batch_size",
+    "lr",
+)
+REPLICATE = "seed"
+# Axes that do not apply to dense SGD: its rows carry this marker instead of a value.
+DENSE_IRRELEVANT = ("scope", "aggregation", "error_feedback", "block_size")
+NOT_APPLICABLE = "-"
+DENSE = "dense"
+
+STATUSES_DONE = ("completed",)
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as err:
+        warnings.warn(f"cannot read {path}: {err}", stacklevel=3)
+        return None
+
+
+def _read_yaml(path: Path):
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as err:
+        warnings.warn(f"cannot read {path}: {err}", stacklevel=3)
+        return None
+
+
+def _get(d: dict | None, *keys, default=None):
+    for key in keys:
+        if not isinstance(d, dict) or key not in d:
+            return default
+        d = d[key]
+    return d
+
+
+def _name(value):
+    """A config group may appear as ``{name: topk, ...}`` or as the bare string ``topk``."""
+    if isinstance(value, dict):
+        return value.get("name")
+    return value
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "summary.json").is_file() or (path / ".hydra" / "config.yaml").is_file()
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (path / "multirun.yaml").is_file()
+
+
+def find_run_dirs(*paths: str | Path) -> list[Path]:
+    """Every run folder under ``paths`` (a path may itself be a run folder), sorted, unique."""
+    found: set[Path] = set()
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FileNotFoundError(f"no such results folder: {path}")
+        candidates = [path, *(hit.parent for hit in path.rglob("summary.json"))]
+        candidates += [hit.parent.parent for hit in path.rglob(".hydra/config.yaml")]
+        for run in candidates:
+            # W&B's own folders hold files of their own; they are never runs.
+            if "wandb" in run.relative_to(path).parts or not is_run_dir(run):
+                continue
+            found.add(run.resolve())
+    return sorted(found, key=_natural_key)
+
+
+def _natural_key(path: Path):
+    return [int(part) if part.isdigit() else part for part in path.parts]
+
+
+def find_sweep_dirs(*paths: str | Path) -> list[Path]:
+    found: set[Path] = set()
+    for path in map(Path, paths):
+        if is_sweep_dir(path):
+            found.add(path.resolve())
+        found.update(hit.parent.resolve() for hit in path.rglob("multirun.yaml"))
+    return sorted(found, key=_natural_key)
+
+
+def _axes_from_config(cfg: dict) -> dict:
+    scheme = _name(cfg.get("scheme"))
+    row = {
+        "scheme": scheme,
+        "scope": _name(cfg.get("scope")),
+        "aggregation": _name(cfg.get("aggregation")),
+        "ratio": cfg.get("ratio"),
+        "world_size": cfg.get("world_size"),
+        "seed": cfg.get("seed"),
+        "error_feedback": _get(cfg, "scheme", "error_feedback"),
+        "block_size": _get(cfg, "scheme", "block_size"),
+        "model": _name(cfg.get("model")),
+        "data": _name(cfg.get("data")),
+        "epochs_planned": _get(cfg, "train", "epochs"),
+        "batch_size": _get(cfg, "train", "batch_size"),
+        "lr": _get(cfg, "optim", "lr"),
+        "train_size": _get(cfg, "data", "train_size"),
+    }
+    if scheme in ("none", DENSE):
+        # Dense SGD sends everything: its scope, aggregation and ratio knobs do nothing.
+        row["scheme"] = DENSE
+        row["ratio"] = 1.0
+        for axis in DENSE_IRRELEVANT:
+            row[axis] = NOT_APPLICABLE
+    return row
+
+
+def _hydra_choices(run: Path) -> dict:
+    hydra_cfg = _read_yaml(run / ".hydra" / "hydra.yaml") if (run / ".hydra" / "hydra.yaml").is_file() else None
+    return _get(hydra_cfg, "hydra", "runtime", "choices", default={}) or {}
+
+
+def _overrides(run: Path) -> list[str]:
+    path = run / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return []
+    return [str(o) for o in (_read_yaml(path) or [])]
+
+
+def _num(value):
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def row_from_summary(summary: dict | None, config: dict | None) -> dict:
+    """One loader row from a ``summary.json`` dict and a config dict (either may be missing)."""
+    summary = summary or {}
+    config = summary.get("config") or config or {}
+    row = _axes_from_config(config)
+    status = summary.get("status") if summary else "no summary"
+    row.update(
+        status=status or "unknown",
+        error=summary.get("error"),
+        test_accuracy=_num(summary.get("test_accuracy")),
+        test_loss=_num(summary.get("test_loss")),
+        train_loss=_num(summary.get("train_loss")),
+        steps=_num(summary.get("steps")),
+        epochs=_num(summary.get("epochs")),
+        bytes_sent_per_step=_num(summary.get("bytes_sent_per_step")),
+        dense_bytes_per_step=_num(summary.get("dense_bytes_per_step")),
+        num_parameters=_num(summary.get("num_parameters")),
+        device=summary.get("device"),
+        started_at=summary.get("started_at"),
+        finished_at=summary.get("finished_at"),
+        duration_s=_num(summary.get("duration_s")),
+    )
+    if summary.get("world_size") is not None:
+        row["world_size"] = summary["world_size"]
+    sent, dense = row["bytes_sent_per_step"], row["dense_bytes_per_step"]
+    row["bytes_fraction"] = sent / dense if dense and not math.isnan(dense) else math.nan
+    row["compression"] = dense / sent if sent and not math.isnan(sent) else math.nan
+    times = summary.get("time_ms") or {}
+    for phase in PHASES:
+        value = _num(times.get(phase))
+        if math.isnan(value) and row["scheme"] == DENSE and phase in SPARSE_ONLY_PHASES and times:
+            value = 0.0
+        row[f"time_{phase}_ms"] = value
+    return row
+
+
+def _run_row(run: Path) -> dict:
+    summary = _read_json(run / "summary.json") if (run / "summary.json").is_file() else None
+    config = None
+    if not (summary and summary.get("config")) and (run / ".hydra" / "config.yaml").is_file():
+        config = _read_yaml(run / ".hydra" / "config.yaml")
+    row = row_from_summary(summary, config)
+    choices = _hydra_choices(run)
+    sweep = run.parent if is_sweep_dir(run.parent) else None
+    row.update(
+        experiment=choices.get("experiment") or (sweep.name if sweep else None),
+        sweep_dir=str(sweep) if sweep else None,
+        run_dir=str(run),
+        overrides=" ".join(_overrides(run)),
+    )
+    return row
+
+
+# --- the grid a sweep promised --------------------------------------------------------------
+
+
+def _split_sweep_value(value: str) -> list[str] | None:
+    """``"a,b,c"`` -> ``["a", "b", "c"]``; None for sweep syntax this reader does not expand."""
+    value = str(value).strip()
+    if "(" in value or value.startswith("[") or value.startswith("{"):
+        return None
+    parts, depth, current = [], 0, ""
+    for char in value:
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    parts.append(current.strip())
+    return parts
+
+
+def _strip_override_key(key: str) -> str:
+    return key.lstrip("+~")
+
+
+def expected_grid(sweep: Path) -> tuple[list[str], list[tuple[str, ...]]] | None:
+    """The swept keys and every value combination a Hydra multirun in ``sweep`` should run.
+
+    Command-line overrides take precedence over ``hydra.sweeper.params``. Returns None when the
+    sweep uses syntax this reader does not expand (``range(...)``, ``choice(...)``, ...).
+    """
+    multirun = _read_yaml(sweep / "multirun.yaml")
+    params = dict(_get(multirun, "hydra", "sweeper", "params", default={}) or {})
+    for override in _get(multirun, "hydra", "overrides", "task", default=[]) or []:
+        key, sep, value = str(override).partition("=")
+        if sep:
+            params[_strip_override_key(key)] = value
+    keys, values = [], []
+    for key, value in params.items():
+        parts = _split_sweep_value(value)
+        if parts is None:
+            return None
+        if len(parts) > 1:
+            keys.append(key)
+            values.append(parts)
+    return keys, list(itertools.product(*values))
+
+
+def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
+    grid = expected_grid(sweep)
+    if grid is None:
+        return []
+    keys, combos = grid
+    if not keys:
+        return []
+    seen = set()
+    for run in runs:
+        if run.parent != sweep:
+            continue
+        given = {}
+        for override in _overrides(run):
+            key, _, value = override.partition("=")
+            given[_strip_override_key(key)] = value
+        seen.add(tuple(given.get(key) for key in keys))
+    rows = []
+    for combo in combos:
+        if combo in seen:
+            continue
+        config: dict = {}
+        for key, value in zip(keys, combo):
+            target = config
+            *parents, leaf = key.split(".")
+            for parent in parents:
+                target = target.setdefault(parent, {})
+            target[leaf] = yaml.safe_load(value)
+        row = row_from_summary(None, config)
+        row.update(
+            status="absent",
+            error="the sweep promised this job but it left no run folder",
+            experiment=sweep.name,
+            sweep_dir=str(sweep),
+            run_dir=None,
+            overrides=" ".join(f"{k}={v}" for k, v in zip(keys, combo)),
+        )
+        rows.append(row)
+    return rows
+
+
+# --- public loaders ---------------------------------------------------------------------------
+
+COLUMNS_FIRST = ("experiment", *AXES[:5], REPLICATE, "status")
+
+
+def load_runs(*paths: str | Path, include_failed: bool = True) -> pd.DataFrame:
+    """One row per run found recursively under ``paths`` (sweep folders or run folders).
+
+    Columns: the axes (scheme, scope, aggregation, ratio, world_size, seed, error_feedback,
+    block_size, model, data, ...), ``status`` (completed, failed, running, no summary, absent),
+    ``error``, ``run_dir``, the metrics of ``summary.json`` and ``time_<phase>_ms``. Dense SGD shows
+    as scheme ``dense`` with ratio 1 and ``-`` for the axes it ignores.
+
+    ``include_failed=False`` keeps completed runs only. Tables take the full frame so that they can
+    name what is missing; pass ``include_failed=False`` for ad-hoc analysis of finished runs.
+    """
+    if not paths:
+        raise ValueError("load_runs needs at least one results folder")
+    runs = find_run_dirs(*paths)
+    rows = [_run_row(run) for run in runs]
+    for sweep in find_sweep_dirs(*paths):
+        rows.extend(_absent_rows(sweep, runs))
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
+    if not include_failed:
+        frame = frame[frame["status"].isin(STATUSES_DONE)].reset_index(drop=True)
+    return frame
+
+
+def completed(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[runs["status"].isin(STATUSES_DONE)] if not runs.empty else runs
+
+
+def not_completed(runs: pd.DataFrame) -> pd.DataFrame:
+    return runs[~runs["status"].isin(STATUSES_DONE)] if not runs.empty else runs
+
+
+def _read_metrics(path: Path) -> Iterable[dict]:
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                # A run killed mid-write leaves a torn last line; anything else is worth a warning.
+                warnings.warn(f"{path}:{number}: skipped a line that is not JSON", stacklevel=2)
+
+
+def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = False) -> pd.DataFrame:
+    """Records of ``metrics.jsonl`` of every run under ``paths``, with the run's axes joined.
+
+    ``kind="epoch"``: one row per evaluated epoch (test_accuracy, train_loss, ...).
+    ``kind="step"``: one row per logged step; ``time_ms`` is spread into ``time_<phase>_ms``.
+    """
+    if kind not in ("epoch", "step"):
+        raise ValueError(f"kind must be 'epoch' or 'step', not {kind!r}")
+    runs = load_runs(*paths, include_failed=include_failed)
+    frames = []
+    keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST], "run_dir"]
+    for run in runs.itertuples(index=False):
+        if not run.run_dir or not (Path(run.run_dir) / "metrics.jsonl").is_file():
+            continue
+        records = []
+        for record in _read_metrics(Path(run.run_dir) / "metrics.jsonl"):
+            if record.get("kind") != kind:
+                continue
+            record = dict(record)
+            for phase, ms in (record.pop("time_ms", None) or {}).items():
+                record[f"time_{phase}_ms"] = ms
+            records.append(record)
+        if not records:
+            continue
+        frame = pd.DataFrame(records).drop(columns=["kind"])
+        info = {column: getattr(run, column) for column in keep}
+        for column, value in info.items():
+            if column not in frame.columns:
+                frame[column] = value
+        frames.append(frame)
+    if not frames:
+        return pd.DataFrame(columns=[*keep, "epoch", "step"])
+    out = pd.concat(frames, ignore_index=True)
+    return out[[*keep, *[c for c in out.columns if c not in keep]]]

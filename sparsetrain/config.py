@@ -1,0 +1,202 @@
+"""Config schemas (Hydra ConfigStore) and the semantic checks that run before any rank starts.
+
+The dataclasses type every key: a typo or a wrong type fails at composition with Hydra's own
+message. ``validate`` then checks what types cannot express (ranges, combinations, the launch
+environment) and raises ``ConfigError`` with one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+GROUPS = ("scheme", "scope", "aggregation", "model", "data", "experiment")
+
+
+class ConfigError(ValueError):
+    """A bad key value or combination; its message is the single line the user sees."""
+
+
+@dataclass
+class SchemeConfig:
+    name: str = MISSING
+    error_feedback: bool = True
+    block_size: int = 256  # blockk with scope=global: entries per contiguous block
+
+
+@dataclass
+class NamedConfig:
+    name: str = MISSING
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    root: str = "${oc.env:SPARSETRAIN_DATA,data}"
+    download: bool = True
+    train_size: Optional[int] = None  # first N training examples (None: all)
+    test_size: Optional[int] = None
+    augment: bool = True
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    max_steps: Optional[int] = None  # stop after this many steps (short runs, smoke tests)
+    batch_size: int = 128  # per worker
+    eval_every: int = 1  # epochs
+    log_every: int = 10  # steps
+    device: str = "auto"  # auto | cpu | cuda
+    threads: Optional[int] = None  # torch threads per rank (None: cores / local ranks)
+    timing_warmup: int = 2  # first steps left out of the phase-time means
+    checkpoint: bool = True  # save checkpoint.pt each epoch and on SIGTERM
+    progress: bool = True  # tqdm bar on rank 0 when attached to a terminal
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 0.1  # per worker; scaled linearly by world_size when scale_lr
+    scale_lr: bool = True
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 1e-4  # not on batch-norm parameters and biases
+    warmup_epochs: float = 1.0  # linear warm-up from lr/world_size... to the scaled lr
+    milestones: list[float] = field(default_factory=lambda: [0.5, 0.8333])  # fractions of epochs
+    gamma: float = 0.1
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "sparsetrain"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # default: the sweep folder's name, shared by a sweep's jobs
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto (nccl on cuda, gloo on cpu) | gloo | nccl
+    timeout_s: float = 120.0  # collective timeout: a dead rank cannot hang the job longer
+    ranks_per_node: Optional[int] = None  # SLURM: ranks per node (None: all on one node)
+    master_port: Optional[int] = None  # local spawn: None picks a free port
+
+
+@dataclass
+class Config:
+    scheme: SchemeConfig = MISSING
+    scope: NamedConfig = MISSING
+    aggregation: NamedConfig = MISSING
+    model: NamedConfig = MISSING
+    data: DataConfig = MISSING
+    world_size: int = 2
+    ratio: float = 0.01
+    seed: int = 0
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+
+def _nodes(world_size: int, ranks_per_node: Optional[int]) -> int:
+    return math.ceil(world_size / (ranks_per_node or world_size))
+
+
+def _tasks_per_node(world_size: int, ranks_per_node: Optional[int]) -> int:
+    return min(world_size, ranks_per_node or world_size)
+
+
+def register() -> None:
+    """Register schemas and resolvers; idempotent (tests compose configs many times)."""
+    ConfigStore.instance().store(name="base_config", node=Config)
+    for name, fn in (("st_nodes", _nodes), ("st_tasks_per_node", _tasks_per_node)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+def group_options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def check_group_overrides(overrides: list[str]) -> None:
+    """One-line error for an unknown group option (``scheme=nope``) before Hydra's longer one.
+
+    Sweep values (``scheme=topk,randk``) are checked one by one; anything fancier is left to Hydra.
+    """
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.lstrip("+~")
+        if not sep or key not in GROUPS or any(c in value for c in "()[]{}$*"):
+            continue
+        allowed = group_options(key)
+        for choice in value.split(","):
+            if choice not in allowed and not (key == "experiment" and choice == "null"):
+                raise ConfigError(
+                    f"{key}={choice!r} is not allowed; choose one of: {', '.join(allowed)}"
+                )
+
+
+def validate(cfg: Any, env: Optional[dict] = None) -> None:
+    """Semantic checks on a composed config. Raises ConfigError with one line."""
+    from sparsetrain.compress import get_compressor  # registry of schemes
+    from sparsetrain.exchange import check_combination
+
+    env = os.environ if env is None else env
+    if cfg.world_size < 1:
+        raise ConfigError(f"world_size={cfg.world_size} is not allowed; it must be an integer >= 1")
+    if not (0.0 < cfg.ratio <= 1.0):
+        raise ConfigError(f"ratio={cfg.ratio} is not allowed; it must satisfy 0 < ratio <= 1")
+    try:
+        get_compressor(cfg.scheme.name)
+    except KeyError as exc:
+        raise ConfigError(str(exc).strip("'\"")) from None
+    choices = {
+        "scope.name": (cfg.scope.name, ("layerwise", "global")),
+        "aggregation.name": (cfg.aggregation.name, ("allreduce", "allgather")),
+        "wandb.mode": (cfg.wandb.mode, ("offline", "online", "disabled")),
+        "train.device": (cfg.train.device, ("auto", "cpu", "cuda")),
+        "dist.backend": (cfg.dist.backend, ("auto", "gloo", "nccl")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+    positive = {
+        "train.batch_size": cfg.train.batch_size,
+        "train.epochs": cfg.train.epochs,
+        "train.log_every": cfg.train.log_every,
+        "train.eval_every": cfg.train.eval_every,
+        "optim.lr": cfg.optim.lr,
+        "dist.timeout_s": cfg.dist.timeout_s,
+        "scheme.block_size": cfg.scheme.block_size,
+    }
+    if cfg.train.max_steps is not None:
+        positive["train.max_steps"] = cfg.train.max_steps
+    if cfg.dist.ranks_per_node is not None:
+        positive["dist.ranks_per_node"] = cfg.dist.ranks_per_node
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
+    try:
+        check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.wandb.mode == "online" and not env.get("WANDB_API_KEY") and not _wandb_logged_in():
+        raise ConfigError(
+            "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
+            "allowed without one: offline, disabled"
+        )
+    from sparsetrain.dist import check_launch_environment
+
+    check_launch_environment(cfg.world_size, env)
+
+
+def _wandb_logged_in() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")

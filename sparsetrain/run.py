@@ -1,0 +1,158 @@
+"""Command line: ``python -m sparsetrain.run [overrides]`` and ``python -m sparsetrain.run -m [sweep]``.
+
+Hydra composes and type-checks the config; ``validate`` checks values and combinations; then
+this process either *is* a rank (torchrun, SLURM task) or spawns ``world_size`` local ranks.
+A job that fails is marked ``failed`` in its run folder; in a sweep the other jobs go on and the
+sweep ends with a report of the failed jobs and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from sparsetrain.config import ConfigError, check_group_overrides, register, validate
+from sparsetrain.results import SUMMARY, mark_failed, now_iso, read_summary, write_json_atomic
+
+register()
+_failed_sweep_jobs: list[str] = []
+
+
+def _error(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def _run_job(cfg: DictConfig) -> dict[str, Any]:
+    from sparsetrain.dist import launcher_of, spawn_ranks
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    kind = launcher_of(os.environ)
+    is_rank0 = kind == "spawn" or _env_rank() == 0
+    if multirun and cfg.wandb.group is None:  # a sweep's jobs share one W&B group
+        cfg.wandb.group = Path(hc.sweep.dir).as_posix().replace("/", "_")
+
+    try:
+        validate(cfg)
+        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    except ConfigError as exc:
+        if is_rank0:
+            mark_failed(run_dir, str(exc), config=OmegaConf.to_container(cfg, resolve=False))
+        return _fail(str(exc), run_dir, multirun, code=2)
+
+    from sparsetrain.train import worker_main
+
+    if kind != "spawn":  # torchrun / SLURM: this process is one of the ranks
+        return worker_main(cfg_dict, str(run_dir), launcher=kind)
+    if cfg.world_size == 1:
+        return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
+
+    write_json_atomic(run_dir / SUMMARY, {"status": "running", "error": None, "started_at": now_iso(),
+                                          "config": cfg_dict, "run_dir": str(run_dir),
+                                          "world_size": cfg.world_size})
+    log_dir = run_dir / "ranks"
+
+    def launch():
+        results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
+                              port=cfg.dist.master_port, log_dir=str(log_dir))
+        return results[0]
+
+    return _guarded(launch, run_dir, multirun)
+
+
+def _env_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+
+
+def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        mark_failed(run_dir, "interrupted (Ctrl-C)")
+        raise
+    except Exception as exc:  # one line for the user; the rank logs hold the traceback
+        msg = _describe(exc)
+        mark_failed(run_dir, msg)
+        return _fail(msg, run_dir, multirun, code=1)
+
+
+def _describe(exc: Exception) -> str:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(exc, ChildFailedError):
+        rank, failure = min(exc.failures.items())
+        detail = failure.message if isinstance(failure.message, str) else ""
+        if not detail and failure.signal_name() != "<N/A>":  # killed by a signal
+            detail = f"killed by {failure.signal_name()}"
+        detail = detail.strip().splitlines()[-1] if detail.strip() else f"exit code {failure.exitcode}"
+        return f"rank {rank} failed: {detail}"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _fail(msg: str, run_dir: Path, multirun: bool, code: int) -> dict[str, Any]:
+    summary = read_summary(run_dir)
+    if summary and summary.get("error") and summary["error"] != msg:
+        msg = summary["error"]  # the rank's own account is more precise
+    _error(f"{msg} (run folder: {run_dir})")
+    if multirun:
+        return {"status": "failed", "error": msg, "run_dir": str(run_dir)}
+    sys.exit(code)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def hydra_main(cfg: DictConfig) -> Any:
+    result = _run_job(cfg)
+    return result.get("test_accuracy") if isinstance(result, dict) else None
+
+
+class SweepReport(Callback):
+    """After a sweep: list the jobs whose run folder does not say ``completed``."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        for summary_path in sorted(sweep_dir.glob("*/" + SUMMARY), key=lambda p: p.parent.name):
+            summary = read_summary(summary_path.parent) or {}
+            if summary.get("status") != "completed":
+                where = summary_path.parent
+                logs = sorted(sweep_dir.glob(f".submitit/{summary.get('slurm_job_id')}*/*.err"))
+                hint = f"; logs: {logs[0].parent}" if logs else ""
+                _failed_sweep_jobs.append(
+                    f"{where}: {summary.get('status')}: {summary.get('error')}{hint}"
+                )
+        if _failed_sweep_jobs:
+            _error(f"{len(_failed_sweep_jobs)} sweep job(s) did not complete:")
+            for line in _failed_sweep_jobs:
+                print(f"  {line}", file=sys.stderr)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    try:
+        check_group_overrides([a for a in args if not a.startswith("-")])
+    except ConfigError as exc:
+        _error(str(exc))
+        sys.exit(2)
+    if ("-m" in args or "--multirun" in args) and "RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        _error("-m/--multirun is not allowed under torchrun (every rank would run the whole sweep); "
+               "run the sweep without torchrun, or one torchrun per sweep point")
+        sys.exit(2)
+    hydra_main()
+    if _failed_sweep_jobs:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    # Run through the importable module so the sweep callback and main() share state.
+    from sparsetrain.run import main as _main
+
+    _main()

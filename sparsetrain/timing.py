@@ -1,0 +1,85 @@
+"""Per-phase wall-clock timers for a training step.
+
+Phases are timed at their boundaries: on CUDA the device is synchronised at each boundary so
+that a phase's time is the work it launched, on CPU ``time.perf_counter`` suffices. The first
+``warmup_steps`` steps (allocator, cudnn autotune, lazy inits) are left out of the means.
+Timers only read clocks: they never change what a step computes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
+
+
+class PhaseTimer:
+    """``with timer.phase("backward"): ...`` inside ``timer.step()`` blocks.
+
+    >>> timer = PhaseTimer(torch.device("cpu"), warmup_steps=0)
+    >>> with timer.step():
+    ...     with timer.phase("forward"):
+    ...         pass
+    >>> sorted(timer.last)
+    ['forward', 'step']
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", warmup_steps: int = 2):
+        self.device = torch.device(device)
+        self.warmup_steps = warmup_steps
+        self.steps_seen = 0
+        self.last: dict[str, float] = {}
+        self._sum: dict[str, float] = defaultdict(float)
+        self._count = 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.last[name] = self.last.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
+    @contextmanager
+    def step(self):
+        """Times one whole step; phases inside it accumulate into ``last``."""
+        self.last = {}
+        with self.phase("step"):
+            yield
+        self.steps_seen += 1
+        if self.steps_seen > self.warmup_steps:
+            self._count += 1
+            for name, ms in self.last.items():
+                self._sum[name] += ms
+
+    @property
+    def counted_steps(self) -> int:
+        return self._count
+
+    def means(self) -> dict[str, float]:
+        """Mean milliseconds per step for each phase, over the steps after warm-up.
+
+        A phase that ran in only some counted steps is averaged over all counted steps, so the
+        phases add up to the step time. Falls back to all steps when every step was warm-up.
+        """
+        if self._count == 0:
+            return {name: ms for name, ms in self.last.items()}
+        return {name: total / self._count for name, total in self._sum.items()}
+
+    def state_dict(self) -> dict:
+        return {"steps_seen": self.steps_seen, "sum": dict(self._sum), "count": self._count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps_seen = state["steps_seen"]
+        self._sum = defaultdict(float, state["sum"])
+        self._count = state["count"]

@@ -1,0 +1,442 @@
+"""The training loop: forward, backward, compress, exchange, decompress, optimizer step.
+
+Every parameter's ``.grad`` is a view into one flat buffer, so the exchange packs nothing: the
+reducer reads the flat gradient and overwrites it in place with the averaged update, and the
+optimizer (SGD, Nesterov momentum, weight decay) then applies that update. As in the reference
+code, error feedback acts on the raw gradient; weight decay and momentum come after the exchange.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from sparsetrain.compress import Layout
+from sparsetrain.data import ShardedLoader, load_dataset, test_batches
+from sparsetrain.dist import (
+    RankInfo,
+    destroy_process_group,
+    init_process_group,
+    pick_device,
+    rank_info,
+)
+from sparsetrain.exchange import build_reducer
+from sparsetrain.models import build_model, param_groups_for_weight_decay
+from sparsetrain.results import NullWriter, RunWriter, now_iso
+from sparsetrain.timing import PhaseTimer
+from sparsetrain.tracking import NullTracker, make_tracker
+
+CHECKPOINT = "checkpoint.pt"
+
+
+class Preempted(Exception):
+    """SIGTERM arrived: the loop saved a checkpoint and stops."""
+
+
+def lr_at(step: int, steps_per_epoch: int, cfg: Any, world_size: int) -> float:
+    """Linear warm-up from the base lr to the (world-size scaled) peak, then step decay."""
+    base = cfg.optim.lr
+    peak = base * world_size if cfg.optim.scale_lr else base
+    warmup = cfg.optim.warmup_epochs * steps_per_epoch
+    if step < warmup:
+        return base + (peak - base) * step / warmup
+    total = cfg.train.epochs * steps_per_epoch
+    passed = sum(step >= m * total for m in cfg.optim.milestones)
+    return peak * cfg.optim.gamma**passed
+
+
+class Trainer:
+    def __init__(self, cfg: Any, info: RankInfo, run_dir: str | Path):
+        self.cfg = cfg
+        self.info = info
+        self.run_dir = Path(run_dir)
+        self.device = pick_device(cfg.train.device, info.local_rank)
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank
+
+        data = load_dataset(
+            cfg.data.name,
+            cfg.data.root,
+            download=cfg.data.download,
+            train_size=cfg.data.train_size,
+            test_size=cfg.data.test_size,
+            seed=cfg.seed,
+        )
+        self.data = data
+        self.model = build_model(cfg.model.name, data.in_channels, data.num_classes).to(self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.num_parameters = sum(p.numel() for p in self.params)
+        # One flat gradient buffer; each .grad is a view into it (backward accumulates in place).
+        self.flat_grad = torch.zeros(self.num_parameters, device=self.device)
+        offset = 0
+        for p in self.params:
+            p.grad = self.flat_grad[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.layout = Layout.from_sizes([p.numel() for p in self.params])
+        self.reducer = build_reducer(
+            cfg.scheme.name,
+            cfg.scope.name,
+            cfg.aggregation.name,
+            cfg.ratio,
+            self.layout,
+            world_size=info.world_size,
+            rank=info.rank,
+            seed=cfg.seed,
+            error_feedback=cfg.scheme.error_feedback,
+            block_size=cfg.scheme.block_size,
+            device=self.device,
+            dtype=self.flat_grad.dtype,
+        )
+        self.optimizer = torch.optim.SGD(
+            param_groups_for_weight_decay(self.model, cfg.optim.weight_decay),
+            lr=cfg.optim.lr,
+            momentum=cfg.optim.momentum,
+            nesterov=cfg.optim.nesterov,
+        )
+        self.loader = ShardedLoader(
+            data.train_x,
+            data.train_y,
+            cfg.train.batch_size,
+            rank=info.rank,
+            world_size=info.world_size,
+            seed=cfg.seed,
+            augment=cfg.data.augment,
+            padding=data.augment_padding,
+            flip=data.flip,
+        )
+        if len(self.loader) == 0:
+            from sparsetrain.config import ConfigError
+
+            raise ConfigError(
+                f"train.batch_size={cfg.train.batch_size} is not allowed: each of "
+                f"{info.world_size} ranks holds {len(data.train_y) // info.world_size} examples; "
+                "use a smaller batch"
+            )
+        self.timer = PhaseTimer(self.device, cfg.train.timing_warmup)
+        self.step = 0
+        self.epoch = 0  # epochs completed
+        self.batch_in_epoch = 0
+        self.records_logged = 0
+        self.last_eval: dict[str, float] = {}
+        self.epoch_stats = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+        self.elapsed_s = 0.0
+        self._stop_requested = False
+        if info.world_size > 1:  # robust to seeding differences: start from rank 0's weights
+            for t in self.model.state_dict().values():
+                dist.broadcast(t, src=0)
+
+        self.writer = RunWriter(run_dir) if info.is_main else NullWriter()
+        self.tracker = NullTracker()
+
+    # ---- checkpoints -------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / CHECKPOINT
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "reducer": self.reducer.state_dict(),
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "records_logged": self.records_logged,
+            "last_eval": dict(self.last_eval),
+            "epoch_stats": self.epoch_stats.clone(),
+            "elapsed_s": self.elapsed_s,
+            "timer": self.timer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.reducer.load_state_dict(state["reducer"])
+        self.step = state["step"]
+        self.epoch = state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]
+        self.records_logged = state["records_logged"]
+        self.last_eval = dict(state["last_eval"])
+        self.epoch_stats = state["epoch_stats"].clone()
+        self.elapsed_s = state["elapsed_s"]
+        self.timer.load_state_dict(state["timer"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def save_checkpoint(self) -> None:
+        """Every rank contributes its own error-feedback memory; rank 0 writes one file."""
+        state = self.state_dict()
+        if self.info.world_size > 1:
+            gathered = [None] * self.info.world_size
+            dist.all_gather_object(gathered, state["reducer"])
+            state["reducer_by_rank"] = gathered
+        if self.info.is_main:
+            tmp = self.checkpoint_path.with_suffix(".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, self.checkpoint_path)
+
+    def maybe_resume(self) -> bool:
+        if not (self.cfg.train.checkpoint and self.checkpoint_path.exists()):
+            return False
+        state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=True)
+        if "reducer_by_rank" in state:
+            state["reducer"] = state["reducer_by_rank"][self.info.rank]
+        self.load_state_dict(state)
+        return True
+
+    # ---- loop ----------------------------------------------------------------------------
+    def _request_stop(self, signum, frame) -> None:
+        self._stop_requested = True
+
+    def _stop_agreed(self) -> bool:
+        """All ranks learn of a SIGTERM that reached any of them (one tiny collective)."""
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
+        if self.info.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def evaluate(self) -> dict[str, float]:
+        """Rank 0's model (its batch-norm statistics broadcast) on the test set, sharded."""
+        if self.info.world_size > 1:
+            for name, buf in self.model.named_buffers():
+                dist.broadcast(buf, src=0)
+        self.model.eval()
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        x = self.data.test_x[self.info.rank :: self.info.world_size]
+        y = self.data.test_y[self.info.rank :: self.info.world_size]
+        with torch.no_grad():
+            for xb, yb in test_batches(x, y, 512):
+                xb, yb = xb.to(self.device), yb.to(self.device)
+                out = self.model(xb)
+                sums[0] += F.cross_entropy(out, yb, reduction="sum").double()
+                sums[1] += (out.argmax(1) == yb).sum()
+                sums[2] += len(yb)
+        if self.info.world_size > 1:
+            dist.all_reduce(sums)
+        self.model.train()
+        return {"test_loss": (sums[0] / sums[2]).item(), "test_accuracy": (sums[1] / sums[2]).item()}
+
+    def train_step(self, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        steps_per_epoch = len(self.loader)
+        with self.timer.step():
+            with self.timer.phase("data"):
+                xb = xb.to(self.device, non_blocking=True)
+                yb = yb.to(self.device, non_blocking=True)
+            with self.timer.phase("forward"):
+                out = self.model(xb)
+                loss = F.cross_entropy(out, yb)
+            with self.timer.phase("backward"):
+                self.flat_grad.zero_()
+                loss.backward()
+            stats = self.reducer.reduce(self.flat_grad, self.step, self.timer)
+            with self.timer.phase("optimizer"):
+                lr = lr_at(self.step, steps_per_epoch, self.cfg, self.info.world_size)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+        with torch.no_grad():
+            batch = torch.stack(
+                [loss.detach().double() * len(yb), (out.argmax(1) == yb).sum().double(),
+                 torch.tensor(float(len(yb)), dtype=torch.float64, device=loss.device)]
+            )
+        self.epoch_stats += batch.cpu()
+        self.step += 1
+        return loss, stats, lr
+
+    def _log_step(self, loss, stats, lr) -> None:
+        record = {
+            "kind": "step",
+            "step": self.step,
+            "epoch": self.step / len(self.loader),
+            "lr": lr,
+            "train_loss": loss.item(),
+            "time_ms": dict(self.timer.last),
+            "bytes_sent": stats.bytes_sent,
+            "density": stats.density,
+            "compression_error": stats.compression_error,
+            "memory_norm": stats.memory_norm,
+        }
+        self._emit(record)
+
+    def _emit(self, record: dict) -> None:
+        self.writer.log(record)
+        self.records_logged += 1
+        self.tracker.log({k: v for k, v in record.items() if k != "kind"}, step=self.step)
+
+    def _hit_max_steps(self) -> bool:
+        return self.cfg.train.max_steps is not None and self.step >= self.cfg.train.max_steps
+
+    def _finished(self) -> bool:
+        return self._hit_max_steps() or self.epoch >= self.cfg.train.epochs
+
+    def _end_epoch(self) -> None:
+        """Close an epoch (or the partial one a max_steps cap ended): log, maybe evaluate."""
+        full = self.batch_in_epoch >= len(self.loader)
+        if full:
+            self.epoch += 1
+            self.batch_in_epoch = 0
+        stats = self.epoch_stats.to(self.device)
+        if self.info.world_size > 1:
+            dist.all_reduce(stats)
+        stats = stats.cpu()
+        self.epoch_stats.zero_()
+        if self._finished() or (full and self.epoch % self.cfg.train.eval_every == 0):
+            self.last_eval = self.evaluate()
+        self.last_train_loss = (stats[0] / stats[2]).item() if stats[2] > 0 else None
+        record = {
+            "kind": "epoch",
+            "epoch": self.epoch if full else self.step / len(self.loader),
+            "step": self.step,
+            "train_loss": self.last_train_loss,
+            "train_accuracy": (stats[1] / stats[2]).item() if stats[2] > 0 else None,
+            **self.last_eval,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "elapsed_s": self.elapsed_s,
+        }
+        self._emit(record)
+        if self.info.is_main:
+            acc = self.last_eval.get("test_accuracy", float("nan"))
+            print(
+                f"epoch {record['epoch']:.3g} | step {self.step} | train_loss "
+                f"{self.last_train_loss:.4f} | test_acc {acc:.4f} | "
+                f"{self.timer.means().get('step', float('nan')):.1f} ms/step",
+                flush=True,
+            )
+
+    def fit(self) -> dict:
+        cfg = self.cfg
+        resumed = self.maybe_resume()
+        config = OmegaConf.to_container(cfg, resolve=True)
+        self.writer.open_metrics(keep_records=self.records_logged if resumed else None)
+        self.writer.start(
+            config=config,
+            run_dir=str(self.run_dir),
+            world_size=self.info.world_size,
+            launcher=self.info.launcher,
+            device=str(self.device),
+            num_parameters=self.num_parameters,
+            bytes_sent_per_step=self.reducer.bytes_sent_per_step,
+            dense_bytes_per_step=self.reducer.dense_bytes_per_step,
+            resumed_from_step=self.step if resumed else None,
+            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+        )
+        if self.info.is_main:
+            self.tracker = make_tracker(
+                dict(config["wandb"]), config, str(self.run_dir), self.run_dir.name
+            )
+        previous = signal.signal(signal.SIGTERM, self._request_stop) if _main_thread() else None
+        self.last_train_loss = None
+        gc.collect()
+        gc.disable()  # no collector pauses inside timed steps; collected once per epoch
+        try:
+            self._loop()
+        except BaseException as exc:
+            self.writer.finish("failed", error=_one_line(exc), **self._summary_fields())
+            self.tracker.finish(self.writer.summary, failed=True)
+            raise
+        finally:
+            gc.enable()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        self.writer.finish("completed", **self._summary_fields())
+        self.tracker.finish(self.writer.summary)
+        if self.info.is_main and self.checkpoint_path.exists():
+            self.checkpoint_path.unlink()  # a finished run needs no resume point
+        return self.writer.summary
+
+    def _loop(self) -> None:
+        cfg = self.cfg
+        bar = _progress(self, cfg)
+        while not self._finished():
+            t0 = time.perf_counter()
+            for xb, yb in self.loader.batches(self.epoch, start_batch=self.batch_in_epoch):
+                loss, stats, lr = self.train_step(xb, yb)
+                self.batch_in_epoch += 1
+                if bar is not None:
+                    bar.update(1)
+                if self.step % cfg.train.log_every == 0 or self.step == 1:
+                    self._log_step(loss, stats, lr)
+                    # Every rank checks at the same steps, so all stop together.
+                    if self._stop_agreed():
+                        self.elapsed_s += time.perf_counter() - t0
+                        self.save_checkpoint()
+                        raise Preempted(f"SIGTERM at step {self.step}: checkpoint saved; rerun to resume")
+                if self._hit_max_steps():
+                    break
+            self.elapsed_s += time.perf_counter() - t0
+            self._end_epoch()
+            gc.collect()
+            if cfg.train.checkpoint and not self._finished():
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+
+    def _summary_fields(self) -> dict:
+        means = self.timer.means()
+        peak_mb = (
+            torch.cuda.max_memory_allocated(self.device) / 2**20
+            if self.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        )
+        return {
+            "steps": self.step,
+            "epochs": self.step / len(self.loader),
+            "train_loss": self.last_train_loss,
+            "test_accuracy": self.last_eval.get("test_accuracy"),
+            "test_loss": self.last_eval.get("test_loss"),
+            "time_ms": {k: means.get(k, 0.0) for k in
+                        ("data", "forward", "backward", "compress", "exchange", "decompress",
+                         "optimizer", "step")},
+            "timed_steps": self.timer.counted_steps,
+            "peak_memory_mb": peak_mb,
+            "duration_s": self.elapsed_s,
+        }
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _progress(trainer: Trainer, cfg: Any):
+    if not (trainer.info.is_main and cfg.train.progress and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    total = len(trainer.loader) * cfg.train.epochs
+    if cfg.train.max_steps is not None:
+        total = min(total, cfg.train.max_steps)
+    return tqdm(total=total, initial=trainer.step, unit="step", dynamic_ncols=True, leave=False)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> dict:
+    """Entry point of one rank: set up the process group, train, tear down."""
+    cfg = OmegaConf.create(cfg_dict)
+    info = rank_info()
+    if launcher is not None:
+        info = RankInfo(info.rank, info.world_size, info.local_rank, info.local_world_size, launcher)
+    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, info.local_world_size))
+    torch.set_num_threads(threads)
+    device = pick_device(cfg.train.device, info.local_rank)
+    init_process_group(info, device, cfg.dist.backend, cfg.dist.timeout_s)
+    try:
+        return Trainer(cfg, info, run_dir).fit()
+    finally:
+        destroy_process_group()

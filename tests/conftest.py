@@ -1,0 +1,49 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
+    """Run ``python -m sparsetrain.run`` as a user would; returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
+    full_env.pop("WANDB_API_KEY", None) if env is None or "WANDB_API_KEY" not in env else None
+    return subprocess.run(
+        [sys.executable, "-m", "sparsetrain.run", *overrides],
+        cwd=cwd or ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# Small, fast settings for end-to-end runs on 2 CPU cores.
+TINY = (
+    "data=synthetic",
+    "model=resnet20",
+    "data.train_size=512",
+    "data.test_size=128",
+    "train.batch_size=32",
+    "train.threads=1",
+    "train.progress=false",
+    "wandb.mode=disabled",
+)
+
+
+@pytest.fixture
+def tiny():
+    return TINY

@@ -1,0 +1,485 @@
+"""sparsetrain.analysis on run folders written here by the results-file contract.
+
+``write_run`` and ``write_sweep`` write exactly what the trainer's rank 0 writes (summary.json,
+metrics.jsonl, .hydra/{config,overrides,hydra}.yaml, multirun.yaml), with accuracies and times that
+follow a known formula so that every number in a table can be checked.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from sparsetrain import analysis as sa
+
+# --- fake run folders, by the contract ----------------------------------------------------------
+
+BASE_CONFIG = {
+    "world_size": 2,
+    "ratio": 0.01,
+    "seed": 0,
+    "scheme": {"name": "topk", "error_feedback": True, "block_size": 256},
+    "scope": {"name": "layerwise"},
+    "aggregation": {"name": "allgather"},
+    "model": {"name": "resnet20"},
+    "data": {"name": "fashion_mnist", "root": "data", "download": False, "train_size": 1000,
+             "test_size": 500, "augment": False},
+    "train": {"epochs": 3, "max_steps": None, "batch_size": 32, "eval_every": 1, "log_every": 5,
+              "device": "cpu", "threads": 1, "timing_warmup": 2},
+    "optim": {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4,
+              "warmup_epochs": 0, "milestones": [0.5, 0.8333], "gamma": 0.1, "scale_lr": True},
+    "wandb": {"mode": "disabled", "project": "sparsetrain", "entity": None, "group": None, "tags": []},
+    "dist": {"backend": "gloo", "timeout_s": 60, "ranks_per_node": None},
+}
+GROUPS = ("scheme", "scope", "aggregation", "model", "data")
+BASE_ACCURACY = {"none": 0.91, "topk": 0.90, "blockk": 0.88, "randk": 0.86}
+DENSE_BYTES = 1_000_000
+
+
+def make_config(**overrides) -> dict:
+    """The base config with overrides in sweep form: ``scheme="randk"``, ``train.epochs=2``."""
+    config = copy.deepcopy(BASE_CONFIG)
+    for key, value in overrides.items():
+        key = key.replace("__", ".")
+        if key in GROUPS:
+            config[key]["name"] = value
+            continue
+        target = config
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            target = target[parent]
+        target[leaf] = value
+    return config
+
+
+def expected_accuracy(config: dict) -> float:
+    """The final test accuracy a fake run reports: a formula of its axes."""
+    scheme = config["scheme"]["name"]
+    acc = BASE_ACCURACY[scheme] + 0.002 * config["seed"]
+    if scheme != "none":
+        acc -= 0.03 if config["scope"]["name"] == "global" else 0.0
+        acc -= 0.01 * math.log10(0.1 / config["ratio"])
+        if scheme == "blockk" and config["aggregation"]["name"] == "allreduce":
+            acc -= 0.005 * config["world_size"]
+    return acc - 0.004 * config["world_size"]
+
+
+def fake_times(config: dict) -> dict:
+    dense = config["scheme"]["name"] == "none"
+    times = {"data": 1.0, "forward": 10.0, "backward": 20.0, "exchange": 30.0 if dense else 5.0,
+             "optimizer": 2.0}
+    if not dense:
+        times["compress"] = {"topk": 8.0, "randk": 2.0, "blockk": 0.5}[config["scheme"]["name"]]
+        times["decompress"] = 1.0
+    times = {k: v * (1 + 0.1 * config["seed"]) for k, v in times.items()}
+    times["step"] = sum(times.values()) + 0.5
+    return times
+
+
+def write_run(run_dir: Path, config: dict, status: str = "completed", overrides=(),
+              experiment: str | None = None, epochs: int | None = None) -> Path:
+    """One run folder as rank 0 writes it; ``status`` 'failed' stops after one epoch."""
+    run_dir = Path(run_dir)
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
+    choices = {"scheme": config["scheme"]["name"], "scope": config["scope"]["name"],
+               "aggregation": config["aggregation"]["name"], "model": config["model"]["name"],
+               "data": config["data"]["name"], "experiment": experiment}
+    (run_dir / ".hydra" / "hydra.yaml").write_text(
+        yaml.safe_dump({"hydra": {"runtime": {"choices": choices}, "job": {"name": "run"}}})
+    )
+    planned = epochs or config["train"]["epochs"]
+    done_epochs = planned if status == "completed" else 1
+    final = expected_accuracy(config)
+    times = fake_times(config)
+    dense = config["scheme"]["name"] == "none"
+    sent = DENSE_BYTES if dense else int(DENSE_BYTES * config["ratio"] * (2 if config["scheme"]["name"] == "topk" else 1))
+    steps_per_epoch = 10
+    lines = []
+    for epoch in range(1, done_epochs + 1):
+        for step in range((epoch - 1) * steps_per_epoch, epoch * steps_per_epoch, config["train"]["log_every"]):
+            lines.append({"kind": "step", "step": step, "epoch": step / steps_per_epoch, "lr": 0.1,
+                          "train_loss": 2.0 / (1 + step), "time_ms": times, "bytes_sent": sent,
+                          "density": 1.0 if dense else config["ratio"],
+                          "compression_error": None if dense else 0.5, "memory_norm": None if dense else 1.0})
+        lines.append({"kind": "epoch", "epoch": epoch, "step": epoch * steps_per_epoch,
+                      "train_loss": 1.0 / epoch, "train_accuracy": final * epoch / planned,
+                      "test_loss": 1.0 / epoch, "test_accuracy": final * epoch / planned, "lr": 0.1,
+                      "elapsed_s": 1.5 * epoch})
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+    if status == "running":
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write('{"kind": "step", "st')  # torn last line of a killed run
+    summary = {
+        "status": status,
+        "error": "RuntimeError: NCCL timeout in allgather" if status == "failed" else None,
+        "config": config, "run_dir": str(run_dir), "world_size": config["world_size"],
+        "steps": done_epochs * steps_per_epoch, "epochs": float(done_epochs),
+        "train_loss": 1.0 / done_epochs if status != "running" else None,
+        "test_accuracy": final * done_epochs / planned if status == "completed" else None,
+        "test_loss": 1.0 / done_epochs if status == "completed" else None,
+        "time_ms": times, "bytes_sent_per_step": sent, "dense_bytes_per_step": DENSE_BYTES,
+        "num_parameters": DENSE_BYTES // 4, "device": "cpu",
+        "started_at": "2025-01-01T00:00:00", "finished_at": None if status == "running" else "2025-01-01T00:01:00",
+        "duration_s": None if status == "running" else 60.0,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    return run_dir
+
+
+def write_sweep(sweep_dir: Path, params: dict[str, str], experiment: str, fixed: dict | None = None,
+                failed=(), running=(), absent=()) -> Path:
+    """A Hydra multirun folder: ``params`` is ``hydra.sweeper.params`` ({"scheme": "none,topk"}).
+
+    ``failed``/``running``/``absent`` hold job numbers that fail, never finish, or leave no folder.
+    """
+    sweep_dir = Path(sweep_dir)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    fixed = fixed or {}
+    multirun = {"hydra": {"sweeper": {"params": params},
+                          "overrides": {"task": [f"experiment={experiment}"]}, "mode": "MULTIRUN"}}
+    (sweep_dir / "multirun.yaml").write_text(yaml.safe_dump(multirun))
+    keys = list(params)
+    for num, combo in enumerate(itertools.product(*(params[k].split(",") for k in keys))):
+        if num in absent:
+            continue
+        values = {k: yaml.safe_load(v) for k, v in zip(keys, combo)}
+        config = make_config(**{**fixed, **values})
+        status = "failed" if num in failed else "running" if num in running else "completed"
+        overrides = [f"experiment={experiment}", *(f"{k}={v}" for k, v in zip(keys, combo))]
+        write_run(sweep_dir / str(num), config, status, overrides, experiment)
+    return sweep_dir
+
+
+def write_results(root: Path) -> Path:
+    """A small results/ tree with one sweep per research question, each with a flaw or two."""
+    root = Path(root)
+    # job 3 = (topk, global, seed 1) fails; job 13 = (blockk, global, seed 1) left no folder.
+    write_sweep(root / "rq1_scope", {"scheme": "none,topk,randk,blockk", "scope": "layerwise,global",
+                                     "seed": "0,1"}, "rq1_scope", failed=(3,), absent=(13,))
+    write_sweep(root / "rq2_scheme", {"scheme": "topk,randk,blockk", "ratio": "0.01,0.1", "seed": "0,1"},
+                "rq2_scheme", running=(0,))
+    write_sweep(root / "rq3_aggregation", {"scheme": "randk,blockk", "aggregation": "allreduce,allgather",
+                                           "world_size": "2,4", "seed": "0,1"}, "rq3_aggregation")
+    write_sweep(root / "rq4_workers", {"scheme": "none,topk,blockk", "world_size": "1,2,4", "seed": "0,1"},
+                "rq4_workers")
+    write_sweep(root / "rq5_speed", {"scheme": "none,topk,randk,blockk", "seed": "0,1"}, "rq5_speed",
+                fixed={"aggregation": "allreduce"})
+    return root
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    return write_results(tmp_path / "results")
+
+
+# --- loader -----------------------------------------------------------------------------------
+
+
+def test_analysis_imports_no_torch():
+    code = "import sys, sparsetrain.analysis, sparsetrain.analysis.__main__; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_load_runs_one_row_per_run_with_axes_and_status(results):
+    runs = sa.load_runs(results / "rq1_scope")
+    # 16 grid points: 15 folders (one failed) + 1 job that left no folder.
+    assert len(runs) == 16
+    assert runs["status"].value_counts().to_dict() == {"completed": 14, "failed": 1, "absent": 1}
+    failed = runs[runs["status"] == "failed"].iloc[0]
+    assert (failed["scheme"], failed["scope"], failed["seed"]) == ("topk", "global", 1)
+    assert "NCCL timeout" in failed["error"]
+    absent = runs[runs["status"] == "absent"].iloc[0]
+    assert (absent["scheme"], absent["scope"], absent["seed"]) == ("blockk", "global", 1)
+    assert absent["run_dir"] is None
+
+    done = sa.load_runs(results / "rq1_scope", include_failed=False)
+    assert len(done) == 14 and set(done["status"]) == {"completed"}
+    row = done[(done["scheme"] == "randk") & (done["scope"] == "global") & (done["seed"] == 0)].iloc[0]
+    config = make_config(scheme="randk", scope="global", seed=0)
+    assert row["test_accuracy"] == pytest.approx(expected_accuracy(config))
+    assert row["time_compress_ms"] == pytest.approx(2.0)
+    assert row["time_step_ms"] == pytest.approx(fake_times(config)["step"])
+    assert row["compression"] == pytest.approx(100.0)
+    assert row["bytes_fraction"] == pytest.approx(0.01)
+    assert (row["model"], row["data"], row["world_size"], row["experiment"]) == ("resnet20", "fashion_mnist", 2, "rq1_scope")
+    assert row["error_feedback"] is True or row["error_feedback"] == True  # noqa: E712
+
+    dense = done[done["scheme"] == "dense"]
+    assert len(dense) == 4
+    assert set(dense["scope"]) == {"-"} and set(dense["ratio"]) == {1.0}
+    assert (dense["time_compress_ms"] == 0).all() and (dense["time_decompress_ms"] == 0).all()
+
+
+def test_load_runs_accepts_single_run_and_many_sweeps(results, tmp_path):
+    single = write_run(tmp_path / "single", make_config(scheme="blockk"))
+    one = sa.load_runs(single)
+    assert len(one) == 1 and one.iloc[0]["scheme"] == "blockk" and one.iloc[0]["status"] == "completed"
+    assert one.iloc[0]["experiment"] is None
+    both = sa.load_runs(results / "rq1_scope", results / "rq5_speed")
+    assert set(both["experiment"]) == {"rq1_scope", "rq5_speed"}
+    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8
+
+
+def test_run_without_summary_is_flagged(tmp_path):
+    run = write_run(tmp_path / "r", make_config())
+    (run / "summary.json").unlink()
+    runs = sa.load_runs(tmp_path)
+    assert list(runs["status"]) == ["no summary"] and runs.iloc[0]["scheme"] == "topk"
+    assert sa.load_runs(tmp_path, include_failed=False).empty
+
+
+def test_load_runs_rejects_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        sa.load_runs(tmp_path / "nope")
+
+
+def test_load_curves_epochs_and_steps(results):
+    epochs = sa.load_curves(results / "rq1_scope")
+    # Only completed runs: 14 runs x 3 epochs.
+    assert len(epochs) == 14 * 3
+    assert {"scheme", "scope", "seed", "epoch", "test_accuracy", "run_dir"} <= set(epochs.columns)
+    last = epochs[(epochs["scheme"] == "topk") & (epochs["scope"] == "layerwise") & (epochs["seed"] == 0)]
+    assert list(last["epoch"]) == [1, 2, 3]
+    assert last["test_accuracy"].iloc[-1] == pytest.approx(expected_accuracy(make_config()))
+
+    with_failed = sa.load_curves(results / "rq1_scope", include_failed=True)
+    assert len(with_failed) == 14 * 3 + 1
+
+    with pytest.warns(UserWarning, match="not JSON"):
+        steps = sa.load_curves(results / "rq2_scheme", kind="step", include_failed=True)
+    assert {"time_forward_ms", "time_step_ms", "bytes_sent", "density"} <= set(steps.columns)
+    assert (steps["time_forward_ms"] > 0).all()
+
+
+# --- tables -----------------------------------------------------------------------------------
+
+
+def _row(table: sa.Table, **labels) -> pd.Series:
+    frame = table.display
+    for key, value in labels.items():
+        frame = frame[frame[key] == value]
+    assert len(frame) == 1, (labels, table.display)
+    return frame.iloc[0]
+
+
+def test_rq1_table_mean_std_n_and_missing_named(results):
+    runs = sa.load_runs(results / "rq1_scope")
+    table = sa.rq1_scope_table(runs)
+    # top-k layerwise: seeds 0 and 1 -> mean of the formula, std of two values.
+    accs = [expected_accuracy(make_config(seed=s)) * 100 for s in (0, 1)]
+    mean, std = sum(accs) / 2, pd.Series(accs).std()
+    row = _row(table, scheme="top-k")
+    assert row["layerwise"] == f"{mean:.2f} ± {std:.2f} (n=2)"
+    # top-k global seed 1 failed: one seed left, and the table says so.
+    assert row["global"] == f"{expected_accuracy(make_config(scope='global')) * 100:.2f} (n=1)"
+    # Dense is the baseline of both scopes.
+    dense = _row(table, scheme="dense SGD")
+    assert dense["layerwise"] == dense["global"] and dense["layerwise"].endswith("(n=2)")
+    assert list(table.display["scheme"]) == ["dense SGD", "top-k", "random-k", "block-random-k"]
+
+    md = table.to_markdown()
+    assert "Missing (2 runs" in md
+    assert "failed: scheme=topk, scope=global" in md and "seed=1" in md and "NCCL timeout" in md
+    assert "absent: scheme=blockk, scope=global" in md
+
+    with_failed = sa.rq1_scope_table(runs, include_failed=True)
+    assert with_failed.missing.empty
+
+
+def test_tables_do_not_mix_configurations(results):
+    """Runs of different ratios never share a cell, whichever table is asked."""
+    runs = sa.load_runs(results / "rq2_scheme")
+    table = sa.rq1_scope_table(runs)
+    assert "ratio" in table.display.columns  # the varying axis becomes a row key
+    assert len(table.display) == 6  # 3 schemes x 2 ratios
+    rq2 = sa.rq2_scheme_table(runs)
+    row = _row(rq2, scheme="random-k")
+    want = [expected_accuracy(make_config(scheme="randk", ratio=0.1, seed=s)) * 100 for s in (0, 1)]
+    assert row["ratio=0.1"].startswith(f"{sum(want) / 2:.2f} ± ")
+    # Job 0 (topk, ratio 0.01, seed 0) never finished: named, and out of the numbers.
+    assert _row(rq2, scheme="top-k")["ratio=0.01"].endswith("(n=1)")
+    assert "running: scheme=topk" in rq2.to_markdown()
+
+
+def test_rq3_rq4_rq5_tables(results):
+    rq3 = sa.rq3_aggregation_table(sa.load_runs(results / "rq3_aggregation"))
+    assert set(rq3.display.columns) == {"scheme", "workers", "aggregation=allgather", "aggregation=allreduce"}
+    assert len(rq3.display) == 4
+    row = _row(rq3, scheme="block-random-k", workers="4")
+    cfg = make_config(scheme="blockk", aggregation="allreduce", world_size=4)
+    assert row["aggregation=allreduce"].startswith(f"{(expected_accuracy(cfg) + 0.001) * 100:.2f}")
+
+    rq4 = sa.rq4_workers_table(sa.load_runs(results / "rq4_workers"))
+    assert len(rq4.display) == 9
+    assert {"time/step (ms)", "test accuracy (%)", "bytes/step/worker"} <= set(rq4.display.columns)
+
+    rq5 = sa.rq5_speed_table(sa.load_runs(results / "rq5_speed"))
+    data = rq5.data.set_index("scheme")
+    dense_step = (fake_times(make_config(scheme="none"))["step"]
+                  + fake_times(make_config(scheme="none", seed=1))["step"]) / 2
+    for scheme in ("topk", "randk", "blockk"):
+        step = (fake_times(make_config(scheme=scheme))["step"]
+                + fake_times(make_config(scheme=scheme, seed=1))["step"]) / 2
+        assert data.loc[scheme, "speedup"] == pytest.approx(dense_step / step)
+    assert data.loc["dense", "speedup"] == pytest.approx(1.0)
+    assert _row(rq5, scheme="block-random-k")["speed-up over dense"] == f"{data.loc['blockk', 'speedup']:.2f}x"
+
+
+def test_write_table_md_csv_tex(results, tmp_path):
+    table = sa.rq1_scope_table(sa.load_runs(results / "rq1_scope"))
+    paths = sa.write_table(table, tmp_path / "out")
+    assert set(paths) == {"md", "csv", "tex"}
+    csv = pd.read_csv(paths["csv"])
+    assert set(csv["status"]) == {"ok", "failed", "absent"}
+    assert {"test_accuracy_mean", "test_accuracy_std", "test_accuracy_n"} <= set(csv.columns)
+    ok = csv[(csv["status"] == "ok") & (csv["scheme"] == "topk") & (csv["scope"] == "layerwise")]
+    assert ok["test_accuracy_n"].item() == 2
+    tex = paths["tex"].read_text()
+    assert "\\begin{tabular}" in tex and "\\bottomrule" in tex and "$\\pm$" in tex
+    assert "Missing (2)" in tex and "scheme=topk, scope=global" in tex
+    assert paths["md"].read_text() == table.to_markdown()
+
+
+# --- figures, report, CLI ---------------------------------------------------------------------
+
+
+def assert_png(path: Path, min_px: int = 300):
+    import matplotlib.image as mpimg
+
+    assert path.is_file(), path
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = mpimg.imread(path)
+    assert image.shape[0] >= min_px and image.shape[1] >= min_px
+    # Not a blank canvas: a drawn figure has many distinct colours.
+    assert len({tuple(px) for px in image[:: 7, :: 7].reshape(-1, image.shape[-1]).round(2)}) > 5
+
+
+def test_figures_png_and_pdf(results, tmp_path):
+    out = tmp_path / "figs"
+    runs = sa.load_runs(results / "rq1_scope")
+    curves = sa.load_curves(results / "rq1_scope")
+    made = [
+        sa.save_figure(sa.plot_accuracy_vs_epoch(curves), out, "accuracy_vs_epoch"),
+        sa.save_figure(sa.plot_time_per_phase(runs), out, "time_per_phase"),
+        sa.save_figure(sa.plot_accuracy_vs_bytes(runs), out, "accuracy_vs_bytes"),
+        sa.save_figure(sa.plot_workers(sa.load_runs(results / "rq4_workers")), out, "workers"),
+    ]
+    for paths in made:
+        assert_png(paths["png"])
+        assert paths["pdf"].read_bytes()[:5] == b"%PDF-"
+
+
+def test_report_per_study(results, tmp_path):
+    out = tmp_path / "report"
+    written = sa.write_report(results, out=out)
+    assert {p.parent.name for p in written} >= set(sa.STUDIES)
+    for study, (tables, figures) in sa.STUDIES.items():
+        for name in tables:
+            for ext in ("md", "csv", "tex"):
+                assert (out / study / f"{name}.{ext}").is_file(), (study, name, ext)
+        for name in figures:
+            assert_png(out / study / f"{name}.png")
+            assert (out / study / f"{name}.pdf").is_file()
+    assert (out / "status.md").is_file()
+    assert "failed" in (out / "status.md").read_text()
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "sparsetrain.analysis", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd)
+
+
+def test_cli_writes_and_prints(results, tmp_path):
+    out = tmp_path / "figures"
+    proc = _cli(results / "rq1_scope", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    assert "RQ1: test accuracy" in proc.stdout and "Missing (2 runs" in proc.stdout
+    # One study: written straight into --out.
+    for ext in ("md", "csv", "tex"):
+        assert (out / f"rq1_scope.{ext}").is_file()
+    assert_png(out / "accuracy_vs_epoch.png")
+
+    proc = _cli(*(results / s for s in ("rq4_workers", "rq5_speed")), "--out", tmp_path / "two")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "two" / "rq4_workers" / "rq4_workers.csv").is_file()
+    assert (tmp_path / "two" / "rq5_speed" / "rq5_speed.tex").is_file()
+
+
+def test_cli_all_tables_for_unknown_experiment(tmp_path):
+    write_sweep(tmp_path / "adhoc", {"scheme": "none,blockk", "seed": "0,1"}, experiment="", fixed={})
+    proc = _cli(tmp_path / "adhoc", "--out", tmp_path / "o")
+    assert proc.returncode == 0, proc.stderr
+    for name in sa.TABLES:
+        assert (tmp_path / "o" / f"{name}.md").is_file(), name
+
+
+def test_cli_exit_codes(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = _cli(tmp_path / "empty", "--out", tmp_path / "o")
+    assert proc.returncode == 1 and "no runs found" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = _cli(tmp_path / "does-not-exist", "--out", tmp_path / "o")
+    assert proc.returncode == 2 and "does-not-exist" in proc.stderr and "Traceback" not in proc.stderr
+    proc = _cli("--out", tmp_path / "o")
+    assert proc.returncode == 2
+
+
+def test_cli_strict_fails_on_missing(results, tmp_path):
+    proc = _cli(results / "rq1_scope", "--out", tmp_path / "o", "--strict")
+    assert proc.returncode == 3 and "2 runs did not complete" in proc.stderr
+    proc = _cli(results / "rq3_aggregation", "--out", tmp_path / "o3", "--strict")
+    assert proc.returncode == 0, proc.stderr
+
+
+# --- experiment presets -----------------------------------------------------------------------
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
+STUDY_NAMES = ("rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
+
+
+@pytest.mark.parametrize("name", [*STUDY_NAMES, *(f"paper/{n}" for n in STUDY_NAMES)])
+def test_experiment_presets_are_valid(name):
+    path = CONF / f"{name}.yaml"
+    text = path.read_text()
+    assert text.startswith("# @package _global_")
+    preset = yaml.safe_load(text)
+    params = preset["hydra"]["sweeper"]["params"]
+    allowed = {"scheme", "scope", "aggregation", "world_size", "ratio", "seed", "model", "data"}
+    assert set(params) <= allowed | {k for k in params if "." in k}, params
+    for key, value in params.items():
+        assert isinstance(value, str) and value, key
+    schemes = params.get("scheme", "").split(",")
+    assert set(schemes) <= {"", "none", "topk", "randk", "blockk"}
+    # top-k only gathers: a grid that pairs it with AllReduce would stop the sweep.
+    aggregation = params.get("aggregation", preset.get("aggregation", {}) or "")
+    if "topk" in schemes:
+        assert "allreduce" not in str(aggregation) and "allreduce" not in str(preset.get("defaults"))
+    for ratio in params.get("ratio", "0.01").split(","):
+        assert 0 < float(ratio) <= 1
+    for workers in params.get("world_size", "1").split(","):
+        assert int(workers) >= 1
+    groups = {list(d)[0].split("/")[-1]: list(d.values())[0] for d in preset["defaults"] if isinstance(d, dict)}
+    if name.startswith("paper/"):
+        assert groups["model"] == "resnet18" and groups["data"] == "cifar10"
+        assert preset["world_size"] == 8 or "world_size" in params
+        assert preset["train"]["epochs"] == 300 and preset["train"]["batch_size"] == 128
+        assert preset["optim"]["lr"] == 0.1 and preset["optim"]["warmup_epochs"] == 5
+        assert preset["optim"]["milestones"] == [0.5, 0.8333]
+        assert params["seed"] == "0,1,2"
+        assert preset["hydra"]["sweep"]["dir"].startswith("results/paper/")
+    else:
+        assert groups["model"] == "resnet20" and groups["data"] == "fashion_mnist"
+        assert preset["hydra"]["sweep"]["dir"] == f"results/{name}"

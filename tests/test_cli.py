@@ -1,0 +1,87 @@
+"""End-to-end runs from the command line: run folder files, errors, sweeps, W&B offline."""
+
+import re
+
+import pytest
+
+from conftest import TINY, read_json, read_jsonl, run_cli
+
+PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("world_size=0", "world_size=0 is not allowed"),
+        ("ratio=2", "ratio=2.0 is not allowed"),
+        ("scheme=nope", "scheme='nope' is not allowed; choose one of: blockk, none, randk, topk"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(override, needle, tmp_path):
+    proc = run_cli(*TINY, override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
+    assert proc.returncode != 0
+    assert needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    summary = tmp_path / "run" / "summary.json"
+    if summary.exists():  # a refused run may leave a record, but never a finished-looking one
+        assert read_json(summary)["status"] == "failed"
+
+
+def test_two_rank_dense_run_writes_complete_run_folder(tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(*TINY, "scheme=none", "world_size=2", "train.max_steps=4",
+                   "train.log_every=1", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["status"] == "completed" and s["error"] is None
+    assert s["world_size"] == 2 and s["steps"] == 4
+    assert set(PHASES) <= set(s["time_ms"]) and s["time_ms"]["step"] > 0
+    for key in ("forward", "backward", "exchange", "optimizer"):
+        assert s["time_ms"][key] > 0, key
+    assert s["bytes_sent_per_step"] == s["dense_bytes_per_step"] == 4 * s["num_parameters"]
+    assert 0.0 <= s["test_accuracy"] <= 1.0 and s["train_loss"] > 0
+    assert s["config"]["scheme"]["name"] == "none" and s["config"]["world_size"] == 2
+    records = read_jsonl(run / "metrics.jsonl")
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert records[-1]["kind"] == "epoch" and records[-1]["test_accuracy"] == s["test_accuracy"]
+    assert (run / ".hydra" / "config.yaml").exists()
+    assert not (run / "wandb").exists()  # wandb.mode=disabled
+
+
+def test_multirun_failing_job_is_marked_and_others_complete(tmp_path):
+    sweep = tmp_path / "sweep"
+    # train_size=8 leaves 4 examples per rank: fewer than one batch, so that job fails at start.
+    proc = run_cli(*TINY, "-m", "data.train_size=8,256", "train.max_steps=2",
+                   f"hydra.sweep.dir={sweep}")
+    assert proc.returncode != 0
+    failed, ok = read_json(sweep / "0" / "summary.json"), read_json(sweep / "1" / "summary.json")
+    assert failed["status"] == "failed" and "train.batch_size=32" in failed["error"]
+    assert ok["status"] == "completed" and ok["steps"] == 2
+    assert "1 sweep job(s) did not complete" in proc.stderr and str(sweep / "0") in proc.stderr
+
+
+def test_wandb_offline_run_files_hold_metrics_and_no_key(tmp_path):
+    from wandb_offline import config, history
+
+    run = tmp_path / "run"
+    secret = "0123456789abcdef0123456789abcdef01234567"
+    overrides = [o for o in TINY if not o.startswith("wandb.")]
+    proc = run_cli(*overrides, "wandb.mode=offline", "world_size=1", "train.max_steps=3",
+                   "train.log_every=1", f"hydra.run.dir={run}",
+                   env={"WANDB_API_KEY": secret, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, list(run.rglob("*"))
+    rows = history(files[0])
+    losses = [r["train_loss"] for r in rows if "train_loss" in r]
+    logged = [r["train_loss"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert losses[: len(logged)] == pytest.approx(logged)
+    assert any("time_ms/forward" in r for r in rows)
+    assert config(files[0])["scheme"]["name"] == "none"
+    for path in run.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    assert re.search(r"offline", str(files[0]))

@@ -1,0 +1,91 @@
+"""Config composition, schema rejection and semantic checks (no ranks started)."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from sparsetrain.config import CONF_DIR, ConfigError, check_group_overrides, register, validate
+from sparsetrain.train import lr_at
+
+register()
+
+
+def make(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_default_config_composes_and_validates():
+    cfg = make()
+    assert cfg.scheme.name == "none" and cfg.aggregation.name == "allgather"
+    assert cfg.world_size == 2 and cfg.ratio == 0.01
+    validate(cfg, env={})
+
+
+@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk"])
+def test_every_scheme_composes(scheme):
+    cfg = make(f"scheme={scheme}", "scope=global")
+    assert cfg.scheme.name == scheme
+    validate(cfg, env={})
+
+
+@pytest.mark.parametrize(
+    "override", ["world_size=abc", "ratio=high", "train.epochz=3", "scheme.error_feedback=maybe"]
+)
+def test_schema_rejects_typos_and_types(override):
+    with pytest.raises(ConfigCompositionException):
+        make(override)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["world_size=0"], "world_size=0"),
+        (["ratio=2"], "ratio=2.0"),
+        (["ratio=0"], "ratio=0.0"),
+        (["scheme=topk", "aggregation=allreduce"], "aggregation='allreduce'"),
+        (["wandb.mode=loud"], "wandb.mode='loud'"),
+        (["train.batch_size=0"], "train.batch_size=0"),
+    ],
+)
+def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        validate(make(*overrides), env={})
+    msg = str(info.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_unknown_group_option_is_one_line():
+    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: blockk, none, randk, topk"):
+        check_group_overrides(["scheme=topk,nope"])
+    check_group_overrides(["scheme=topk,randk", "ratio=0.1", "hydra.run.dir=x"])
+
+
+def test_world_size_must_match_launcher_environment():
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    with pytest.raises(ConfigError, match="world_size=4 contradicts the launcher: torchrun"):
+        validate(make("world_size=4"), env=env)
+    validate(make("world_size=2"), env=env)
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_ID": "7"}
+    with pytest.raises(ConfigError, match="SLURM_NTASKS=3"):
+        validate(make("world_size=2"), env=slurm)
+
+
+def test_slurm_task_resolvers():
+    cfg = make("world_size=8", "dist.ranks_per_node=4")
+    assert OmegaConf.select(cfg, "dist.ranks_per_node") == 4
+    from sparsetrain.config import _nodes, _tasks_per_node
+
+    assert (_nodes(8, 4), _tasks_per_node(8, 4)) == (2, 4)
+    assert (_nodes(3, None), _tasks_per_node(3, None)) == (1, 3)
+
+
+def test_lr_schedule_warmup_scaling_and_decay():
+    cfg = make("train.epochs=10", "optim.warmup_epochs=2", "optim.lr=0.1")
+    steps = 100  # per epoch
+    assert lr_at(0, steps, cfg, 4) == pytest.approx(0.1)
+    assert lr_at(100, steps, cfg, 4) == pytest.approx(0.25)  # halfway through warm-up
+    assert lr_at(200, steps, cfg, 4) == pytest.approx(0.4)  # peak = 0.1 x 4 workers
+    assert lr_at(500, steps, cfg, 4) == pytest.approx(0.04)  # first decay at 50%
+    assert lr_at(900, steps, cfg, 4) == pytest.approx(0.004)  # second at 83.3%
