@@ -54,6 +54,8 @@ pid_alive() { # pidfile [expected comm]
     [[ -s $f ]] || return 1
     pid=$(<"$f")
     [[ $pid =~ ^[0-9]+$ ]] && kill -0 "$pid" 2>/dev/null || return 1
+    # A killed daemon can linger as a zombie until init reaps it: that is not running.
+    [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" != Z ]] || return 1
     [[ -z $comm || "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$comm" ]]
 }
 

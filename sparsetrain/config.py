@@ -56,7 +56,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     threads: Optional[int] = None  # torch threads per rank (None: cores / local ranks)
     timing_warmup: int = 2  # first steps left out of the phase-time means
-    checkpoint: bool = True  # save checkpoint.pt each epoch and on SIGTERM
+    checkpoint: bool = True  # save checkpoint.pt each epoch and on SIGTERM; resume from it
+    save_model: bool = False  # write the final weights to model.pt
     progress: bool = True  # tqdm bar on rank 0 when attached to a terminal
 
 

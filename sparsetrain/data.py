@@ -91,7 +91,12 @@ def _info(name: str) -> _Info:
 
 @dataclass
 class Dataset:
-    """One data set in memory: normalised float32 images (N,C,H,W) and int64 labels."""
+    """One data set in memory: normalised float32 images (N,C,H,W) and int64 labels.
+
+    ``mean``/``std`` are the per-channel statistics used to normalise, in raw units (0-255 pixel
+    values for CIFAR-10 and Fashion-MNIST). ``augment_padding`` and ``flip`` are the defaults for
+    ``ShardedLoader``'s random crop and horizontal flip.
+    """
 
     name: str
     train_x: torch.Tensor
@@ -244,7 +249,7 @@ def _load_cifar10(root: Path, download: bool):
             ) from e
     out = []
     for ds in splits:
-        x = torch.from_numpy(np.ascontiguousarray(ds.data)).reshape(-1, 3, 32, 32)  # NHWC -> NCHW
+        x = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2)  # NHWC -> NCHW
         out += [x, torch.as_tensor(ds.targets, dtype=torch.int64)]
     return tuple(out)
 
@@ -332,7 +337,9 @@ def synthetic_templates(seed: int, num_classes: int = 10, channels: int = 3, siz
     Smooth, so that a few pixels of random crop do not wipe out the class signal."""
     g = torch.Generator().manual_seed(_mix(seed, 0x5EED))
     coarse = torch.randn(num_classes, channels, 8, 8, generator=g)
-    t = torch.nn.functional.interpolate(coarse, size=(size, size), mode="bilinear", align_corners=False)
+    t = torch.nn.functional.interpolate(
+        coarse, size=(size, size), mode="bilinear", align_corners=False
+    )
     return t / t.flatten(1).std(dim=1).view(-1, 1, 1, 1)
 
 
@@ -359,7 +366,9 @@ def _make_synthetic(seed: int, n_train: int, n_test: int, noise: float = _SYNTHE
         for block in range((n + _SYNTHETIC_BLOCK - 1) // _SYNTHETIC_BLOCK):
             g = torch.Generator().manual_seed(_mix(seed, split, block))
             y = torch.randint(0, templates.shape[0], (_SYNTHETIC_BLOCK,), generator=g)
-            x = templates[y] + noise * torch.randn((_SYNTHETIC_BLOCK, *templates.shape[1:]), generator=g)
+            x = templates[y] + noise * torch.randn(
+                (_SYNTHETIC_BLOCK, *templates.shape[1:]), generator=g
+            )
             xs.append(x)
             ys.append(y)
         out += [torch.cat(xs)[:n], torch.cat(ys)[:n]]
@@ -424,19 +433,17 @@ class ShardedLoader:
         if len(x) != len(y):
             raise ValueError(f"x and y differ in length: {len(x)} vs {len(y)}")
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+            )
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.x, self.y = x, y
         self.batch_size = batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.augment, self.padding, self.flip = augment, padding, flip
+        # Zero batches per epoch is possible (too few samples per rank); callers check len().
         self.shard_size = len(x) // world_size
-        if self.shard_size < batch_size:
-            raise ValueError(
-                f"{len(x)} samples over {world_size} ranks leave {self.shard_size} per rank, "
-                f"fewer than one batch of {batch_size}"
-            )
 
     def __len__(self) -> int:
         return self.shard_size // self.batch_size
@@ -447,7 +454,9 @@ class ShardedLoader:
         perm = torch.randperm(len(self.x), generator=g)[: self.shard_size * self.world_size]
         return perm[self.rank :: self.world_size]
 
-    def batches(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(
+        self, epoch: int, start_batch: int = 0
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx = self.indices(epoch).to(self.x.device)
         for i in range(start_batch, len(self)):
             sel = idx[i * self.batch_size : (i + 1) * self.batch_size]

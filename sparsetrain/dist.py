@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -139,4 +140,7 @@ def spawn_ranks(fn: Callable, args: tuple, world_size: int, *, port: int | None,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
+    # The agent logs every child's traceback at ERROR; the rank logs and the run's summary
+    # already hold the failure, so keep the console to our one-line report.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     return elastic_launch(config, entrypoint=fn)(*args)

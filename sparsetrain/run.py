@@ -19,7 +19,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sparsetrain.config import ConfigError, check_group_overrides, register, validate
+from sparsetrain.config import CONF_DIR, ConfigError, check_group_overrides, register, validate
 from sparsetrain.results import SUMMARY, mark_failed, now_iso, read_summary, write_json_atomic
 
 register()
@@ -90,7 +90,10 @@ def _describe(exc: Exception) -> str:
 
     if isinstance(exc, ChildFailedError):
         rank, failure = min(exc.failures.items())
-        detail = failure.message if isinstance(failure.message, str) else ""
+        detail = failure.message
+        if isinstance(detail, dict):  # the error file written by the rank's @record wrapper
+            detail = detail.get("message", "")
+        detail = detail if isinstance(detail, str) else ""
         if not detail and failure.signal_name() != "<N/A>":  # killed by a signal
             detail = f"killed by {failure.signal_name()}"
         detail = detail.strip().splitlines()[-1] if detail.strip() else f"exit code {failure.exitcode}"
@@ -103,13 +106,14 @@ def _fail(msg: str, run_dir: Path, multirun: bool, code: int) -> dict[str, Any]:
     summary = read_summary(run_dir)
     if summary and summary.get("error") and summary["error"] != msg:
         msg = summary["error"]  # the rank's own account is more precise
-    _error(f"{msg} (run folder: {run_dir})")
+    if _env_rank() == 0:
+        _error(f"{msg} (run folder: {run_dir})")
     if multirun:
         return {"status": "failed", "error": msg, "run_dir": str(run_dir)}
     sys.exit(code)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def hydra_main(cfg: DictConfig) -> Any:
     result = _run_job(cfg)
     return result.get("test_accuracy") if isinstance(result, dict) else None
@@ -137,6 +141,9 @@ class SweepReport(Callback):
 
 def main() -> None:
     args = sys.argv[1:]
+    # Let `-m` stand anywhere among the overrides (argparse wants flags before positionals).
+    flags = [a for a in args if a in ("-m", "--multirun")]
+    sys.argv[1:] = args = flags + [a for a in args if a not in flags]
     try:
         check_group_overrides([a for a in args if not a.startswith("-")])
     except ConfigError as exc:
@@ -146,6 +153,11 @@ def main() -> None:
         _error("-m/--multirun is not allowed under torchrun (every rank would run the whole sweep); "
                "run the sweep without torchrun, or one torchrun per sweep point")
         sys.exit(2)
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", 0)) != 0:
+        # Under torchrun every rank runs this command; rank 0's folder is the run folder (its
+        # path is broadcast to the others), so the other ranks must not make folders of their own.
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null",
+                     "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
     hydra_main()
     if _failed_sweep_jobs:
         sys.exit(1)

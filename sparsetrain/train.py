@@ -34,7 +34,7 @@ from sparsetrain.dist import (
 )
 from sparsetrain.exchange import build_reducer
 from sparsetrain.models import build_model, param_groups_for_weight_decay
-from sparsetrain.results import NullWriter, RunWriter, now_iso
+from sparsetrain.results import NullWriter, RunWriter, mark_failed
 from sparsetrain.timing import PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 
@@ -227,10 +227,11 @@ class Trainer:
         self.model.train()
         return {"test_loss": (sums[0] / sums[2]).item(), "test_accuracy": (sums[1] / sums[2]).item()}
 
-    def train_step(self, xb: torch.Tensor, yb: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def train_step(self, batches) -> tuple[torch.Tensor, Any, float]:
         steps_per_epoch = len(self.loader)
         with self.timer.step():
-            with self.timer.phase("data"):
+            with self.timer.phase("data"):  # batch assembly + augmentation + host-to-device
+                xb, yb = next(batches)
                 xb = xb.to(self.device, non_blocking=True)
                 yb = yb.to(self.device, non_blocking=True)
             with self.timer.phase("forward"):
@@ -272,7 +273,9 @@ class Trainer:
     def _emit(self, record: dict) -> None:
         self.writer.log(record)
         self.records_logged += 1
-        self.tracker.log({k: v for k, v in record.items() if k != "kind"}, step=self.step)
+        # W&B merges what is logged at one step: epoch metrics get their own prefix.
+        prefix = "" if record["kind"] == "step" else f"{record['kind']}/"
+        self.tracker.log({f"{prefix}{k}": v for k, v in record.items() if k != "kind"}, step=self.step)
 
     def _hit_max_steps(self) -> bool:
         return self.cfg.train.max_steps is not None and self.step >= self.cfg.train.max_steps
@@ -286,7 +289,7 @@ class Trainer:
         if full:
             self.epoch += 1
             self.batch_in_epoch = 0
-        stats = self.epoch_stats.to(self.device)
+        stats = self.epoch_stats.clone().to(self.device)
         if self.info.world_size > 1:
             dist.all_reduce(stats)
         stats = stats.cpu()
@@ -349,6 +352,8 @@ class Trainer:
             gc.enable()
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+        if self.cfg.train.save_model and self.info.is_main:
+            torch.save(self.model.state_dict(), self.run_dir / "model.pt")
         self.writer.finish("completed", **self._summary_fields())
         self.tracker.finish(self.writer.summary)
         if self.info.is_main and self.checkpoint_path.exists():
@@ -360,8 +365,9 @@ class Trainer:
         bar = _progress(self, cfg)
         while not self._finished():
             t0 = time.perf_counter()
-            for xb, yb in self.loader.batches(self.epoch, start_batch=self.batch_in_epoch):
-                loss, stats, lr = self.train_step(xb, yb)
+            batches = iter(self.loader.batches(self.epoch, start_batch=self.batch_in_epoch))
+            for _ in range(self.batch_in_epoch, len(self.loader)):
+                loss, stats, lr = self.train_step(batches)
                 self.batch_in_epoch += 1
                 if bar is not None:
                     bar.update(1)
@@ -437,6 +443,17 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> di
     device = pick_device(cfg.train.device, info.local_rank)
     init_process_group(info, device, cfg.dist.backend, cfg.dist.timeout_s)
     try:
-        return Trainer(cfg, info, run_dir).fit()
+        if info.world_size > 1:  # every rank uses rank 0's run folder (checkpoints live there)
+            shared = [run_dir]
+            dist.broadcast_object_list(shared, src=0)
+            run_dir = shared[0]
+        trainer = Trainer(cfg, info, run_dir)
+    except Exception as exc:  # set-up failed before the trainer could record it
+        if info.is_main:
+            mark_failed(run_dir, _one_line(exc), config=cfg_dict, world_size=info.world_size)
+        destroy_process_group()
+        raise
+    try:
+        return trainer.fit()
     finally:
         destroy_process_group()

@@ -107,7 +107,9 @@ def test_cifar10_subset_takes_first_n(tmp_path, no_network):
     with pytest.warns(UserWarning):
         full = load_dataset("cifar10", tmp_path, download=False)
         small = load_dataset("cifar10", tmp_path, download=False, train_size=7, test_size=3)
-    assert torch.equal(small.train_x, full.train_x[:7]) and torch.equal(small.test_y, full.test_y[:3])
+    assert torch.equal(small.train_x, full.train_x[:7]) and torch.equal(
+        small.test_y, full.test_y[:3]
+    )
 
 
 def test_cifar10_missing_and_no_internet(tmp_path, no_network):
@@ -162,7 +164,10 @@ def test_fashion_mnist_from_root(tmp_path, monkeypatch, no_network, layout, comp
     assert no_network == []
     assert ds.train_x.shape == (12, 1, 28, 28) and ds.test_x.shape == (5, 1, 28, 28)
     assert ds.train_y.tolist() == arrays["train-labels-idx1-ubyte"].tolist()
-    assert torch.equal(unnormalise(ds, ds.test_x)[:, 0], torch.from_numpy(arrays["t10k-images-idx3-ubyte"].astype(np.uint8)))
+    assert torch.equal(
+        unnormalise(ds, ds.test_x)[:, 0],
+        torch.from_numpy(arrays["t10k-images-idx3-ubyte"].astype(np.uint8)),
+    )
     assert ds.augment_padding == 2 and ds.in_channels == 1
 
 
@@ -243,7 +248,10 @@ def labelled(n=64, c=3, size=8, seed=0):
 @pytest.mark.parametrize("n,world,batch", [(64, 2, 8), (67, 4, 4), (50, 3, 16)])
 def test_shards_are_disjoint_and_cover(n, world, batch):
     x, y = labelled(n)
-    loaders = [ShardedLoader(x, y, batch, rank=r, world_size=world, seed=5, augment=False) for r in range(world)]
+    loaders = [
+        ShardedLoader(x, y, batch, rank=r, world_size=world, seed=5, augment=False)
+        for r in range(world)
+    ]
     assert len({len(ld) for ld in loaders}) == 1  # same number of steps on every rank
     assert len(loaders[0]) == (n // world) // batch
     seen = [torch.cat([yb for _, yb in ld.batches(3)]) for ld in loaders]
@@ -273,7 +281,9 @@ def test_same_seed_and_epoch_same_batches_new_epoch_new_order():
         return list(ld.batches(epoch))
 
     a, b = run(7, 2), run(7, 2)
-    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True))
+    assert all(
+        torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b, strict=True)
+    )
     assert not torch.equal(torch.cat([yb for _, yb in run(7, 3)]), torch.cat([yb for _, yb in a]))
     assert not torch.equal(torch.cat([yb for _, yb in run(8, 2)]), torch.cat([yb for _, yb in a]))
 
@@ -323,7 +333,11 @@ def test_loader_applies_crop_and_flip():
     assert 10 < sum(kinds) < 54  # roughly half flipped
 
     crop_only = ShardedLoader(x, y, 32, seed=1, padding=2, flip=False)
-    changed = [not torch.equal(xi, x[i]) for xb, yb in crop_only.batches(0) for xi, i in zip(xb, yb, strict=True)]
+    changed = [
+        not torch.equal(xi, x[i])
+        for xb, yb in crop_only.batches(0)
+        for xi, i in zip(xb, yb, strict=True)
+    ]
     assert sum(changed) > 40  # a (0, 0) shift (prob 1/25) leaves a sample unchanged
 
     none = ShardedLoader(x, y, 32, seed=1, augment=False)
@@ -345,8 +359,10 @@ def test_loader_rejects_bad_arguments():
         ShardedLoader(x, y, 4, rank=2, world_size=2)
     with pytest.raises(ValueError):
         ShardedLoader(x, y[:8], 4)
-    with pytest.raises(ValueError, match="fewer than one batch"):
-        ShardedLoader(x, y, 16, rank=0, world_size=2)
+    with pytest.raises(ValueError):
+        ShardedLoader(x, y, 0)
+    too_big = ShardedLoader(x, y, 16, rank=0, world_size=2)  # 8 per rank: no full batch
+    assert len(too_big) == 0 and list(too_big.batches(0)) == []
 
 
 def test_test_batches_cover_in_order():

@@ -31,7 +31,9 @@ def test_resnet18_is_the_cifar_variant():
     assert not any(isinstance(m, nn.MaxPool2d) for m in model.modules())
     stem = next(m for m in model.modules() if isinstance(m, nn.Conv2d))
     assert stem.kernel_size == (3, 3) and stem.stride == (1, 1)
-    projections = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1)]
+    projections = [
+        m for m in model.modules() if isinstance(m, nn.Conv2d) and m.kernel_size == (1, 1)
+    ]
     assert len(projections) == 3
 
 
@@ -79,10 +81,15 @@ def test_weight_decay_groups(name, n_decayed):
 
 
 def test_weight_decay_groups_conv_bias_and_frozen():
-    model = nn.Sequential(nn.Conv2d(1, 2, 3, bias=True), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2, 2))
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, bias=True), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(2, 2)
+    )
     model[3].weight.requires_grad_(False)
     decay, no_decay = param_groups_for_weight_decay(model, 0.1)
     assert [id(p) for p in decay["params"]] == [id(model[0].weight)]
     assert {id(p) for p in no_decay["params"]} == {
-        id(model[0].bias), id(model[1].weight), id(model[1].bias), id(model[3].bias)
+        id(model[0].bias),
+        id(model[1].weight),
+        id(model[1].bias),
+        id(model[3].bias),
     }

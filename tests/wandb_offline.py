@@ -51,7 +51,8 @@ def history(path: Path) -> list[dict]:
 def config(path: Path) -> dict:
     out = {}
     for rec in records(path):
-        if rec.WhichOneof("record_type") == "config":
-            for item in rec.config.update:
-                out[item.key] = json.loads(item.value_json)
+        kind = rec.WhichOneof("record_type")
+        updates = rec.run.config.update if kind == "run" else rec.config.update if kind == "config" else []
+        for item in updates:
+            out[item.key] = json.loads(item.value_json)
     return out

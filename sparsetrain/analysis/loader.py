@@ -285,6 +285,8 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
             key, _, value = override.partition("=")
             given[_strip_override_key(key)] = value
         seen.add(tuple(given.get(key) for key in keys))
+    multirun = _read_yaml(sweep / "multirun.yaml")
+    experiment = _get(multirun, "hydra", "runtime", "choices", "experiment") or sweep.name
     rows = []
     for combo in combos:
         if combo in seen:
@@ -300,7 +302,7 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
         row.update(
             status="absent",
             error="the sweep promised this job but it left no run folder",
-            experiment=sweep.name,
+            experiment=experiment,
             sweep_dir=str(sweep),
             run_dir=None,
             overrides=" ".join(f"{k}={v}" for k, v in zip(keys, combo)),
@@ -335,9 +337,29 @@ def load_runs(*paths: str | Path, include_failed: bool = True) -> pd.DataFrame:
     if frame.empty:
         return frame
     frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
+    frame = _integer_columns(frame)
     if not include_failed:
         frame = frame[frame["status"].isin(STATUSES_DONE)].reset_index(drop=True)
     return frame
+
+
+INTEGER_COLUMNS = ("world_size", "seed", "block_size", "batch_size", "epochs_planned", "train_size", "steps")
+
+
+def _integer_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """Counts stay integers (``workers=4``, not ``4.0``) even where an absent run leaves a gap."""
+    for column in INTEGER_COLUMNS:
+        if column not in frame:
+            continue
+        values = pd.to_numeric(frame[column], errors="coerce")
+        whole = values.dropna()
+        if (whole == whole.round()).all() and frame[column].map(lambda v: v is None or _is_real(v)).all():
+            frame[column] = values.astype("Int64")
+    return frame
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def completed(runs: pd.DataFrame) -> pd.DataFrame:
@@ -373,7 +395,7 @@ def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = 
     frames = []
     keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST], "run_dir"]
     for run in runs.itertuples(index=False):
-        if not run.run_dir or not (Path(run.run_dir) / "metrics.jsonl").is_file():
+        if not isinstance(run.run_dir, str) or not (Path(run.run_dir) / "metrics.jsonl").is_file():
             continue
         records = []
         for record in _read_metrics(Path(run.run_dir) / "metrics.jsonl"):

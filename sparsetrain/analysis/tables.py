@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .loader import AXES, DENSE, NOT_APPLICABLE, PHASES, REPLICATE, completed, not_completed
+from .loader import AXES, DENSE, DENSE_IRRELEVANT, NOT_APPLICABLE, PHASES, REPLICATE, completed, not_completed
 
 # Readable names for columns and metrics.
 LABELS = {
@@ -32,6 +32,10 @@ LABELS = {
 SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k"}
 PERCENT = {"test_accuracy", "train_accuracy"}
+# The grid coordinates that name a missing run.
+MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "world_size", "model", "data")
+# Order of values in rows and columns: the paper's order, not the alphabet's.
+VALUE_ORDER = {"layerwise": 0, "global": 1, "allreduce": 0, "allgather": 1}
 
 
 @dataclass
@@ -50,10 +54,11 @@ class Table:
         for row in self.missing.itertuples(index=False):
             axes = ", ".join(
                 f"{axis}={getattr(row, axis)}"
-                for axis in (*AXES, REPLICATE)
+                for axis in (*MISSING_AXES, REPLICATE)
                 if axis in self.missing.columns and _present(getattr(row, axis))
+                and getattr(row, axis) != NOT_APPLICABLE
             )
-            where = f" ({row.run_dir})" if getattr(row, "run_dir", None) else ""
+            where = f" ({row.run_dir})" if _present(getattr(row, "run_dir", None)) else ""
             error = f": {_one_line(row.error)}" if _present(getattr(row, "error", None)) else ""
             lines.append(f"{row.status}: {axes}{where}{error}")
         return lines
@@ -111,7 +116,7 @@ class Table:
 
 
 def _present(value) -> bool:
-    if value is None:
+    if value is None or value is pd.NA:
         return False
     if isinstance(value, float) and math.isnan(value):
         return False
@@ -183,7 +188,7 @@ def expand_dense(runs: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
     if dense.empty or sparse.empty:
         return runs
     for axis in axes:
-        if axis not in runs or axis == "ratio":
+        if axis not in runs or axis not in DENSE_IRRELEVANT:
             continue
         values = sorted({v for v in sparse[axis].dropna().unique() if v != NOT_APPLICABLE}, key=str)
         if not values:
@@ -194,9 +199,7 @@ def expand_dense(runs: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
             mask = copy[axis] == NOT_APPLICABLE
             copy.loc[mask, axis] = value
             pieces.append(copy)
-        dense = pd.concat(pieces, ignore_index=True).drop_duplicates(
-            subset=[c for c in dense.columns if c in (*AXES, REPLICATE, "run_dir")]
-        )
+        dense = pd.concat(pieces, ignore_index=True)
     return pd.concat([dense, sparse], ignore_index=True)
 
 
@@ -220,7 +223,9 @@ def sort_rows(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     def key(column: pd.Series):
         if column.name == "scheme":
             return column.map(lambda v: SCHEME_ORDER.get(v, 9))
-        return column.map(lambda v: (0, float(v)) if _is_number(v) else (1, str(v)))
+        return column.map(
+            lambda v: (0, float(v), "") if _is_number(v) else (1, VALUE_ORDER.get(v, 9), str(v))
+        )
 
     return frame.sort_values(by=list(by), key=key, kind="stable").reset_index(drop=True)
 
@@ -285,7 +290,7 @@ def pivot_table(
     data = summarize(expanded, [*by_rows, *([column] if column else [])], metrics)
     display_rows = []
     row_keys = data[by_rows].drop_duplicates()
-    column_values = list(data[column].drop_duplicates()) if column else []
+    column_values = list(sort_rows(data[[column]].drop_duplicates(), [column])[column]) if column else []
     for key in row_keys.itertuples(index=False):
         mask = (data[by_rows] == pd.Series(key._asdict())).all(axis=1)
         entry = {LABELS.get(a, a): _display_axis(a, v) for a, v in zip(by_rows, key)}

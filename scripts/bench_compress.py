@@ -1,0 +1,147 @@
+"""Compressor benchmark: ms and "gradient copies" for every scheme x scope, with error feedback.
+
+Measures, on the ResNet-18 (CIFAR) gradient (11,173,962 floats, real tensor shapes):
+  compress+EF  = memory += grad; choose k entries; gather values; zero them in memory
+  decompress   = out.zero_(); expand positions; out[idx] += values
+next to references measured in the same run: one ``out.copy_(g)`` (the unit), an EF add,
+``torch.topk(g.abs(), k)``, ``torch.randperm(n)[:k]`` and numpy ``choice(n, k, replace=False)``.
+
+    python scripts/bench_compress.py --threads 1 --repeats 7 --ratio 0.01 --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from sparsetrain.compress import ErrorFeedback, Layout, get_compressor, step_seed
+
+
+def resnet18_shapes() -> list[tuple[int, ...]]:
+    """Parameter shapes of the CIFAR ResNet-18 (from sparsetrain.models when it is there)."""
+    try:
+        from sparsetrain.models import build_model
+
+        return [tuple(p.shape) for p in build_model("resnet18", 3, 10).parameters()]
+    except Exception:  # noqa: BLE001  (fall back to the hard-coded list)
+        pass
+    shapes = [(64, 3, 3, 3), (64,), (64,)]
+    cin = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for j in range(2):
+            s = stride if j == 0 else 1
+            shapes += [(width, cin, 3, 3), (width,), (width,), (width, width, 3, 3), (width,), (width,)]
+            if s != 1 or cin != width:
+                shapes += [(width, cin, 1, 1), (width,), (width,)]
+            cin = width
+    return shapes + [(10, 512), (10,)]
+
+
+def timeit(fn, repeats: int, device: torch.device) -> float:
+    """Median milliseconds over ``repeats`` calls after one warm-up call."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int) -> dict:
+    shapes = resnet18_shapes()
+    layout = Layout.from_sizes([int(np.prod(s)) for s in shapes])
+    n = layout.total
+    k = max(1, round(ratio * n))
+    gen = torch.Generator(device=device).manual_seed(0)
+    g = torch.randn(n, generator=gen, device=device)
+    out = torch.empty_like(g)
+    mem = torch.zeros_like(g)
+    copy_ms = timeit(lambda: out.copy_(g), repeats, device)
+    ref = {
+        "copy": copy_ms,
+        "ef_add": timeit(lambda: mem.add_(g), repeats, device),
+        "torch.topk(g.abs(),k)": timeit(lambda: torch.topk(g.abs(), k), max(3, repeats // 2), device),
+        "torch.randperm(n)[:k]": timeit(lambda: torch.randperm(n, device=device)[:k], max(3, repeats // 2), device),
+    }
+    if device.type == "cpu":
+        legacy = np.random.RandomState(0)  # np.random.choice, as in the PowerSGD code
+        ref["np.random.choice(replace=False)"] = timeit(lambda: legacy.choice(n, k, replace=False), 3, device)
+        rng = np.random.default_rng(0)  # numpy's newer Generator: O(k) for k << n
+        ref["np Generator.choice(replace=False)"] = timeit(lambda: rng.choice(n, k, replace=False), 3, device)
+    rows = []
+    for scheme in ("none", "topk", "randk", "blockk"):
+        for scope in ("layerwise", "global"):
+            opts = {"block_size": block_size} if scheme == "blockk" else {}
+            comp = get_compressor(scheme)(ratio, layout, scope, device=device, **opts)
+            ef = ErrorFeedback(n, device=device)
+            values = torch.empty(comp.k, device=device)
+            step = [0]
+
+            def compress_ef(ef=ef, comp=comp, values=values, step=step):
+                step[0] += 1
+                return ef.step(g, comp, seed=step_seed(0, step[0]), out=values)
+
+            c_ms = timeit(compress_ef, repeats, device)
+            payload = compress_ef()
+
+            def decompress(comp=comp, payload=payload):
+                out.zero_()
+                comp.decompress_add(payload.values, payload.positions, out)
+
+            d_ms = timeit(decompress, repeats, device)
+            rows.append({"scheme": scheme, "scope": scope, "k": comp.k,
+                         "compress_ef_ms": c_ms, "compress_ef_copies": c_ms / copy_ms,
+                         "decompress_ms": d_ms, "decompress_copies": d_ms / copy_ms})
+    return {"device": str(device), "numel": n, "k": k, "tensors": len(shapes),
+            "references_ms": ref, "references_copies": {a: b / copy_ms for a, b in ref.items()},
+            "schemes": rows}
+
+
+def print_table(res: dict) -> None:
+    print(f"\n== {res['device']}: n={res['numel']:,} ({res['tensors']} tensors), k={res['k']:,} ==")
+    print(f"{'reference':<36}{'ms':>10}{'copies':>10}")
+    for name, ms in res["references_ms"].items():
+        print(f"{name:<36}{ms:>10.2f}{res['references_copies'][name]:>10.1f}")
+    print(f"\n{'scheme':<8}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
+    for r in res["schemes"]:
+        print(f"{r['scheme']:<8}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
+              f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--no-cuda", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available() and not args.no_cuda:
+        devices.append(torch.device("cuda"))
+    results = {"threads": args.threads, "repeats": args.repeats, "ratio": args.ratio,
+               "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+               "runs": []}
+    for dev in devices:
+        res = bench_device(dev, args.ratio, args.repeats, args.block_size)
+        print_table(res)
+        results["runs"].append(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Results files into tables and figures for the paper's research questions.
+
+    >>> from sparsetrain import analysis as sa
+    >>> runs = sa.load_runs("results/rq1_scope")          # one row per run, failed ones flagged
+    >>> sa.rq1_scope_table(runs)                           # mean ± std (n) over seeds, missing named
+    >>> sa.write_report("results", out="figures")          # every table and figure
+
+Imports no torch: everything here reads the files that the trainer's rank 0 writes.
+"""
+
+from .figures import (
+    plot_accuracy_vs_bytes,
+    plot_accuracy_vs_epoch,
+    plot_time_per_phase,
+    plot_workers,
+    save_figure,
+    style,
+)
+from .loader import (
+    AXES,
+    DENSE,
+    PHASES,
+    completed,
+    expected_grid,
+    find_run_dirs,
+    load_curves,
+    load_runs,
+    not_completed,
+    row_from_summary,
+)
+from . import report
+from .report import STUDIES, build_figures, build_tables, resolve_results, study_of, write_report
+from .tables import (
+    TABLES,
+    Table,
+    rq1_scope_table,
+    rq2_scheme_table,
+    rq3_aggregation_table,
+    rq4_workers_table,
+    rq5_speed_table,
+    status_table,
+    summarize,
+    write_table,
+)
+from .wandb_runs import load_wandb_runs
+
+__all__ = [
+    "AXES", "DENSE", "PHASES", "STUDIES", "TABLES", "Table", "build_figures", "build_tables",
+    "completed", "expected_grid", "find_run_dirs", "load_curves", "load_runs", "load_wandb_runs",
+    "not_completed", "plot_accuracy_vs_bytes", "plot_accuracy_vs_epoch", "plot_time_per_phase",
+    "plot_workers", "resolve_results", "row_from_summary", "rq1_scope_table", "rq2_scheme_table",
+    "rq3_aggregation_table", "rq4_workers_table", "rq5_speed_table", "save_figure", "status_table", "study_of",
+    "style", "summarize", "write_report", "write_table",
+]

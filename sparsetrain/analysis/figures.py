@@ -1,0 +1,274 @@
+"""Figures for the research questions, in one style, saved as PNG and PDF.
+
+Figures are built on ``matplotlib.figure.Figure`` directly (no pyplot), so they render the same
+headless, in scripts and in notebooks, and never open a window. Each ``plot_*`` returns the figure;
+``save_figure`` writes it.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from .loader import DENSE, NOT_APPLICABLE, PHASES, REPLICATE, completed
+from .tables import LABELS, SCHEME_NAMES, SCHEME_ORDER, expand_dense, sort_rows, summarize, varying_axes
+
+# Okabe-Ito colours: distinguishable with colour-blindness and in greyscale print.
+SCHEME_COLORS = {DENSE: "#222222", "topk": "#0072B2", "randk": "#E69F00", "blockk": "#009E73"}
+PHASE_COLORS = {
+    "data": "#BBBBBB", "forward": "#56B4E9", "backward": "#0072B2", "compress": "#E69F00",
+    "exchange": "#D55E00", "decompress": "#F0E442", "optimizer": "#009E73", "other": "#EEEEEE",
+}
+LINESTYLES = ["-", "--", ":", "-."]
+MARKERS = ["o", "s", "^", "D", "v", "P"]
+STYLE = {
+    "figure.dpi": 100,
+    "savefig.dpi": 150,
+    "savefig.bbox": "tight",
+    "font.size": 10,
+    "axes.titlesize": 10,
+    "axes.labelsize": 10,
+    "legend.fontsize": 8,
+    "legend.frameon": False,
+    "axes.grid": True,
+    "grid.alpha": 0.3,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+    "lines.linewidth": 1.6,
+    "lines.markersize": 5,
+    "pdf.fonttype": 42,  # embed TrueType: text stays editable and searchable in the PDF
+}
+MAX_PANELS = 12
+
+
+@contextmanager
+def style():
+    with matplotlib.rc_context(STYLE):
+        yield
+
+
+def _new_figure(ncols: int = 1, nrows: int = 1, width: float = 4.2, height: float = 3.2) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(width * ncols, height * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    return fig, axes
+
+
+def save_figure(fig: Figure, out: str | Path, name: str) -> dict[str, Path]:
+    """Write ``<name>.png`` and ``<name>.pdf`` into ``out``; return their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    with style():
+        for ext in ("png", "pdf"):
+            paths[ext] = out / f"{name}.{ext}"
+            fig.savefig(paths[ext])
+    return paths
+
+
+def _scheme_sort(values) -> list:
+    return sorted(values, key=lambda v: (SCHEME_ORDER.get(v, 9), str(v)))
+
+
+def _label(axis: str, value) -> str:
+    if axis == "scheme":
+        return SCHEME_NAMES.get(value, str(value))
+    if axis in ("scope", "aggregation"):
+        return str(value)
+    return f"{LABELS.get(axis, axis)}={value}"
+
+
+def _empty(fig: Figure, ax, message: str) -> Figure:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes)
+    ax.set_axis_off()
+    return fig
+
+
+def _facets(frame: pd.DataFrame, axes: list[str]) -> list[tuple[str, pd.DataFrame]]:
+    if not axes:
+        return [("", frame)]
+    out = []
+    keys = sort_rows(frame[axes].drop_duplicates(), axes)
+    for key in keys.itertuples(index=False):
+        mask = (frame[axes] == pd.Series(dict(zip(axes, key)))).all(axis=1)
+        out.append((", ".join(_label(a, v) for a, v in zip(axes, key)), frame[mask]))
+    if len(out) > MAX_PANELS:
+        raise ValueError(
+            f"{len(out)} panels (one per {', '.join(axes)}): select fewer runs before plotting"
+        )
+    return out
+
+
+def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", facet: list[str] | None = None) -> Figure:
+    """Test accuracy vs epoch, one line per scheme (mean over seeds, band = ±1 std).
+
+    One panel per value of the other axes that vary (scope, ratio, ...), or of ``facet``.
+    """
+    with style():
+        if curves.empty or metric not in curves:
+            fig, axes = _new_figure()
+            return _empty(fig, axes[0, 0], "no epoch records")
+        curves = curves.dropna(subset=[metric])
+        facet = facet if facet is not None else varying_axes(curves, exclude=("scheme",))
+        curves = expand_dense(curves, facet)
+        panels = _facets(curves, facet)
+        ncols = min(len(panels), 3)
+        nrows = math.ceil(len(panels) / ncols)
+        fig, axes = _new_figure(ncols, nrows)
+        scale = 100.0 if "accuracy" in metric else 1.0
+        for ax, (title, panel) in zip(axes.flat, panels):
+            for scheme in _scheme_sort(panel["scheme"].unique()):
+                lines = panel[panel["scheme"] == scheme]
+                per_seed = lines.groupby([REPLICATE, "epoch"], dropna=False)[metric].mean().reset_index()
+                stats = per_seed.groupby("epoch")[metric].agg(["mean", "std", "count"]).reset_index()
+                color = SCHEME_COLORS.get(scheme)
+                n = int(stats["count"].max())
+                ax.plot(stats["epoch"], stats["mean"] * scale, color=color, marker="o", markersize=3,
+                        label=f"{SCHEME_NAMES.get(scheme, scheme)} (n={n})")
+                std = stats["std"].fillna(0.0)
+                ax.fill_between(stats["epoch"], (stats["mean"] - std) * scale,
+                                (stats["mean"] + std) * scale, color=color, alpha=0.15, linewidth=0)
+            ax.set_title(title)
+            ax.set_xlabel("epoch")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(LABELS.get(metric, metric))
+            ax.legend(loc="lower right")
+        for ax in list(axes.flat)[len(panels):]:
+            ax.set_axis_off()
+        return fig
+
+
+def _config_labels(frame: pd.DataFrame, axes: list[str]) -> list[str]:
+    return [", ".join(_label(a, row[a]) for a in axes if row[a] != NOT_APPLICABLE) for _, row in frame.iterrows()]
+
+
+def plot_time_per_phase(runs: pd.DataFrame) -> Figure:
+    """Stacked horizontal bars: mean ms per step in each phase, per configuration.
+
+    The step's time not covered by a named phase shows as ``other``; the error bar is ±1 std of
+    the step time over seeds.
+    """
+    with style():
+        done = completed(runs)
+        phases = [p for p in PHASES if p != "step" and f"time_{p}_ms" in done]
+        if done.empty or "time_step_ms" not in done or done["time_step_ms"].isna().all():
+            fig, axes = _new_figure()
+            return _empty(fig, axes[0, 0], "no timings")
+        by = ["scheme", *varying_axes(done, exclude=("scheme",))]
+        data = summarize(done, by, [f"time_{p}_ms" for p in phases] + ["time_step_ms"])
+        labels = _config_labels(data, by)
+        fig, axes = _new_figure(width=7.0, height=0.9 + 0.38 * len(data))
+        ax = axes[0, 0]
+        y = np.arange(len(data))[::-1]
+        left = np.zeros(len(data))
+        for phase in phases:
+            values = data[f"time_{phase}_ms_mean"].fillna(0.0).to_numpy()
+            ax.barh(y, values, left=left, color=PHASE_COLORS[phase], label=phase, edgecolor="white", linewidth=0.5)
+            left += values
+        step = data["time_step_ms_mean"].to_numpy()
+        other = np.clip(step - left, 0.0, None)
+        if (other > 0.01 * np.nanmax(step)).any():
+            ax.barh(y, other, left=left, color=PHASE_COLORS["other"], label="other", edgecolor="white", linewidth=0.5)
+        spread = data["time_step_ms_std"].fillna(0.0).to_numpy()
+        ax.errorbar(step, y, xerr=spread, fmt="none", ecolor="black", capsize=3, linewidth=1)
+        for yi, total, error in zip(y, step, spread):
+            ax.text(total + error, yi, f"  {total:.0f} ms", va="center", fontsize=8)
+        ax.set_yticks(y, labels)
+        ax.set_xlabel("time per step (ms, mean after warm-up)")
+        ax.set_xlim(0, np.nanmax(step + spread) * 1.2)
+        ax.grid(axis="y", visible=False)
+        ax.legend(ncols=min(len(phases) + 1, 8), loc="upper center", bbox_to_anchor=(0.5, -0.12 - 0.3 / max(len(data), 1)))
+        return fig
+
+
+def _style_keys(frame: pd.DataFrame, axes: list[str]) -> dict:
+    values = sorted({tuple(row) for row in frame[axes].astype(str).itertuples(index=False)}) if axes else [()]
+    return {v: i for i, v in enumerate(values)}
+
+
+def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
+    """Test accuracy vs bytes each worker sends per step (log scale), colour = scheme."""
+    with style():
+        done = completed(runs).dropna(subset=["test_accuracy", "bytes_sent_per_step"])
+        fig, axes = _new_figure(width=5.5, height=3.8)
+        ax = axes[0, 0]
+        if done.empty:
+            return _empty(fig, ax, "no completed runs with accuracy and bytes")
+        others = varying_axes(done, exclude=("scheme",))
+        data = summarize(done, ["scheme", *others], ["test_accuracy", "bytes_sent_per_step"])
+        marker_axes = [a for a in others if a != "ratio"]
+        markers = _style_keys(data, marker_axes)
+        for _, row in data.iterrows():
+            key = tuple(str(row[a]) for a in marker_axes)
+            ax.errorbar(row["bytes_sent_per_step_mean"], row["test_accuracy_mean"] * 100,
+                        yerr=0.0 if math.isnan(row["test_accuracy_std"]) else row["test_accuracy_std"] * 100,
+                        fmt=MARKERS[markers[key] % len(MARKERS)], color=SCHEME_COLORS.get(row["scheme"]),
+                        capsize=3, markersize=6)
+            if "ratio" in others and row["scheme"] != DENSE:
+                ax.annotate(f"{row['ratio']:g}", (row["bytes_sent_per_step_mean"], row["test_accuracy_mean"] * 100),
+                            textcoords="offset points", xytext=(5, 3), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes sent per step per worker (log)")
+        ax.set_ylabel(LABELS["test_accuracy"])
+        handles = [Line2D([], [], color=SCHEME_COLORS.get(s), marker="o", linestyle="", label=SCHEME_NAMES.get(s, s))
+                   for s in _scheme_sort(data["scheme"].unique())]
+        if marker_axes:
+            handles += [Line2D([], [], color="grey", marker=MARKERS[i % len(MARKERS)], linestyle="",
+                               label=", ".join(k for k in key if k != NOT_APPLICABLE) or "dense")
+                        for key, i in markers.items()]
+        ax.legend(handles=handles, loc="best")
+        return fig
+
+
+def plot_workers(runs: pd.DataFrame) -> Figure:
+    """Test accuracy (left) and time per step (right) vs number of workers, one line per setting."""
+    with style():
+        done = completed(runs)
+        fig, axes = _new_figure(ncols=2)
+        if done.empty:
+            _empty(fig, axes[0, 1], "")
+            return _empty(fig, axes[0, 0], "no completed runs")
+        others = [a for a in varying_axes(done, exclude=("scheme", "world_size"))]
+        by = ["scheme", *others, "world_size"]
+        data = summarize(expand_dense(done, others), by, ["test_accuracy", "time_step_ms"])
+        data["world_size"] = pd.to_numeric(data["world_size"], errors="coerce")
+        styles = _style_keys(data, others)
+        panels = (("test_accuracy", 100.0, LABELS["test_accuracy"]), ("time_step_ms", 1.0, LABELS["time_step_ms"]))
+        for ax, (metric, scale, ylabel) in zip(axes[0], panels):
+            for key, group in data.groupby(["scheme", *others], sort=False, dropna=False):
+                key = key if isinstance(key, tuple) else (key,)
+                group = group.sort_values("world_size")
+                index = styles[tuple(str(k) for k in key[1:])]
+                label = ", ".join(_label(a, v) for a, v in zip(["scheme", *others], key) if v != NOT_APPLICABLE)
+                std = group[f"{metric}_std"].fillna(0.0) * scale
+                ax.errorbar(group["world_size"], group[f"{metric}_mean"] * scale, yerr=std, label=label,
+                            color=SCHEME_COLORS.get(key[0]), linestyle=LINESTYLES[index % len(LINESTYLES)],
+                            marker=MARKERS[index % len(MARKERS)], capsize=3)
+            ax.set_xscale("log", base=2)
+            ticks = sorted(data["world_size"].dropna().unique())
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.set_xlabel("workers")
+            ax.set_ylabel(ylabel)
+        axes[0, 0].legend(loc="best")
+        return fig
+
+
+FIGURES = {
+    "accuracy_vs_epoch": "curves",
+    "time_per_phase": "runs",
+    "accuracy_vs_bytes": "runs",
+    "workers": "runs",
+}
+PLOTS = {
+    "accuracy_vs_epoch": plot_accuracy_vs_epoch,
+    "time_per_phase": plot_time_per_phase,
+    "accuracy_vs_bytes": plot_accuracy_vs_bytes,
+    "workers": plot_workers,
+}

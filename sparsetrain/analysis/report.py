@@ -1,0 +1,103 @@
+"""One call from results folders to every table and figure: what the CLI and notebooks run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from .figures import PLOTS, save_figure
+from .loader import load_curves, load_runs
+from .tables import TABLES, Table, status_table, write_table
+
+# Each study (an experiment preset, a sweep) and the tables and figures that answer it.
+STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "rq1_scope": (("rq1_scope",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
+    "rq2_scheme": (("rq2_scheme",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
+    "rq3_aggregation": (("rq3_aggregation",), ("accuracy_vs_epoch", "workers")),
+    "rq4_workers": (("rq4_workers",), ("accuracy_vs_epoch", "workers")),
+    "rq5_speed": (("rq5_speed",), ("time_per_phase", "accuracy_vs_bytes")),
+}
+ALL = (tuple(TABLES), tuple(PLOTS))
+
+
+def study_of(experiment) -> str | None:
+    """``paper/rq1_scope`` and ``rq1_scope`` both answer RQ1."""
+    if not isinstance(experiment, str) or not experiment:
+        return None
+    name = experiment.rsplit("/", 1)[-1]
+    for prefix in ("paper_", "cpu_"):
+        name = name.removeprefix(prefix)
+    return name if name in STUDIES else None
+
+
+def resolve_results(results: str | Path, study: str | None = None) -> Path:
+    """``results/<study>`` when it exists, else ``results``: one folder serves every notebook."""
+    results = Path(results)
+    if study and (results / study).is_dir():
+        return results / study
+    return results
+
+
+def build_tables(runs: pd.DataFrame, names=None, include_failed: bool = False) -> list[Table]:
+    return [TABLES[name](runs, include_failed=include_failed) for name in (names or TABLES)]
+
+
+def build_figures(runs: pd.DataFrame, curves: pd.DataFrame, names=None) -> dict:
+    figures = {}
+    for name in names or PLOTS:
+        figures[name] = PLOTS[name](curves if name == "accuracy_vs_epoch" else runs)
+    return figures
+
+
+def report_group(runs: pd.DataFrame, curves: pd.DataFrame, out: Path, study: str | None,
+                 include_failed: bool = False) -> tuple[list[Table], list[Path]]:
+    """Tables and figures of one study (all of them for runs of no known study) into ``out``."""
+    table_names, figure_names = STUDIES.get(study, ALL) if study else ALL
+    tables = build_tables(runs, table_names, include_failed)
+    written: list[Path] = []
+    for table in tables:
+        written += write_table(table, out).values()
+    for name, fig in build_figures(runs, curves, figure_names).items():
+        written += save_figure(fig, out, name).values()
+    return tables, written
+
+
+def _group_name(row) -> str:
+    return study_of(row) or (row if isinstance(row, str) and row else "runs")
+
+
+def write_report(*paths: str | Path, out: str | Path, include_failed: bool = False,
+                 study: str | None = None, echo=None) -> list[Path]:
+    """Tables (md/csv/tex) and figures (png/pdf) for the runs under ``paths``, into ``out``.
+
+    Runs are grouped by experiment preset; with one group the files go straight into ``out``,
+    with several each group gets ``out/<study>/`` and ``out/status.md`` counts runs by status.
+    ``study`` forces one study's tables and figures on all runs. ``echo`` (e.g. ``print``) gets
+    every table's Markdown. Raises ``LookupError`` when no runs are found.
+    """
+    out = Path(out)
+    runs = load_runs(*paths)
+    if runs.empty:
+        raise LookupError(f"no runs found under {', '.join(map(str, paths))}")
+    curves = load_curves(*paths, include_failed=include_failed)
+    if study:
+        groups = {study: (runs, curves)}
+    else:
+        names = runs["experiment"].map(_group_name)
+        curve_names = curves["experiment"].map(_group_name) if not curves.empty else pd.Series(dtype=str)
+        groups = {name: (runs[names == name], curves[curve_names == name] if not curves.empty else curves)
+                  for name in sorted(names.unique())}
+    written: list[Path] = []
+    for name, (group_runs, group_curves) in groups.items():
+        target = out if len(groups) == 1 else out / name
+        tables, files = report_group(group_runs, group_curves, target, study_of(name) or study, include_failed)
+        written += files
+        if echo:
+            for table in tables:
+                echo(table.to_markdown())
+    status = status_table(runs)
+    written += write_table(status, out).values()
+    if echo:
+        echo(status.to_markdown())
+    return written

@@ -1,0 +1,47 @@
+"""Core library: gradient compressors and error feedback as plain tensor code.
+
+No torch.distributed, no Hydra: usable from any training loop::
+
+    from sparsetrain.compress import ErrorFeedback, Layout, get_compressor
+
+    layout = Layout.from_tensors(model.parameters())
+    comp = get_compressor("blockk")(0.01, layout, "layerwise")
+    ef = ErrorFeedback(layout.total)
+    payload = ef.step(flat_grad, comp, seed=step_seed(0, step))   # values + positions to send
+    update = comp.decompress(payload.values, payload.positions)   # dense, zeros elsewhere
+"""
+
+from sparsetrain.compress import schemes as _schemes  # noqa: F401  (registers the schemes)
+from sparsetrain.compress.base import (
+    SCOPES,
+    Compressor,
+    Payload,
+    available,
+    get_compressor,
+    k_for,
+    register,
+    step_seed,
+)
+from sparsetrain.compress.feedback import ErrorFeedback
+from sparsetrain.compress.layout import Layout, as_layout
+from sparsetrain.compress.sampling import DistinctSampler
+from sparsetrain.compress.schemes import BlockRandomK, NoCompression, RandomK, TopK
+
+__all__ = [
+    "SCOPES",
+    "BlockRandomK",
+    "Compressor",
+    "DistinctSampler",
+    "ErrorFeedback",
+    "Layout",
+    "NoCompression",
+    "Payload",
+    "RandomK",
+    "TopK",
+    "as_layout",
+    "available",
+    "get_compressor",
+    "k_for",
+    "register",
+    "step_seed",
+]

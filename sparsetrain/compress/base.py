@@ -1,0 +1,172 @@
+"""The compressor interface, its registry, and per-step seeds.
+
+A compressor chooses, from one flat accumulated vector ``acc``, which ``k`` entries to send. It
+knows ``k`` at construction, so every rank's payload has the same size, and it describes the
+chosen entries by ``positions``: what travels on the wire (entry indices for top-k and random-k,
+run or block start offsets for block-random-k). ``indices(positions)`` expands them back to the
+``k`` entry indices, in the order of ``values``.
+
+Adding a scheme = one class decorated with ``@register("name")`` + one ``conf/scheme/name.yaml``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparsetrain.compress.layout import Layout, as_layout
+
+SCOPES = ("layerwise", "global")
+
+_REGISTRY: dict[str, type[Compressor]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a compressor available as ``get_compressor(name)``."""
+
+    def deco(cls):
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"compressor {name!r} is already registered by {_REGISTRY[name]}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def get_compressor(name: str) -> type[Compressor]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(
+            f"scheme={name!r} is not a known compressor; allowed: {', '.join(available())}"
+        ) from None
+
+
+def available() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def k_for(ratio: float, numel: int) -> int:
+    """Entries kept out of ``numel``: max(1, round(ratio * numel)), at most numel."""
+    return min(numel, max(1, round(ratio * numel)))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(base_seed: int, step: int, rank: int | None = None) -> int:
+    """Seed for one step's random positions.
+
+    ``rank=None`` gives the shared seed (identical on every rank: AllReduce of values);
+    a rank gives a seed that differs per rank (AllGather). Result fits torch's manual_seed.
+    """
+    x = _splitmix64(int(base_seed) & _MASK64)
+    x = _splitmix64(x ^ (int(step) & _MASK64))
+    if rank is not None:
+        x = _splitmix64(x ^ _splitmix64(0x5EED0000 + int(rank)))
+    return x & ((1 << 63) - 1)
+
+
+@dataclass
+class Payload:
+    """What one rank sends in one step.
+
+    values: the k sent entries (in the order of ``indices``).
+    positions: what travels on the wire to describe them (int64 here; packed narrower by the
+        exchange).
+    indices: the k entry indices in the flat buffer, already expanded (sender-side cache).
+    """
+
+    values: torch.Tensor
+    positions: torch.Tensor
+    indices: torch.Tensor | None
+
+
+class Compressor:
+    """Base class. Subclasses set ``shared_positions`` and implement ``select``/``indices``.
+
+    Parameters: ``ratio`` in (0, 1]; ``layout`` of the flat buffer; ``scope`` ``"layerwise"``
+    (each segment its own k) or ``"global"`` (one k over the whole buffer); ``device`` where the
+    flat buffer lives; ``options`` scheme-specific (e.g. ``block_size``).
+    """
+
+    name: ClassVar[str] = "?"
+    #: True when every rank can draw the same positions from a shared seed, so only values need
+    #: summing (AllReduce). False when positions depend on the data (top-k).
+    shared_positions: ClassVar[bool] = True
+    #: True when ``select`` ignores the seed (deterministic in the data).
+    deterministic: ClassVar[bool] = False
+
+    def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
+        if not 0.0 < float(ratio) <= 1.0:
+            raise ValueError(f"ratio={ratio!r} is outside (0, 1]")
+        if scope not in SCOPES:
+            raise ValueError(f"scope={scope!r} is not allowed; allowed: {', '.join(SCOPES)}")
+        self.ratio = float(ratio)
+        self.full_layout = as_layout(layout)
+        self.scope = scope
+        self.layout: Layout = self.full_layout if scope == "layerwise" else self.full_layout.merged()
+        self.numel = self.full_layout.total
+        self.device = torch.device(device)
+        self.ks: list[int] = [k_for(self.ratio, n) for n in self.layout.sizes]
+        self.k: int = sum(self.ks)
+        if options:
+            raise TypeError(f"{type(self).__name__} got unknown options {sorted(options)}")
+
+    # --- what subclasses provide -------------------------------------------------------------
+    @property
+    def num_positions(self) -> int:
+        """How many integers describe one payload on the wire."""
+        return self.k
+
+    def select(self, acc: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``(positions, indices)`` for this step (both int64)."""
+        raise NotImplementedError
+
+    def indices(self, positions: torch.Tensor) -> torch.Tensor:
+        """Expand wire positions to the k entry indices (int64), in the order of values."""
+        return positions.long()
+
+    # --- shared behaviour ----------------------------------------------------------------------
+    @property
+    def max_position(self) -> int:
+        """Largest value a position can take (decides int32 vs int64 on the wire)."""
+        return self.numel - 1
+
+    def compress(self, acc: torch.Tensor, seed: int = 0, out: torch.Tensor | None = None) -> Payload:
+        """Choose what to send from the flat vector ``acc``. Does not modify ``acc``.
+
+        ``out``: optional preallocated (k,) buffer for the values (e.g. a slice of a send buffer).
+        """
+        positions, idx = self.select(acc, seed)
+        values = torch.index_select(acc, 0, idx, out=out) if out is not None else acc[idx]
+        return Payload(values, positions, idx)
+
+    def decompress_add(
+        self,
+        values: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out[indices] += values`` (duplicates accumulate). Returns ``out``."""
+        idx = indices if indices is not None else self.indices(positions)
+        return out.index_add_(0, idx, values.to(out.dtype))
+
+    def decompress(self, values, positions, *, indices=None, dtype=None) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=dtype or values.dtype, device=values.device)
+        return self.decompress_add(values, positions, out, indices=indices)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(ratio={self.ratio}, scope={self.scope!r}, k={self.k}, n={self.numel})"

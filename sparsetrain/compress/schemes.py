@@ -1,0 +1,252 @@
+"""The schemes: none, topk, randk, blockk.
+
+All work on one flat buffer described by a Layout. ``scope="layerwise"`` gives every segment
+(parameter tensor) its own k_i = max(1, round(ratio * numel_i)); ``scope="global"`` one
+k = max(1, round(ratio * total)) over the whole buffer. Hot paths are vectorised over segments
+with per-entry tables built once; scratch buffers are allocated once and reused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sparsetrain.compress.base import Compressor, Payload, register
+from sparsetrain.compress.sampling import DistinctSampler
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen
+
+
+@register("none")
+class NoCompression(Compressor):
+    """Sends everything (dense SGD expressed as a compressor)."""
+
+    shared_positions = True
+    deterministic = True
+
+    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", **kw):
+        super().__init__(ratio, layout, scope, **kw)
+        self.ks = list(self.layout.sizes)
+        self.k = self.numel
+
+    @property
+    def num_positions(self) -> int:
+        return 0
+
+    def select(self, acc, seed):
+        return (
+            torch.empty(0, dtype=torch.int64, device=acc.device),
+            torch.arange(self.numel, device=acc.device),
+        )
+
+    def compress(self, acc, seed=0, out=None) -> Payload:
+        values = out.copy_(acc) if out is not None else acc.clone()
+        return Payload(values, torch.empty(0, dtype=torch.int64, device=acc.device), None)
+
+    def indices(self, positions):
+        return torch.arange(self.numel, device=positions.device)
+
+    def decompress_add(self, values, positions, out, *, indices=None):
+        return out.add_(values.to(out.dtype))
+
+
+@register("topk")
+class TopK(Compressor):
+    """Exact top-k by magnitude: the same set as ``torch.topk(acc.abs(), k)`` (ties aside),
+    per segment (layerwise) or over the whole vector (global).
+
+    Fast path: a per-segment threshold is estimated from a fixed random sample of |acc| so that
+    about 1.3-2x k entries pass it; one pass marks the candidates, and an exact ``torch.topk`` on
+    the small candidate set picks the k. A segment with fewer than k candidates (threshold
+    estimate too high: rare) falls back to an exact topk on the whole segment. Small segments
+    skip the estimate and use all their entries as candidates.
+    """
+
+    shared_positions = False
+    deterministic = True
+    SMALL = 8192  # segments up to this size: every entry is a candidate
+
+    def __init__(self, ratio, layout, scope="layerwise", **kw):
+        super().__init__(ratio, layout, scope, **kw)
+        sizes, offsets = self.layout.sizes, self.layout.offsets
+        self.large = [s for s, n in enumerate(sizes) if n > self.SMALL]
+        self._scratch = None
+        self._mask = None
+        self._thr = [0.0] * len(sizes)
+        if self.large:
+            m = int(min(32768, max(4096, 65536 // len(self.large))))
+            gen = _generator(torch.device("cpu"), 0x70F0)
+            rows, js = [], []
+            for s in self.large:
+                n, k = sizes[s], self.ks[s]
+                rows.append(torch.randint(0, n, (m,), generator=gen) + offsets[s])
+                p = k / n
+                js.append(min(m, math.ceil(p * m + 4.0 * math.sqrt(p * m) + 4.0)))
+            self.sample_idx = torch.stack(rows).reshape(-1).to(self.device)
+            self.sample_m = m
+            self.sample_j = torch.tensor(js, dtype=torch.int64, device=self.device) - 1
+            self.sample_jmax = max(js)
+            self.sample_full = torch.tensor([j >= m for j in js], device=self.device)
+        kst, pos = [], 0
+        for k in self.ks:
+            kst.append(pos)
+            pos += k
+        self.kstarts = kst
+        self.bounds_t = torch.tensor(list(offsets) + [self.numel], dtype=torch.int64, device=self.device)
+        self.fallbacks = 0  # how often the exact full-segment fallback ran (diagnostics)
+
+    def _buffers(self, acc):
+        if self._scratch is None or self._scratch.dtype != acc.dtype:
+            n = self.numel
+            self._scratch = torch.empty(n, dtype=acc.dtype, device=acc.device)
+            self._mask = torch.zeros((n + 7) // 8 * 8, dtype=torch.bool, device=acc.device)
+            self._words_nz = torch.empty(self._mask.numel() // 8, dtype=torch.bool, device=acc.device)
+        return self._scratch, self._mask
+
+    def _thresholds(self, sc) -> list[float]:
+        thr = [0.0] * len(self.layout)
+        if not self.large:
+            return thr
+        samples = sc[self.sample_idx].view(len(self.large), self.sample_m)
+        top = torch.topk(samples, self.sample_jmax, dim=1, sorted=True).values
+        t = top.gather(1, self.sample_j.view(-1, 1)).view(-1)
+        t = torch.where(self.sample_full, torch.zeros_like(t), t)
+        for s, v in zip(self.large, t.tolist(), strict=True):
+            thr[s] = v
+        return thr
+
+    def _candidates(self, mask) -> torch.Tensor:
+        """Sorted indices of True entries: nonzero over 8-byte words first, then inside them."""
+        words = mask.view(torch.int64)
+        torch.ne(words, 0, out=self._words_nz)
+        w = self._words_nz.nonzero().view(-1)
+        loc = mask.view(-1, 8)[w].nonzero()
+        return w[loc[:, 0]].mul_(8).add_(loc[:, 1])
+
+    def select(self, acc, seed=0):
+        sc, mask = self._buffers(acc)
+        torch.abs(acc, out=sc)
+        thr = self._thresholds(sc)
+        offs, sizes = self.layout.offsets, self.layout.sizes
+        for s, t in enumerate(thr):
+            a, b = offs[s], offs[s] + sizes[s]
+            if t > 0.0:
+                torch.ge(sc[a:b], t, out=mask[a:b])
+            else:
+                mask[a:b].fill_(True)
+        cand = self._candidates(mask)
+        cb = torch.searchsorted(cand, self.bounds_t).tolist()
+        cvals = sc[cand]
+        idx = torch.empty(self.k, dtype=torch.int64, device=acc.device)
+        for s, k in enumerate(self.ks):
+            c0, c1 = cb[s], cb[s + 1]
+            dst = idx[self.kstarts[s] : self.kstarts[s] + k]
+            if c1 - c0 == k:
+                dst.copy_(cand[c0:c1])
+            elif c1 - c0 > k:
+                sel = torch.topk(cvals[c0:c1], k, sorted=False).indices
+                torch.index_select(cand[c0:c1], 0, sel, out=dst)
+            else:  # threshold estimate too high for this step: exact fallback
+                self.fallbacks += 1
+                a = offs[s]
+                sel = torch.topk(sc[a : a + sizes[s]], k, sorted=False).indices
+                torch.add(sel, a, out=dst)
+        return idx, idx
+
+
+@register("randk")
+class RandomK(Compressor):
+    """Exactly k distinct uniformly random positions per segment (layerwise) or overall (global),
+    deterministic from the seed. See ``sampling.DistinctSampler`` for the method."""
+
+    shared_positions = True
+
+    def __init__(self, ratio, layout, scope="layerwise", **kw):
+        super().__init__(ratio, layout, scope, **kw)
+        self.sampler = DistinctSampler(self.layout.sizes, self.ks, self.device)
+
+    def select(self, acc, seed):
+        idx = self.sampler.sample(_generator(acc.device, seed))
+        return idx, idx
+
+
+@register("blockk")
+class BlockRandomK(Compressor):
+    """Block-random-k (the paper's "random-block").
+
+    layerwise: one contiguous run of k_i entries per tensor, starting at a uniformly random
+    offset in [0, n_i) and wrapping around the tensor's end. Wire: one start per tensor.
+
+    global: the flat vector is cut into nb = ceil(n / block_size) blocks (the last one may be
+    shorter). A uniformly random sequence of ``min(nb, ceil(k / block_size) + 1)`` distinct
+    blocks is drawn; blocks are taken in that order, whole, until k entries are reached, and the
+    block that crosses k is cut to its leading part (later blocks contribute nothing). So exactly
+    k entries are sent, every block is equally likely to be picked, and the one extra block start
+    on the wire covers the case where the short last block is among the picks. Wire: the block
+    start offsets (one int per block).
+    """
+
+    shared_positions = True
+
+    def __init__(self, ratio, layout, scope="layerwise", *, block_size: int = 256, **kw):
+        super().__init__(ratio, layout, scope, **kw)
+        if int(block_size) != block_size or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} must be a positive integer")
+        self.block_size = int(block_size)
+        dev = self.device
+        if scope == "layerwise":
+            sizes, offs = self.layout.sizes, self.layout.offsets
+            S = len(sizes)
+            ks_t = torch.tensor(self.ks, dtype=torch.int64)
+            ent_seg = torch.repeat_interleave(torch.arange(S), ks_t)
+            kst = torch.cumsum(ks_t, 0) - ks_t
+            self.ent_seg = ent_seg.to(dev)
+            self.ent_r = (torch.arange(self.k) - kst[ent_seg]).to(dev)
+            self.ent_off = torch.tensor(offs, dtype=torch.int64)[ent_seg].to(dev)
+            self.ent_n = torch.tensor(sizes, dtype=torch.int64)[ent_seg].to(dev)
+            self.seg_n = torch.tensor(sizes, dtype=torch.float64, device=dev)
+            self.seg_nm1 = torch.tensor(sizes, dtype=torch.int64, device=dev) - 1
+        else:
+            B, n = self.block_size, self.numel
+            self.nb = -(-n // B)
+            self.nblk = min(self.nb, -(-self.k // B) + 1)
+            self.last_size = n - (self.nb - 1) * B
+            self.sampler = DistinctSampler([self.nb], [self.nblk], dev)
+            self.ar_k = torch.arange(self.k, device=dev)
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.layout) if self.scope == "layerwise" else self.nblk
+
+    @property
+    def max_position(self) -> int:
+        if self.scope == "layerwise":
+            return max(self.layout.sizes) - 1
+        return (self.nb - 1) * self.block_size
+
+    def select(self, acc, seed):
+        gen = _generator(acc.device, seed)
+        if self.scope == "layerwise":
+            u = torch.rand(len(self.layout), generator=gen, dtype=torch.float64, device=acc.device)
+            starts = torch.minimum(u.mul_(self.seg_n).long(), self.seg_nm1)
+        else:
+            starts = self.sampler.sample(gen).mul_(self.block_size)
+        return starts, self.indices(starts)
+
+    def indices(self, positions):
+        positions = positions.long()
+        if self.scope == "layerwise":
+            return (positions[self.ent_seg] + self.ent_r).remainder_(self.ent_n).add_(self.ent_off)
+        B = self.block_size
+        sizes = torch.where(positions == (self.nb - 1) * B, self.last_size, B)
+        before = torch.cumsum(sizes, 0) - sizes
+        lengths = (self.k - before).clamp_(min=0)
+        lengths = torch.minimum(lengths, sizes)
+        run_start = torch.cumsum(lengths, 0) - lengths
+        base = torch.repeat_interleave(positions - run_start, lengths, output_size=self.k)
+        return base.add_(self.ar_k)

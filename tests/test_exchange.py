@@ -1,0 +1,209 @@
+"""Exchange layer: reducers on real gloo process groups (2 ranks), checked against averages
+computed by hand from each rank's gradient, memory and chosen positions."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sparsetrain.compress import Layout, get_compressor, step_seed
+from sparsetrain.exchange import DenseReducer, SparseReducer, build_reducer, check_combination
+from sparsetrain.timing import PhaseTimer
+
+LAYOUT = Layout.from_sizes([7, 1, 300, 12001, 64])
+RATIO = 0.05
+SEED = 11
+STEPS = 3
+COMBOS = [
+    (scheme, scope, agg)
+    for scheme in ("topk", "randk", "blockk")
+    for scope in ("layerwise", "global")
+    for agg in ("allreduce", "allgather")
+    if not (scheme == "topk" and agg == "allreduce")
+]
+
+
+def grad_of(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(LAYOUT.total, generator=g, dtype=torch.float64)
+
+
+def build(scheme, scope, agg, rank, world, ratio=RATIO):
+    return build_reducer(scheme, scope, agg, ratio, LAYOUT, world_size=world, rank=rank, seed=SEED,
+                         block_size=32, dtype=torch.float64)
+
+
+def hand_reference(scheme, scope, agg, world):
+    """Per step: the average over ranks of acc_r masked to the entries rank r chose, computed
+    with dense masks and explicit memory, not with the reducer."""
+    comp = get_compressor(scheme)(RATIO, LAYOUT, scope, **({"block_size": 32} if scheme == "blockk" else {}))
+    memory = [torch.zeros(LAYOUT.total, dtype=torch.float64) for _ in range(world)]
+    outs, chosen = [], []
+    for step in range(STEPS):
+        avg = torch.zeros(LAYOUT.total, dtype=torch.float64)
+        picks = []
+        for r in range(world):
+            acc = grad_of(r, step) + memory[r]
+            seed = step_seed(SEED, step, None if agg == "allreduce" else r)
+            _, idx = comp.select(acc, seed)
+            mask = torch.zeros(LAYOUT.total, dtype=torch.bool)
+            mask[idx] = True
+            assert int(mask.sum()) == comp.k
+            avg += torch.where(mask, acc, 0.0)
+            memory[r] = torch.where(mask, 0.0, acc)
+            picks.append(mask)
+        outs.append(avg / world)
+        chosen.append(picks)
+    return outs, chosen, memory
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for scheme, scope, agg in COMBOS + [("none", "layerwise", "allreduce")]:
+            red = build(scheme, scope, agg, rank, world)
+            outs = []
+            for step in range(STEPS):
+                flat = grad_of(rank, step)
+                red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
+                outs.append(flat.clone())
+            mem = red.memory.memory.clone() if isinstance(red, SparseReducer) else None
+            results[(scheme, scope, agg)] = (outs, mem)
+        # ratio = 1: every scheme and aggregation equals dense, bit for bit (W = 2)
+        for scheme, scope, agg in COMBOS:
+            red = build(scheme, scope, agg, rank, world, ratio=1.0)
+            flat = grad_of(rank, 0)
+            red.reduce(flat, 0, PhaseTimer("cpu", warmup_steps=0))
+            results[("ratio1",) + (scheme, scope, agg)] = flat
+        torch.save(results, f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gloo")
+    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    return [torch.load(f"{path}/rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("scheme,scope,agg", COMBOS)
+def test_two_ranks_match_hand_reference(gloo_results, scheme, scope, agg):
+    ref, chosen, memory = hand_reference(scheme, scope, agg, 2)
+    for rank in range(2):
+        outs, mem = gloo_results[rank][(scheme, scope, agg)]
+        for step in range(STEPS):
+            torch.testing.assert_close(outs[step], ref[step], rtol=0, atol=1e-12)
+        torch.testing.assert_close(mem, memory[rank], rtol=0, atol=1e-12)
+    # ranks apply the identical update
+    for step in range(STEPS):
+        assert torch.equal(gloo_results[0][(scheme, scope, agg)][0][step], gloo_results[1][(scheme, scope, agg)][0][step])
+    # shared seed: same positions on both ranks; own seed: different ones
+    same = all(torch.equal(c[0], c[1]) for c in chosen)
+    assert same == (agg == "allreduce")
+
+
+def test_two_ranks_dense(gloo_results):
+    outs, _ = gloo_results[0][("none", "layerwise", "allreduce")]
+    for step in range(STEPS):
+        torch.testing.assert_close(outs[step], (grad_of(0, step) + grad_of(1, step)) / 2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme,scope,agg", COMBOS)
+def test_ratio_one_equals_dense_exactly(gloo_results, scheme, scope, agg):
+    dense = (grad_of(0, 0) + grad_of(1, 0)) / 2
+    for rank in range(2):
+        assert torch.equal(gloo_results[rank][("ratio1", scheme, scope, agg)], dense)
+
+
+@pytest.mark.parametrize("scheme,scope,agg", COMBOS)
+def test_single_process_matches_reference(scheme, scope, agg):
+    ref, _, memory = hand_reference(scheme, scope, agg, 1)
+    red = build(scheme, scope, agg, 0, 1)
+    for step in range(STEPS):
+        flat = grad_of(0, step)
+        stats = red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
+        torch.testing.assert_close(flat, ref[step], rtol=0, atol=1e-12)
+    torch.testing.assert_close(red.memory.memory, memory[0], rtol=0, atol=1e-12)
+    assert stats.memory_norm == pytest.approx(float(memory[0].norm()))
+    assert 0 < stats.compression_error < 1
+    assert stats.density == red.compressor.k / LAYOUT.total
+
+
+@pytest.mark.parametrize("scheme,scope,agg", COMBOS)
+def test_bytes_accounting(scheme, scope, agg):
+    red = build_reducer(scheme, scope, agg, 0.01, LAYOUT, world_size=1, rank=0, seed=0, block_size=32)
+    comp = red.compressor
+    assert red.dense_bytes_per_step == LAYOUT.total * 4
+    if agg == "allreduce":
+        assert red.bytes_sent_per_step == comp.k * 4
+    elif scheme == "blockk":
+        expect_pos = len(LAYOUT) if scope == "layerwise" else min(-(-LAYOUT.total // 32), -(-comp.k // 32) + 1)
+        assert red.bytes_sent_per_step == comp.k * 4 + expect_pos * 4
+    else:
+        assert red.bytes_sent_per_step == comp.k * 8  # float32 values + int32 indices
+    flat = torch.randn(LAYOUT.total)
+    assert red.reduce(flat, 0, PhaseTimer("cpu")).bytes_sent == red.bytes_sent_per_step
+
+
+def test_dense_for_none_and_state_dict():
+    red = build_reducer("none", "global", "allgather", 0.5, LAYOUT, world_size=1, rank=0, seed=0)
+    assert isinstance(red, DenseReducer) and red.bytes_sent_per_step == LAYOUT.total * 4
+    sp = build("randk", "layerwise", "allreduce", 0, 1)
+    sp.reduce(grad_of(0, 0), 0, PhaseTimer("cpu"))
+    other = build("randk", "layerwise", "allreduce", 0, 1)
+    other.load_state_dict(sp.state_dict())
+    assert torch.equal(other.memory.memory, sp.memory.memory)
+
+
+def test_error_feedback_off_keeps_memory_zero():
+    red = build_reducer("topk", "global", "allgather", 0.1, LAYOUT, world_size=1, rank=0, seed=0,
+                        error_feedback=False, dtype=torch.float64)
+    flat = grad_of(0, 0)
+    stats = red.reduce(flat, 0, PhaseTimer("cpu"))
+    assert torch.count_nonzero(red.memory.memory) == 0 and stats.memory_norm == 0.0
+    idx = torch.topk(grad_of(0, 0).abs(), red.compressor.k).indices
+    expect = torch.zeros_like(flat)
+    expect[idx] = grad_of(0, 0)[idx]
+    assert torch.equal(flat, expect)
+
+
+def test_topk_allreduce_refused_with_one_line():
+    with pytest.raises(ValueError) as err:
+        check_combination("topk", "layerwise", "allreduce", 0.01)
+    msg = str(err.value)
+    assert "\n" not in msg and "aggregation='allreduce'" in msg and "scheme='topk'" in msg and "allgather" in msg
+    with pytest.raises(ValueError, match="aggregation='allreduce'"):
+        build_reducer("topk", "global", "allreduce", 0.01, LAYOUT, world_size=1, rank=0, seed=0)
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (("bogus", "global", "allgather", 0.1), "scheme='bogus'"),
+        (("randk", "flat", "allgather", 0.1), "scope='flat'.*layerwise, global"),
+        (("randk", "global", "broadcast", 0.1), "aggregation='broadcast'.*allreduce, allgather"),
+        (("randk", "global", "allgather", 0.0), r"ratio=0.0.*\(0, 1\]"),
+        (("randk", "global", "allgather", 1.5), "ratio=1.5"),
+    ],
+)
+def test_check_combination_names_key_value_and_allowed(args, match):
+    with pytest.raises(ValueError, match=match):
+        check_combination(*args)
+
+
+def test_all_valid_combinations_pass_check():
+    for scheme, scope, agg in COMBOS:
+        check_combination(scheme, scope, agg, 0.01)
+    check_combination("none", "global", "allreduce", 1.0)

@@ -1,0 +1,143 @@
+"""torchrun, preemption-safe resume and dead ranks, end to end from the command line."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import ROOT, TINY, read_json, read_jsonl, run_cli
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def _env():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
+def _wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and sum(r["kind"] == "step" for r in read_jsonl(metrics)) >= n:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"fewer than {n} steps logged in {timeout} s")
+
+
+def _rank_processes(root_pid: int) -> dict[int, psutil.Process]:
+    ranks = {}
+    for child in psutil.Process(root_pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except psutil.Error:
+            continue
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env and "LOCAL_RANK" in env:
+            if child.cmdline() and "python" in os.path.basename(child.cmdline()[0]):
+                ranks.setdefault(int(env["RANK"]), child)
+    return ranks
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_torchrun_makes_one_run_folder(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [*TORCHRUN, "-m", "sparsetrain.run", *TINY, "world_size=2", "train.max_steps=3",
+         f"hydra.run.dir={run}"],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["status"] == "completed" and s["launcher"] == "torchrun" and s["world_size"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no stray folders from rank 1
+
+
+def test_torchrun_refuses_multirun_and_mismatched_world_size(tmp_path):
+    proc = subprocess.run([*TORCHRUN, "-m", "sparsetrain.run", "-m", *TINY, "seed=0,1"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "-m/--multirun is not allowed under torchrun" in proc.stderr
+    proc = subprocess.run([*TORCHRUN, "-m", "sparsetrain.run", *TINY, "world_size=3",
+                           f"hydra.run.dir={tmp_path / 'r'}"],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "world_size=3 contradicts the launcher: torchrun started WORLD_SIZE=2" in proc.stderr
+
+
+RESUME = (*TINY, "world_size=2", "train.epochs=2", "train.log_every=1", "train.save_model=true",
+          "data.train_size=384")  # 6 steps per epoch, 12 in all
+
+
+@pytest.mark.parametrize("scheme", ["none", "blockk"])
+def test_sigterm_then_resume_is_bit_exact(scheme, tmp_path):
+    args = (*RESUME, f"scheme={scheme}")
+    straight = run_cli(*args, f"hydra.run.dir={tmp_path / 'straight'}")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "sparsetrain.run", *args, f"hydra.run.dir={run}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _wait_for_steps(run, 8, proc)  # in the second epoch, after the first epoch's checkpoint
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    s = read_json(run / "summary.json")
+    assert s["status"] == "failed" and "SIGTERM" in s["error"], (s["error"], err[-2000:])
+    assert (run / "checkpoint.pt").exists()
+    assert s["steps"] < 12
+
+    resumed = run_cli(*args, f"hydra.run.dir={run}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["status"] == "completed" and s["steps"] == 12 and s["resumed_from_step"] > 0
+    assert not (run / "checkpoint.pt").exists()
+
+    a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
+    b = torch.load(run / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in ("time_ms", "elapsed_s")} for r in rs]  # noqa: E731
+    assert strip(read_jsonl(run / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_killed_rank_fails_the_job_quickly_and_leaves_nothing(launcher, tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, "world_size=2", "train.epochs=50", "train.log_every=1", "dist.timeout_s=30",
+            f"hydra.run.dir={run}"]
+    cmd = ([*TORCHRUN, "-m", "sparsetrain.run", *args] if launcher == "torchrun"
+           else [sys.executable, "-m", "sparsetrain.run", *args])
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_steps(run, 2, proc)
+        ranks = _rank_processes(proc.pid)
+        assert set(ranks) == {0, 1}, ranks
+        everyone = _descendants(proc.pid)
+        t0 = time.time()
+        ranks[1].kill()
+        _, err = proc.communicate(timeout=90)
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert elapsed < 60, elapsed
+    s = read_json(run / "summary.json")
+    assert s["status"] == "failed" and s["error"], s
+    time.sleep(1)
+    alive = [p for p in everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, alive

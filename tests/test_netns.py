@@ -1,0 +1,171 @@
+"""scripts/netns_cluster.py: ranks in rate-limited network namespaces, cleaned up on every exit.
+
+Needs root, `ip netns` and tc's tbf qdisc; skipped with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "netns_cluster.py"
+pytestmark = pytest.mark.netns
+
+
+def _netns_problem() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth, tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) not installed"
+    probe = f"stprobe{os.getpid() % 100000}"
+    try:
+        p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+        if p.returncode != 0:
+            return f"`ip netns add` does not work here: {p.stderr.strip()}"
+        p = subprocess.run(
+            ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+             "rate", "1gbit", "burst", "64kb", "latency", "10ms"],
+            capture_output=True, text=True, timeout=10,
+        )
+        if p.returncode != 0:
+            return f"tc tbf qdisc unavailable: {p.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=10)
+    return None
+
+
+_PROBLEM = _netns_problem()
+requires_netns = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")
+
+
+def _prefix(tag: str) -> str:
+    return f"st{tag}{os.getpid() % 100000}"
+
+
+def _leftovers(prefix: str) -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    links = os.listdir("/sys/class/net")
+    hosts = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
+    return [n for n in ns + links + hosts if n.startswith(prefix)]
+
+
+def _run(args, timeout=180, **kw):
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, **kw
+    )
+
+
+_BENCH = textwrap.dedent(
+    """
+    import datetime, json, os, subprocess, time
+    import torch, torch.distributed as dist
+    qdisc = subprocess.run(["tc", "qdisc", "show", "dev", os.environ["ST_NETNS_IFNAME"]],
+                           capture_output=True, text=True).stdout
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    x = torch.ones(MB * 2**20 // 4)
+    dist.all_reduce(torch.ones(16))  # connections up
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    dt = time.perf_counter() - t0
+    ok = bool((x == dist.get_world_size()).all())
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+           "MASTER_PORT", "GLOO_SOCKET_IFNAME", "SPARSETRAIN_LAUNCHER", "TORCHELASTIC_RUN_ID")}
+    print("RESULT " + json.dumps(dict(rank=dist.get_rank(), dt=dt, ok=ok, qdisc=qdisc, env=env)), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@requires_netns
+def test_gloo_allreduce_is_rate_limited_and_cleaned_up(tmp_path):
+    mb, rate_mbit = 4, 50
+    script = tmp_path / "bench.py"
+    script.write_text(_BENCH.replace("MB", str(mb)))
+    prefix = _prefix("t")
+    p = _run(["--nproc", "2", "--rate", f"{rate_mbit}mbit", "--prefix", prefix, "--",
+              sys.executable, str(script)])
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = [json.loads(line.split("RESULT ", 1)[1]) for line in p.stdout.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in res) == [0, 1], p.stdout
+    for r in res:
+        assert r["ok"]
+        # The shaper is really there, at the configured rate, on the rank's own veth.
+        assert "tbf" in r["qdisc"] and f"rate {rate_mbit}Mbit" in r["qdisc"], r["qdisc"]
+        e = r["env"]
+        assert e["WORLD_SIZE"] == "2" and e["MASTER_ADDR"] == "10.77.0.1"
+        assert e["GLOO_SOCKET_IFNAME"] == f"{prefix}n{r['rank']}"
+        assert e["SPARSETRAIN_LAUNCHER"] == "external" and e["TORCHELASTIC_RUN_ID"] == prefix
+        assert e["LOCAL_RANK"] == e["RANK"] == str(r["rank"])
+    # A 2-rank ring all-reduce sends the whole tensor once each way: mb MiB at rate_mbit.
+    expected = mb * 2**20 * 8 / (rate_mbit * 1e6)
+    dt = max(r["dt"] for r in res)
+    assert expected / 2 < dt < expected * 3, (dt, expected)
+    assert _leftovers(prefix) == []
+
+
+@requires_netns
+def test_failing_rank_stops_others_exits_nonzero_and_cleans_up():
+    prefix = _prefix("f")
+    t0 = time.monotonic()
+    p = _run(["--nproc", "3", "--rate", "100mbit", "--prefix", prefix, "--kill-timeout", "3", "--",
+              "bash", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; trap "" TERM; sleep 120'], timeout=60)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 3, p.stderr
+    assert elapsed < 30, elapsed  # the others were killed (they ignore SIGTERM: SIGKILL after 3 s)
+    assert "rank 1 exited with 3" in p.stderr
+    assert _leftovers(prefix) == []
+
+
+@requires_netns
+def test_sigterm_to_launcher_cleans_up():
+    prefix = _prefix("s")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and f"{prefix}-r1" not in subprocess.run(
+            ["ip", "netns", "list"], capture_output=True, text=True
+        ).stdout:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert _leftovers(prefix) == []
+
+
+@requires_netns
+def test_cleanup_subcommand_removes_leftovers_of_a_killed_run():
+    prefix = _prefix("k")
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and f"{prefix}-r1" not in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True
+    ).stdout:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.kill()  # SIGKILL: no chance to clean up
+    proc.wait()
+    assert _leftovers(prefix), "expected leftovers after SIGKILL"
+    p = _run(["cleanup", "--prefix", prefix], timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert _leftovers(prefix) == []

@@ -1,0 +1,79 @@
+"""Every notebook runs headless (nbclient) against a results tree written by the contract."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+
+from sparsetrain.analysis.notebooks import NOTEBOOKS, NOTEBOOKS_DIR, run_all_notebooks
+from test_analysis import assert_png, write_results  # the contract's fake run folders
+
+pytest.importorskip("nbclient")
+
+FIGURES = {
+    "rq1_scope": ("accuracy_vs_epoch", "accuracy_vs_bytes"),
+    "rq2_scheme": ("accuracy_vs_epoch", "accuracy_vs_bytes"),
+    "rq3_aggregation": ("accuracy_vs_epoch", "workers"),
+    "rq4_workers": ("workers", "accuracy_vs_epoch"),
+    "rq5_speed": ("time_per_phase", "accuracy_vs_bytes"),
+}
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebooks_committed_without_outputs_and_parameterised(name):
+    notebook = nbformat.read(NOTEBOOKS_DIR / f"{name}.ipynb", as_version=4)
+    nbformat.validate(notebook)
+    code = [c for c in notebook.cells if c.cell_type == "code"]
+    assert all(not c.outputs and c.execution_count is None for c in code), f"{name} has outputs"
+    params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(params) == 1 and params[0].source.startswith('RESULTS = "../results')
+    assert any("SPARSETRAIN_RESULTS" in c.source for c in code)
+    assert "import torch" not in "".join(c.source for c in code)
+
+
+def test_notebooks_are_what_the_generator_writes(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_notebooks", NOTEBOOKS_DIR.parent / "scripts" / "make_notebooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "NOTEBOOKS", tmp_path)
+    module.main()
+    for name in NOTEBOOKS:
+        assert (tmp_path / f"{name}.ipynb").read_text() == (NOTEBOOKS_DIR / f"{name}.ipynb").read_text(), (
+            f"notebooks/{name}.ipynb is stale: run python scripts/make_notebooks.py"
+        )
+
+
+def check_notebook_outputs(executed: dict, out, failed_point: str | None = None) -> None:
+    """What every notebook must leave behind: tables in md/csv/tex, figures as PNG and PDF.
+
+    Reused by the end-to-end test on a real sweep; ``failed_point`` is a ``scheme=...`` text that
+    the RQ1 table must name as missing.
+    """
+    for name, figures in FIGURES.items():
+        folder = out / name
+        for ext in ("md", "csv", "tex"):
+            assert (folder / f"{name}.{ext}").is_file(), (name, ext)
+        for figure in figures:
+            assert_png(folder / f"{figure}.png")
+            assert (folder / f"{figure}.pdf").read_bytes()[:5] == b"%PDF-"
+        images = [o for c in executed[name].cells if c.cell_type == "code" for o in c.get("outputs", [])
+                  if "image/png" in o.get("data", {})]
+        assert len(images) >= len(figures), f"{name} displayed {len(images)} figures"
+    assert (out / "00_overview" / "status.md").is_file()
+    if failed_point:
+        assert failed_point in (out / "rq1_scope" / "rq1_scope.md").read_text()
+
+
+def test_every_notebook_runs_on_a_results_tree(tmp_path):
+    results = write_results(tmp_path / "results")
+    out = tmp_path / "figures"
+    executed = run_all_notebooks(results, out, timeout=300)
+    check_notebook_outputs(executed, out, failed_point="failed: scheme=topk, scope=global")
+    md = (out / "rq1_scope" / "rq1_scope.md").read_text()
+    assert "absent: scheme=blockk, scope=global" in md
+    overview = (out / "00_overview" / "status.md").read_text()
+    assert "rq5_speed" in overview and "running: scheme=topk" in overview
+    # The overview also tabulates each study it finds.
+    assert (out / "00_overview" / "rq3_aggregation" / "rq3_aggregation.md").is_file()
