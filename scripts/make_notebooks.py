@@ -17,7 +17,7 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 SETUP = '''import os
 from pathlib import Path
 
-from IPython.display import Markdown, display
+from IPython.display import Image, Markdown, display
 
 from sparsetrain import analysis as sa
 
@@ -98,7 +98,10 @@ def study_notebook(name: str, title: str, question: str, table: str, figures) ->
         new_markdown_cell("## Figures"),
     ]
     for figure, call in figures:
-        cells.append(new_code_cell(f'fig = {call}\nsa.save_figure(fig, OUT, "{figure}")\nfig'))
+        # Shown from the saved PNG: what the notebook displays is what it wrote.
+        cells.append(new_code_cell(
+            f'fig = {call}\npaths = sa.save_figure(fig, OUT, "{figure}")\ndisplay(Image(filename=paths["png"]))'
+        ))
     return new_notebook(cells=cells, metadata=METADATA)
 
 
@@ -141,6 +144,8 @@ def main() -> None:
     notebooks = {"00_overview": overview_notebook()}
     notebooks.update({name: study_notebook(name, *spec) for name, spec in STUDIES.items()})
     for name, notebook in notebooks.items():
+        for number, cell in enumerate(notebook.cells):
+            cell.id = f"cell-{number}"  # stable ids: regenerating changes nothing in git
         nbformat.validate(notebook)
         path = NOTEBOOKS / f"{name}.ipynb"
         nbformat.write(notebook, path)

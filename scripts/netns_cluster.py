@@ -74,15 +74,25 @@ def time_us(t: str) -> float:
     m = _TIME_RE.match(t)
     if not m:
         raise SetupError(f"time {t!r}: expected e.g. 0, 100us, 0.1ms, 2ms")
-    return float(m.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6, None: 1e3}[
-        m.group(2).lower() if m.group(2) else None
-    ]
+    return (
+        float(m.group(1))
+        * {"us": 1, "ms": 1e3, "s": 1e6, None: 1e3}[m.group(2).lower() if m.group(2) else None]
+    )
 
 
 # ------------------------------------------------------------------------------------ topology
 class Cluster:
-    def __init__(self, prefix: str, nproc: int, subnet: str, rate: str, delay: str, burst: str | None,
-                 queue: str, mtu: int):
+    def __init__(
+        self,
+        prefix: str,
+        nproc: int,
+        subnet: str,
+        rate: str,
+        delay: str,
+        burst: str | None,
+        queue: str,
+        mtu: int,
+    ):
         self.p = prefix
         self.n = nproc
         self.subnet = subnet
@@ -114,8 +124,23 @@ class Cluster:
         tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.queue]
         half_delay = self.delay_us / 2
         if half_delay > 0:
-            p = sh(*pre, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                   "delay", f"{half_delay:g}us", "limit", "100000", check=False)
+            p = sh(
+                *pre,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                f"{half_delay:g}us",
+                "limit",
+                "100000",
+                check=False,
+            )
             if p.returncode != 0:
                 raise SetupError(
                     f"--delay needs the kernel's netem qdisc (sch_netem), which this kernel lacks "
@@ -130,8 +155,21 @@ class Cluster:
             raise SetupError("--nproc must be <= 253 (one /24)")
         for name in (self.bridge, self.outer(self.n - 1), self.inner(self.n - 1)):
             if len(name) > 15:
-                raise SetupError(f"interface name {name!r} longer than 15 characters: use a shorter --prefix")
-        sh("ip", "link", "add", self.bridge, "type", "bridge", "stp_state", "0", "forward_delay", "0")
+                raise SetupError(
+                    f"interface name {name!r} longer than 15 characters: use a shorter --prefix"
+                )
+        sh(
+            "ip",
+            "link",
+            "add",
+            self.bridge,
+            "type",
+            "bridge",
+            "stp_state",
+            "0",
+            "forward_delay",
+            "0",
+        )
         self.created_links.append(self.bridge)
         # Bridged frames must not go through the host's iptables (br_netfilter), whatever it holds.
         for opt in ("nf_call_iptables", "nf_call_ip6tables", "nf_call_arptables"):
@@ -141,8 +179,23 @@ class Cluster:
             ns, inner, outer = self.ns(r), self.inner(r), self.outer(r)
             sh("ip", "netns", "add", ns)
             self.created_ns.append(ns)
-            sh("ip", "link", "add", outer, "mtu", str(self.mtu), "type", "veth", "peer", "name", inner,
-               "mtu", str(self.mtu), "netns", ns)
+            sh(
+                "ip",
+                "link",
+                "add",
+                outer,
+                "mtu",
+                str(self.mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                inner,
+                "mtu",
+                str(self.mtu),
+                "netns",
+                ns,
+            )
             self.created_links.append(outer)
             sh("ip", "link", "set", outer, "master", self.bridge)
             sh("ip", "link", "set", outer, "up")
@@ -200,6 +253,7 @@ def list_netns() -> list[str]:
 
 def kill_ns_pids(ns: str, grace: float = 3.0) -> None:
     """End processes still inside namespace ns (ours: this script put them there)."""
+
     def pids() -> list[int]:
         p = sh("ip", "netns", "pids", ns, check=False)
         return [int(x) for x in p.stdout.split() if x.isdigit() and int(x) != os.getpid()]
@@ -233,32 +287,57 @@ def kill_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def run_ranks(cl: Cluster, cmd: list[str], master_port: int, kill_timeout: float,
-              prefix_output: bool, stop: threading.Event) -> int:
+def run_ranks(
+    cl: Cluster,
+    cmd: list[str],
+    master_port: int,
+    kill_timeout: float,
+    prefix_output: bool,
+    stop: threading.Event,
+) -> int:
     base = dict(os.environ)
     threads_per_rank = max(1, (os.cpu_count() or 1) // cl.n)
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for r in range(cl.n):
         env = dict(base)
-        env.update({
-            "RANK": str(r), "WORLD_SIZE": str(cl.n),
-            # All ranks share this machine's devices: local rank = rank, one "group" (node).
-            "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(cl.n),
-            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_RANK": str(r), "ROLE_WORLD_SIZE": str(cl.n),
-            "MASTER_ADDR": cl.addr(0), "MASTER_PORT": str(master_port),
-            "TORCHELASTIC_RUN_ID": cl.p, "SPARSETRAIN_LAUNCHER": "external",
-            "GLOO_SOCKET_IFNAME": cl.inner(r), "NCCL_SOCKET_IFNAME": cl.inner(r),
-            "TP_SOCKET_IFNAME": cl.inner(r),
-            "ST_NETNS_NAME": cl.ns(r), "ST_NETNS_IFNAME": cl.inner(r), "ST_NETNS_ADDR": cl.addr(r),
-            "ST_NETNS_RATE": cl.rate, "ST_NETNS_RATE_BITS": f"{cl.rate_bps:.0f}",
-            "ST_NETNS_DELAY_US": f"{cl.delay_us:g}", "ST_NETNS_PREFIX": cl.p,
-        })
+        env.update(
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": str(cl.n),
+                # All ranks share this machine's devices: local rank = rank, one "group" (node).
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(cl.n),
+                "GROUP_RANK": "0",
+                "GROUP_WORLD_SIZE": "1",
+                "ROLE_RANK": str(r),
+                "ROLE_WORLD_SIZE": str(cl.n),
+                "MASTER_ADDR": cl.addr(0),
+                "MASTER_PORT": str(master_port),
+                "TORCHELASTIC_RUN_ID": cl.p,
+                "SPARSETRAIN_LAUNCHER": "external",
+                "GLOO_SOCKET_IFNAME": cl.inner(r),
+                "NCCL_SOCKET_IFNAME": cl.inner(r),
+                "TP_SOCKET_IFNAME": cl.inner(r),
+                "ST_NETNS_NAME": cl.ns(r),
+                "ST_NETNS_IFNAME": cl.inner(r),
+                "ST_NETNS_ADDR": cl.addr(r),
+                "ST_NETNS_RATE": cl.rate,
+                "ST_NETNS_RATE_BITS": f"{cl.rate_bps:.0f}",
+                "ST_NETNS_DELAY_US": f"{cl.delay_us:g}",
+                "ST_NETNS_PREFIX": cl.p,
+            }
+        )
         env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
         out = subprocess.PIPE if prefix_output else None
-        p = subprocess.Popen(["ip", "netns", "exec", cl.ns(r), *cmd], env=env, stdout=out,
-                             stderr=subprocess.STDOUT if prefix_output else None,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            ["ip", "netns", "exec", cl.ns(r), *cmd],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT if prefix_output else None,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         procs.append(p)
         if prefix_output:
             t = threading.Thread(target=pump, args=(p.stdout, f"[r{r}] ", sys.stdout), daemon=True)
@@ -275,7 +354,11 @@ def run_ranks(cl: Cluster, cmd: list[str], master_port: int, kill_timeout: float
                 if rc != 0 and first_fail is None:
                     first_fail = r
         if (first_fail is not None or stop.is_set()) and deadline is None:
-            why = f"rank {first_fail} exited with {codes[first_fail]}" if first_fail is not None else "signal"
+            why = (
+                f"rank {first_fail} exited with {codes[first_fail]}"
+                if first_fail is not None
+                else "signal"
+            )
             if any(c is None for c in codes):
                 log(f"{why}: stopping the other ranks (SIGTERM, SIGKILL after {kill_timeout:g} s)")
             for r, p in enumerate(procs):
@@ -310,6 +393,7 @@ def check_env() -> None:
 
 def cleanup(prefix: str | None) -> int:
     """Remove namespaces and links of dead invocations (st<pid> with no live pid), or all with prefix."""
+
     def dead_prefix(name: str) -> str | None:
         if prefix is not None:
             return prefix if name.startswith(prefix) else None
@@ -345,8 +429,11 @@ def cleanup(prefix: str | None) -> int:
 def main(argv: list[str]) -> int:
     if argv[:1] == ["cleanup"]:
         ap = argparse.ArgumentParser(prog="netns_cluster.py cleanup")
-        ap.add_argument("--prefix", default=None,
-                        help="remove everything whose name starts with this (default: st<pid> of dead runs)")
+        ap.add_argument(
+            "--prefix",
+            default=None,
+            help="remove everything whose name starts with this (default: st<pid> of dead runs)",
+        )
         a = ap.parse_args(argv[1:])
         check_env()
         return cleanup(a.prefix)
@@ -356,20 +443,34 @@ def main(argv: list[str]) -> int:
         print("error: give the command after `--`", file=sys.stderr)
         return 2
     i = argv.index("--")
-    opts, cmd = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(prog="netns_cluster.py", description="N ranks in rate-limited network namespaces")
+    opts, cmd = argv[:i], argv[i + 1 :]
+    ap = argparse.ArgumentParser(
+        prog="netns_cluster.py", description="N ranks in rate-limited network namespaces"
+    )
     ap.add_argument("--nproc", type=int, default=2, help="number of ranks / namespaces (default 2)")
-    ap.add_argument("--rate", default="1gbit", help="per-link rate each way, tc units (default 1gbit)")
-    ap.add_argument("--delay", default="0", help="one-way latency between two ranks, e.g. 0.1ms (needs sch_netem)")
+    ap.add_argument(
+        "--rate", default="1gbit", help="per-link rate each way, tc units (default 1gbit)"
+    )
+    ap.add_argument(
+        "--delay",
+        default="0",
+        help="one-way latency between two ranks, e.g. 0.1ms (needs sch_netem)",
+    )
     ap.add_argument("--burst", default=None, help="tbf burst (default max(64KiB, 1 ms at --rate))")
     ap.add_argument("--queue", default="100ms", help="tbf queue as latency (default 100ms)")
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--subnet", default=SUBNET_DEFAULT, help="first three octets (default 10.77.0)")
     ap.add_argument("--master-port", type=int, default=29500)
     ap.add_argument("--prefix", default=f"st{os.getpid()}", help="name prefix (default st<pid>)")
-    ap.add_argument("--kill-timeout", type=float, default=10.0,
-                    help="seconds between SIGTERM and SIGKILL for the other ranks when one fails")
-    ap.add_argument("--no-prefix-output", action="store_true", help="do not prefix output lines with [rN]")
+    ap.add_argument(
+        "--kill-timeout",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL for the other ranks when one fails",
+    )
+    ap.add_argument(
+        "--no-prefix-output", action="store_true", help="do not prefix output lines with [rN]"
+    )
     a = ap.parse_args(opts)
     if not cmd:
         ap.error("empty command after --")
@@ -397,8 +498,10 @@ def main(argv: list[str]) -> int:
         check_env()
         cl = Cluster(a.prefix, a.nproc, a.subnet, a.rate, a.delay, a.burst, a.queue, a.mtu)
         cl.up()
-        log(f"{a.nproc} ranks in netns {cl.ns(0)}..{cl.ns(a.nproc - 1)}, {a.rate} each way, "
-            f"delay {cl.delay_us:g} us one-way, burst {cl.burst}, master {cl.addr(0)}:{a.master_port}")
+        log(
+            f"{a.nproc} ranks in netns {cl.ns(0)}..{cl.ns(a.nproc - 1)}, {a.rate} each way, "
+            f"delay {cl.delay_us:g} us one-way, burst {cl.burst}, master {cl.addr(0)}:{a.master_port}"
+        )
         if stop.is_set():
             return 130
         rc = run_ranks(cl, cmd, a.master_port, a.kill_timeout, not a.no_prefix_output, stop)
@@ -416,7 +519,9 @@ def main(argv: list[str]) -> int:
                 signal.signal(s, signal.SIG_IGN)
             left = cl.down()
             if left:
-                log(f"WARNING: could not remove {' '.join(left)}; run `{sys.argv[0]} cleanup --prefix {cl.p}`")
+                log(
+                    f"WARNING: could not remove {' '.join(left)}; run `{sys.argv[0]} cleanup --prefix {cl.p}`"
+                )
                 rc = rc or 1
     return rc
 

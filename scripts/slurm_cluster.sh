@@ -225,6 +225,13 @@ start() {
         status_brief
         return 0
     fi
+    local ctld_flags=-i
+    if [[ -s $CTLD_PID ]] && ! pid_alive "$CTLD_PID" slurmctld; then
+        # slurmctld died without a clean shutdown: its saved state can hold ghost jobs (finished,
+        # but recorded as running). This is a test cluster, so start from a clean state.
+        log "slurmctld was not shut down cleanly: clearing its saved state (-c)"
+        ctld_flags=-c
+    fi
     if daemons_running || pid_alive "$CTLD_PID" || pid_alive "$SLURMD_PID"; then
         log "config changed or a daemon is missing: restarting"
         stop_daemons
@@ -233,8 +240,8 @@ start() {
     chmod 0644 "$CONF"
     log "wrote $CONF ($(hostname -s), CPUs=$(node_cpus), partition $PARTITION)"
     log "starting slurmctld"
-    # -i: ignore unreadable state files left by an earlier crash instead of refusing to start.
-    slurmctld -i || { tail_logs; die "slurmctld failed to start"; }
+    # -i: ignore unreadable state files instead of refusing to start; -c: after a crash, see above.
+    slurmctld "$ctld_flags" || { tail_logs; die "slurmctld failed to start"; }
     log "starting slurmd"
     slurmd || { tail_logs; die "slurmd failed to start"; }
     wait_idle || exit 1
@@ -242,8 +249,9 @@ start() {
 }
 
 stop_daemons() {
-    local ids pid i
+    local ids pid i grace=0
     if pid_alive "$CTLD_PID" slurmctld; then
+        grace=15  # scontrol shutdown below stops slurmctld and slurmd
         ids=$(squeue -h -o '%A' 2>/dev/null || true)
         if [[ -n $ids ]]; then
             log "cancelling jobs: $(echo $ids)"
@@ -259,7 +267,7 @@ stop_daemons() {
     for f in "$SLURMD_PID:slurmd" "$CTLD_PID:slurmctld"; do
         if pid_alive "${f%%:*}" "${f##*:}"; then
             pid=$(<"${f%%:*}")
-            wait_gone "$pid" 15 || {
+            wait_gone "$pid" "$grace" || {
                 log "${f##*:} (pid $pid) still alive: SIGTERM"
                 kill -TERM "$pid" 2>/dev/null || true
                 wait_gone "$pid" 10 || kill -KILL "$pid" 2>/dev/null || true

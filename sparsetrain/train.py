@@ -39,6 +39,8 @@ from sparsetrain.timing import PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 
 CHECKPOINT = "checkpoint.pt"
+# What differs between ranks and is saved for each: error-feedback memory, local epoch sums.
+PER_RANK_STATE = ("reducer", "epoch_stats")
 
 
 class Preempted(Exception):
@@ -177,10 +179,12 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Every rank contributes its own error-feedback memory; rank 0 writes one file."""
         state = self.state_dict()
+        own = {key: state.pop(key) for key in PER_RANK_STATE}
+        gathered = [own]
         if self.info.world_size > 1:
             gathered = [None] * self.info.world_size
-            dist.all_gather_object(gathered, state["reducer"])
-            state["reducer_by_rank"] = gathered
+            dist.all_gather_object(gathered, own)
+        state["per_rank"] = gathered
         if self.info.is_main:
             tmp = self.checkpoint_path.with_suffix(".tmp")
             torch.save(state, tmp)
@@ -190,8 +194,7 @@ class Trainer:
         if not (self.cfg.train.checkpoint and self.checkpoint_path.exists()):
             return False
         state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=True)
-        if "reducer_by_rank" in state:
-            state["reducer"] = state["reducer_by_rank"][self.info.rank]
+        state.update(state.pop("per_rank")[self.info.rank])
         self.load_state_dict(state)
         return True
 

@@ -29,13 +29,34 @@ def _netns_problem() -> str | None:
         return "iproute2 (ip, tc) not installed"
     probe = f"stprobe{os.getpid() % 100000}"
     try:
-        p = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10)
+        p = subprocess.run(
+            ["ip", "netns", "add", probe], capture_output=True, text=True, timeout=10
+        )
         if p.returncode != 0:
             return f"`ip netns add` does not work here: {p.stderr.strip()}"
         p = subprocess.run(
-            ["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
-             "rate", "1gbit", "burst", "64kb", "latency", "10ms"],
-            capture_output=True, text=True, timeout=10,
+            [
+                "ip",
+                "netns",
+                "exec",
+                probe,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                "1gbit",
+                "burst",
+                "64kb",
+                "latency",
+                "10ms",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
         if p.returncode != 0:
             return f"tc tbf qdisc unavailable: {p.stderr.strip()}"
@@ -93,10 +114,25 @@ def test_gloo_allreduce_is_rate_limited_and_cleaned_up(tmp_path):
     script = tmp_path / "bench.py"
     script.write_text(_BENCH.replace("MB", str(mb)))
     prefix = _prefix("t")
-    p = _run(["--nproc", "2", "--rate", f"{rate_mbit}mbit", "--prefix", prefix, "--",
-              sys.executable, str(script)])
+    p = _run(
+        [
+            "--nproc",
+            "2",
+            "--rate",
+            f"{rate_mbit}mbit",
+            "--prefix",
+            prefix,
+            "--",
+            sys.executable,
+            str(script),
+        ]
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    res = [json.loads(line.split("RESULT ", 1)[1]) for line in p.stdout.splitlines() if "RESULT " in line]
+    res = [
+        json.loads(line.split("RESULT ", 1)[1])
+        for line in p.stdout.splitlines()
+        if "RESULT " in line
+    ]
     assert sorted(r["rank"] for r in res) == [0, 1], p.stdout
     for r in res:
         assert r["ok"]
@@ -118,8 +154,23 @@ def test_gloo_allreduce_is_rate_limited_and_cleaned_up(tmp_path):
 def test_failing_rank_stops_others_exits_nonzero_and_cleans_up():
     prefix = _prefix("f")
     t0 = time.monotonic()
-    p = _run(["--nproc", "3", "--rate", "100mbit", "--prefix", prefix, "--kill-timeout", "3", "--",
-              "bash", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; trap "" TERM; sleep 120'], timeout=60)
+    p = _run(
+        [
+            "--nproc",
+            "3",
+            "--rate",
+            "100mbit",
+            "--prefix",
+            prefix,
+            "--kill-timeout",
+            "3",
+            "--",
+            "bash",
+            "-c",
+            'if [ "$RANK" = 1 ]; then exit 3; fi; trap "" TERM; sleep 120',
+        ],
+        timeout=60,
+    )
     elapsed = time.monotonic() - t0
     assert p.returncode == 3, p.stderr
     assert elapsed < 30, elapsed  # the others were killed (they ignore SIGTERM: SIGKILL after 3 s)
@@ -132,13 +183,17 @@ def test_sigterm_to_launcher_cleans_up():
     prefix = _prefix("s")
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and f"{prefix}-r1" not in subprocess.run(
-            ["ip", "netns", "list"], capture_output=True, text=True
-        ).stdout:
+        while (
+            time.monotonic() < deadline
+            and f"{prefix}-r1"
+            not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        ):
             time.sleep(0.1)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
@@ -155,12 +210,15 @@ def test_cleanup_subcommand_removes_leftovers_of_a_killed_run():
     prefix = _prefix("k")
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and f"{prefix}-r1" not in subprocess.run(
-        ["ip", "netns", "list"], capture_output=True, text=True
-    ).stdout:
+    while (
+        time.monotonic() < deadline
+        and f"{prefix}-r1"
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    ):
         time.sleep(0.1)
     time.sleep(0.5)
     proc.kill()  # SIGKILL: no chance to clean up

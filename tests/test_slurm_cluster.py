@@ -35,7 +35,9 @@ def _cluster_problem() -> str | None:
             f"{out.stderr.strip()[:120]}); start it: sudo scripts/slurm_cluster.sh start"
         )
     states = out.stdout.split()
-    if "up" not in states or not any(s.startswith(("idle", "mixed", "alloc", "compl")) for s in states):
+    if "up" not in states or not any(
+        s.startswith(("idle", "mixed", "alloc", "compl")) for s in states
+    ):
         return f"SLURM partition/node not usable: {out.stdout.strip()!r}"
     return None
 
@@ -47,7 +49,15 @@ requires_cluster = pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "
 @requires_cluster
 def test_srun_two_tasks_report_both_ranks():
     out = subprocess.run(
-        ["srun", "-N1", "-n2", "--time=2", "bash", "-c", 'echo "rank=$SLURM_PROCID of=$SLURM_NTASKS"'],
+        [
+            "srun",
+            "-N1",
+            "-n2",
+            "--time=2",
+            "bash",
+            "-c",
+            'echo "rank=$SLURM_PROCID of=$SLURM_NTASKS"',
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -149,7 +159,12 @@ def test_hydra_sweep_with_repo_slurm_launcher(tmp_path):
     )
     proc = subprocess.run(
         [
-            sys.executable, "app.py", "-m", "hydra/launcher=slurm", "point=a,b", "world_size=2",
+            sys.executable,
+            "app.py",
+            "-m",
+            "hydra/launcher=slurm",
+            "point=a,b",
+            "world_size=2",
             f"hydra.sweep.dir={tmp_path / 'sweep'}",
         ],
         cwd=tmp_path,
@@ -158,9 +173,15 @@ def test_hydra_sweep_with_repo_slurm_launcher(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    recs = sorted((json.loads(p.read_text()) for p in out.glob("*.json")), key=lambda r: (r["point"], r["rank"]))
+    recs = sorted(
+        (json.loads(p.read_text()) for p in out.glob("*.json")),
+        key=lambda r: (r["point"], r["rank"]),
+    )
     assert [(r["point"], r["rank"], r["world"]) for r in recs] == [
-        ("a", 0, 2), ("a", 1, 2), ("b", 0, 2), ("b", 1, 2)
+        ("a", 0, 2),
+        ("a", 1, 2),
+        ("b", 0, 2),
+        ("b", 1, 2),
     ], recs
     assert all(r["sum"] == 3.0 for r in recs)  # gloo all_reduce of 1 + 2 across the job's tasks
     assert all(r["exe"] == sys.executable for r in recs)  # jobs reuse the launching python
