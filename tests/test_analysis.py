@@ -155,10 +155,10 @@ def write_sweep(sweep_dir: Path, params: dict[str, str], experiment: str, fixed:
     for num, combo in enumerate(itertools.product(*(params[k].split(",") for k in keys))):
         if num in absent:
             continue
-        values = {k: yaml.safe_load(v) for k, v in zip(keys, combo)}
+        values = {k: yaml.safe_load(v) for k, v in zip(keys, combo, strict=False)}
         config = make_config(**{**fixed, **values})
         status = "failed" if num in failed else "running" if num in running else "completed"
-        overrides = [f"experiment={experiment}", *(f"{k}={v}" for k, v in zip(keys, combo))]
+        overrides = [f"experiment={experiment}", *(f"{k}={v}" for k, v in zip(keys, combo, strict=False))]
         write_run(sweep_dir / str(num), config, status, overrides, experiment)
     return sweep_dir
 
@@ -487,7 +487,7 @@ def test_experiment_presets_are_valid(name):
 
 def _grid(params) -> list[list[str]]:
     keys = list(params)
-    return [[f"{k}={v}" for k, v in zip(keys, combo)]
+    return [[f"{k}={v}" for k, v in zip(keys, combo, strict=False)]
             for combo in itertools.product(*(str(params[k]).split(",") for k in keys))]
 
 

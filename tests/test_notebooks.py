@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import nbformat
 import pytest
+from test_analysis import assert_png, write_results  # the contract's fake run folders
 
 from sparsetrain.analysis.notebooks import NOTEBOOKS, NOTEBOOKS_DIR, run_all_notebooks
-from test_analysis import assert_png, write_results  # the contract's fake run folders
 
 pytest.importorskip("nbclient")
 

@@ -8,6 +8,7 @@
 Imports no torch: everything here reads the files that the trainer's rank 0 writes.
 """
 
+from . import report
 from .figures import (
     plot_accuracy_vs_bytes,
     plot_accuracy_vs_epoch,
@@ -28,7 +29,6 @@ from .loader import (
     not_completed,
     row_from_summary,
 )
-from . import report
 from .report import STUDIES, build_figures, build_tables, resolve_results, study_of, write_report
 from .tables import (
     TABLES,
@@ -45,7 +45,7 @@ from .tables import (
 from .wandb_runs import load_wandb_runs
 
 __all__ = [
-    "AXES", "DENSE", "PHASES", "STUDIES", "TABLES", "Table", "build_figures", "build_tables",
+    "AXES", "DENSE", "PHASES", "STUDIES", "report", "TABLES", "Table", "build_figures", "build_tables",
     "completed", "expected_grid", "find_run_dirs", "load_curves", "load_runs", "load_wandb_runs",
     "not_completed", "plot_accuracy_vs_bytes", "plot_accuracy_vs_epoch", "plot_time_per_phase",
     "plot_workers", "resolve_results", "row_from_summary", "rq1_scope_table", "rq2_scheme_table",

@@ -19,7 +19,15 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from .loader import DENSE, NOT_APPLICABLE, PHASES, REPLICATE, completed
-from .tables import LABELS, SCHEME_NAMES, SCHEME_ORDER, expand_dense, sort_rows, summarize, varying_axes
+from .tables import (
+    LABELS,
+    SCHEME_NAMES,
+    SCHEME_ORDER,
+    expand_dense,
+    sort_rows,
+    summarize,
+    varying_axes,
+)
 
 # Okabe-Ito colours: distinguishable with colour-blindness and in greyscale print.
 SCHEME_COLORS = {DENSE: "#222222", "topk": "#0072B2", "randk": "#E69F00", "blockk": "#009E73"}
@@ -97,8 +105,8 @@ def _facets(frame: pd.DataFrame, axes: list[str]) -> list[tuple[str, pd.DataFram
     out = []
     keys = sort_rows(frame[axes].drop_duplicates(), axes)
     for key in keys.itertuples(index=False):
-        mask = (frame[axes] == pd.Series(dict(zip(axes, key)))).all(axis=1)
-        out.append((", ".join(_label(a, v) for a, v in zip(axes, key)), frame[mask]))
+        mask = (frame[axes] == pd.Series(dict(zip(axes, key, strict=False)))).all(axis=1)
+        out.append((", ".join(_label(a, v) for a, v in zip(axes, key, strict=False)), frame[mask]))
     if len(out) > MAX_PANELS:
         raise ValueError(
             f"{len(out)} panels (one per {', '.join(axes)}): select fewer runs before plotting"
@@ -123,7 +131,7 @@ def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", 
         nrows = math.ceil(len(panels) / ncols)
         fig, axes = _new_figure(ncols, nrows)
         scale = 100.0 if "accuracy" in metric else 1.0
-        for ax, (title, panel) in zip(axes.flat, panels):
+        for ax, (title, panel) in zip(axes.flat, panels, strict=False):
             for scheme in _scheme_sort(panel["scheme"].unique()):
                 lines = panel[panel["scheme"] == scheme]
                 per_seed = lines.groupby([REPLICATE, "epoch"], dropna=False)[metric].mean().reset_index()
@@ -178,7 +186,7 @@ def plot_time_per_phase(runs: pd.DataFrame) -> Figure:
             ax.barh(y, other, left=left, color=PHASE_COLORS["other"], label="other", edgecolor="white", linewidth=0.5)
         spread = data["time_step_ms_std"].fillna(0.0).to_numpy()
         ax.errorbar(step, y, xerr=spread, fmt="none", ecolor="black", capsize=3, linewidth=1)
-        for yi, total, error in zip(y, step, spread):
+        for yi, total, error in zip(y, step, spread, strict=False):
             ax.text(total + error, yi, f"  {total:.0f} ms", va="center", fontsize=8)
         ax.set_yticks(y, labels)
         ax.set_xlabel("time per step (ms, mean after warm-up)")
@@ -241,12 +249,12 @@ def plot_workers(runs: pd.DataFrame) -> Figure:
         data["world_size"] = pd.to_numeric(data["world_size"], errors="coerce")
         styles = _style_keys(data, others)
         panels = (("test_accuracy", 100.0, LABELS["test_accuracy"]), ("time_step_ms", 1.0, LABELS["time_step_ms"]))
-        for ax, (metric, scale, ylabel) in zip(axes[0], panels):
+        for ax, (metric, scale, ylabel) in zip(axes[0], panels, strict=False):
             for key, group in data.groupby(["scheme", *others], sort=False, dropna=False):
                 key = key if isinstance(key, tuple) else (key,)
                 group = group.sort_values("world_size")
                 index = styles[tuple(str(k) for k in key[1:])]
-                label = ", ".join(_label(a, v) for a, v in zip(["scheme", *others], key) if v != NOT_APPLICABLE)
+                label = ", ".join(_label(a, v) for a, v in zip(["scheme", *others], key, strict=False) if v != NOT_APPLICABLE)
                 std = group[f"{metric}_std"].fillna(0.0) * scale
                 ax.errorbar(group["world_size"], group[f"{metric}_mean"] * scale, yerr=std, label=label,
                             color=SCHEME_COLORS.get(key[0]), linestyle=LINESTYLES[index % len(LINESTYLES)],

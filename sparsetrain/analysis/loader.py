@@ -292,7 +292,7 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
         if combo in seen:
             continue
         config: dict = {}
-        for key, value in zip(keys, combo):
+        for key, value in zip(keys, combo, strict=False):
             target = config
             *parents, leaf = key.split(".")
             for parent in parents:
@@ -305,7 +305,7 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
             experiment=experiment,
             sweep_dir=str(sweep),
             run_dir=None,
-            overrides=" ".join(f"{k}={v}" for k, v in zip(keys, combo)),
+            overrides=" ".join(f"{k}={v}" for k, v in zip(keys, combo, strict=False)),
         )
         rows.append(row)
     return rows

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pandas as pd
 
-from .loader import AXES, DENSE, DENSE_IRRELEVANT, NOT_APPLICABLE, PHASES, REPLICATE, completed, not_completed
+from .loader import (
+    AXES,
+    DENSE,
+    DENSE_IRRELEVANT,
+    NOT_APPLICABLE,
+    PHASES,
+    REPLICATE,
+    completed,
+    not_completed,
+)
 
 # Readable names for columns and metrics.
 LABELS = {
@@ -293,7 +302,7 @@ def pivot_table(
     column_values = list(sort_rows(data[[column]].drop_duplicates(), [column])[column]) if column else []
     for key in row_keys.itertuples(index=False):
         mask = (data[by_rows] == pd.Series(key._asdict())).all(axis=1)
-        entry = {LABELS.get(a, a): _display_axis(a, v) for a, v in zip(by_rows, key)}
+        entry = {LABELS.get(a, a): _display_axis(a, v) for a, v in zip(by_rows, key, strict=False)}
         if column:
             for value in column_values:
                 cell = data[mask & (data[column] == value)]
