@@ -37,7 +37,7 @@ lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
 figures: venv  ## tables and figures from $(RESULTS) into $(FIGURES)
-	$(PY) -m sparsetrain.analysis $(RESULTS)/* --out $(FIGURES)
+	$(PY) -m sparsetrain.analysis $(RESULTS) --out $(FIGURES)
 
 bench: venv  ## compressor micro-benchmark (1 thread)
 	$(PY) scripts/bench_compress.py --threads 1

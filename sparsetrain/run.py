@@ -24,6 +24,11 @@ from sparsetrain.results import SUMMARY, mark_failed, now_iso, read_summary, wri
 
 register()
 _failed_sweep_jobs: list[str] = []
+# hydra_plugins/ in the repository root holds the SLURM launcher (conf/hydra/launcher/slurm.yaml);
+# make Hydra find it whatever the current directory is.
+_REPO = Path(__file__).resolve().parent.parent
+if (_REPO / "hydra_plugins").is_dir() and str(_REPO) not in sys.path:
+    sys.path.append(str(_REPO))
 
 
 def _error(msg: str) -> None:
@@ -120,7 +125,7 @@ def hydra_main(cfg: DictConfig) -> Any:
 
 
 class SweepReport(Callback):
-    """After a sweep: list the jobs whose run folder does not say ``completed``."""
+    """After a sweep: list the jobs whose run folder does not say ``completed``, with their logs."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -128,15 +133,28 @@ class SweepReport(Callback):
             summary = read_summary(summary_path.parent) or {}
             if summary.get("status") != "completed":
                 where = summary_path.parent
-                logs = sorted(sweep_dir.glob(f".submitit/{summary.get('slurm_job_id')}*/*.err"))
-                hint = f"; logs: {logs[0].parent}" if logs else ""
-                _failed_sweep_jobs.append(
-                    f"{where}: {summary.get('status')}: {summary.get('error')}{hint}"
-                )
+                logs = _slurm_logs(sweep_dir, where, summary)
+                hint = f"; logs: {logs}" if logs else ""
+                status = summary.get("status")
+                error = summary.get("error") or ("never finished (killed?)" if status == "running" else None)
+                _failed_sweep_jobs.append(f"{where}: {status}: {error}{hint}")
         if _failed_sweep_jobs:
             _error(f"{len(_failed_sweep_jobs)} sweep job(s) did not complete:")
             for line in _failed_sweep_jobs:
                 print(f"  {line}", file=sys.stderr)
+
+
+def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:
+    """A SLURM job's log folder: ``.submitit/<job id>/`` where the job id is submitit's
+    (``<array job>_<index>``, saved by Hydra as ``hydra.job.id``), not ``SLURM_JOB_ID``."""
+    if summary.get("slurm_logs"):
+        return str(summary["slurm_logs"])
+    job_id = None
+    hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
+    if hydra_yaml.exists():
+        job_id = OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.job.id")
+    folders = [p for p in sweep_dir.glob(f".submitit/{job_id}") if p.is_dir()] if job_id else []
+    return f"{folders[0]}/ (*_<rank>_log.err/.out)" if folders else None
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+# sparsetrain's SLURM launcher (conf/hydra/launcher/slurm.yaml); see launcher.py.
