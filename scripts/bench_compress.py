@@ -107,6 +107,32 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
             "schemes": rows}
 
 
+GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None}  # max copies, compress + EF
+
+
+def goals(res: dict) -> dict:
+    """The issue's goals, checked on one run's rows (ratios measured side by side)."""
+    by = {(r["scheme"], r["scope"]): r for r in res["schemes"]}
+    out = {}
+    for (scheme, scope), r in by.items():
+        lim = GOALS.get(scheme)
+        if lim is not None:
+            out[f"{scheme}/{scope} compress+EF <= {lim:g} copies"] = r["compress_ef_copies"] <= lim
+            out[f"{scheme}/{scope} decompress <= 2 copies"] = r["decompress_copies"] <= 2.0
+    for scheme in ("topk", "randk", "blockk"):
+        lw, gl = by.get((scheme, "layerwise")), by.get((scheme, "global"))
+        if lw and gl:
+            out[f"{scheme} layerwise/global = {lw['compress_ef_ms'] / gl['compress_ef_ms']:.2f} <= 1.5"] = (
+                lw["compress_ef_ms"] <= 1.5 * gl["compress_ef_ms"])
+    topk = res["references_ms"].get("torch.topk(g.abs(),k)")
+    for scope in ("layerwise", "global"):
+        r = by.get(("topk", scope))
+        if r and topk:
+            out[f"topk/{scope} speed-up over torch.topk = {topk / r['compress_ef_ms']:.1f}x >= 12"] = (
+                topk / r["compress_ef_ms"] >= 12)
+    return out
+
+
 def print_table(res: dict) -> None:
     print(f"\n== {res['device']}: n={res['numel']:,} ({res['tensors']} tensors), k={res['k']:,} ==")
     print(f"{'reference':<36}{'ms':>10}{'copies':>10}")
@@ -116,6 +142,9 @@ def print_table(res: dict) -> None:
     for r in res["schemes"]:
         print(f"{r['scheme']:<8}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
               f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
+    print("\ngoals:")
+    for name, ok in res.get("goals", {}).items():
+        print(f"  {'met ' if ok else 'MISS'}  {name}")
 
 
 def main() -> None:
@@ -136,6 +165,7 @@ def main() -> None:
                "runs": []}
     for dev in devices:
         res = bench_device(dev, args.ratio, args.repeats, args.block_size)
+        res["goals"] = goals(res)
         print_table(res)
         results["runs"].append(res)
     if args.json:

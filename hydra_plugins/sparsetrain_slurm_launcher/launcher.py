@@ -45,8 +45,6 @@ _ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUE
 
 class GroupedSlurmLauncher(SlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        import submitit
-
         assert self.config is not None and self.hydra_context is not None
         assert len(job_overrides) > 0
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
@@ -61,22 +59,36 @@ class GroupedSlurmLauncher(SlurmLauncher):
         params_of: dict[str, dict[str, Any]] = {}
         run_dirs: list[Path] = []
         job_params: list[tuple[Any, ...]] = []
+        refused: dict[int, str] = {}
         for i, overrides in enumerate(job_overrides):
             idx = initial_job_idx + i
-            params, run_dir = self._resolve_job(list(overrides), idx, sweep_dir)
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            params, run_dir, error = self._resolve_job(list(overrides), idx, sweep_dir)
+            run_dirs.append(run_dir)
+            job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
+                               Singleton.get_state()))
+            if error is not None:  # invalid: recorded as failed, never submitted
+                refused[i] = error
+                continue
             key = json.dumps(params, sort_keys=True, default=str)
             groups.setdefault(key, []).append(i)
             params_of[key] = params
-            run_dirs.append(run_dir)
-            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
-            job_params.append((list(overrides), "hydra.sweep.dir", idx, f"job_id_for_{idx}",
-                               Singleton.get_state()))
 
         jobs: list[Any] = [None] * len(job_overrides)
         for key, members in groups.items():
             params = params_of[key]
-            executor = self._executor(params)
-            submitted = executor.map_array(self, *zip(*(job_params[i] for i in members), strict=False))
+            try:
+                executor = self._executor(params)
+                submitted = executor.map_array(self, *zip(*(job_params[i] for i in members), strict=True))
+            except Exception as exc:  # e.g. sbatch refused the partition, account or resources
+                from sparsetrain.results import mark_failed
+
+                error = f"not submitted: {type(exc).__name__}: {_last_line(str(exc))}"
+                log.error(f"\t{error}")
+                for i in members:
+                    refused[i] = error
+                    mark_failed(run_dirs[i], error)
+                continue
             for i, job in zip(members, submitted, strict=False):
                 jobs[i] = job
             if len(groups) > 1:
@@ -84,19 +96,30 @@ class GroupedSlurmLauncher(SlurmLauncher):
                          f"{params.get('nodes')} node(s) x {params.get('tasks_per_node')} task(s) "
                          f"for jobs {', '.join('#' + str(initial_job_idx + i) for i in members)}")
 
-        _wait(jobs)
-        return [self._outcome(job, list(o), run_dir, submitit)
-                for job, o, run_dir in zip(jobs, job_overrides, run_dirs, strict=False)]
+        _wait([j for j in jobs if j is not None])
+        return [_failed(list(o), run_dir, refused[i]) if i in refused
+                else self._outcome(job, list(o), run_dir)
+                for i, (job, o, run_dir) in enumerate(zip(jobs, job_overrides, run_dirs, strict=True))]
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _resolve_job(self, overrides: list[str], idx: int, sweep_dir: Path) -> tuple[dict[str, Any], Path]:
+    def _resolve_job(self, overrides: list[str], idx: int,
+                     sweep_dir: Path) -> tuple[dict[str, Any], Path, str | None]:
+        """This sweep point's launcher parameters, run folder, and why it is invalid (or None)."""
         from hydra.core.hydra_config import HydraConfig
+
+        from sparsetrain.config import ConfigError, validate
 
         cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(cfg.hydra.job):
             cfg.hydra.job.num = idx
-        params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
-        params.pop("_target_", None)
+        params: dict[str, Any] = {}
+        error = None
+        try:  # the job's own checks, minus the launch environment (that is the job's to check)
+            validate(cfg, env={k: v for k, v in os.environ.items() if k.startswith("WANDB")})
+            params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+            params.pop("_target_", None)
+        except ConfigError as exc:
+            error = str(exc)
         previous = HydraConfig.instance().cfg
         try:  # the run folder, as hydra's run_job computes it in the job
             HydraConfig.instance().set_config(cfg)
@@ -107,7 +130,15 @@ class GroupedSlurmLauncher(SlurmLauncher):
         finally:
             if previous is not None:
                 HydraConfig.instance().cfg = previous
-        return params, run_dir.absolute()
+        run_dir = run_dir.absolute()
+        if error is not None:
+            from sparsetrain.results import mark_failed
+
+            config = OmegaConf.to_container(cfg, resolve=False)
+            config.pop("hydra", None)
+            mark_failed(run_dir, error, config=config)
+            log.error(f"\t#{idx} not submitted: {error}")
+        return params, run_dir, error
 
     def _executor(self, params: dict[str, Any]) -> Any:
         """An executor with ``params`` (the launcher config), as the stock launcher builds one."""
@@ -122,7 +153,7 @@ class GroupedSlurmLauncher(SlurmLauncher):
         })
         return executor
 
-    def _outcome(self, job: Any, overrides: list[str], run_dir: Path, submitit: Any) -> JobReturn:
+    def _outcome(self, job: Any, overrides: list[str], run_dir: Path) -> JobReturn:
         """Rank 0's JobReturn, or a completed one carrying ``{"status": "failed", ...}``.
 
         The basic sweeper re-raises a failed JobReturn and so ends the whole sweep; a failed job
@@ -146,8 +177,12 @@ class GroupedSlurmLauncher(SlurmLauncher):
         from sparsetrain.results import mark_failed
 
         mark_failed(run_dir, error, slurm_job_id=job.job_id, slurm_logs=str(logs))
-        return JobReturn(overrides=overrides, working_dir=str(run_dir), status=JobStatus.COMPLETED,
-                         _return_value={"status": "failed", "error": error, "run_dir": str(run_dir)})
+        return _failed(overrides, run_dir, error)
+
+
+def _failed(overrides: list[str], run_dir: Path, error: str) -> JobReturn:
+    return JobReturn(overrides=overrides, working_dir=str(run_dir), status=JobStatus.COMPLETED,
+                     _return_value={"status": "failed", "error": error, "run_dir": str(run_dir)})
 
 
 def _export_pythonpath() -> None:

@@ -1,0 +1,200 @@
+"""An alpha-beta cost model of the exchange, and time per step predicted from it.
+
+Collectives (ring algorithms, as gloo and NCCL use for large messages), for N workers and a message
+of ``n`` bytes per worker:
+
+    AllReduce  t = 2(N-1) alpha + 2(N-1)/N n beta
+    AllGather  t =  (N-1) alpha +  (N-1)   n beta     (every worker receives the others' n bytes)
+
+``alpha`` is the per-message latency (s), ``beta`` the seconds per byte. On a link of B bit/s,
+``beta = wire / (B / 8) + cpu``: ``wire`` is the framing overhead of TCP/IP over Ethernet
+(1538 bytes on the wire per 1448 of payload: 1.062) and ``cpu`` the per-byte cost that remains at
+infinite bandwidth (copies, the reduction, the kernel's TCP stack): on a CPU box it is what bounds
+the collective at high rates. :func:`fit` finds alpha and beta per collective from a
+micro-benchmark (``scripts/bench_collectives.py``); :meth:`Collective.at_rate` re-targets the fitted
+model to another bandwidth by keeping ``alpha`` and ``cpu`` and replacing the wire term.
+
+Time per step of a scheme = compute (forward + backward + optimizer, measured without exchange)
++ compress + decompress (measured) + exchange (predicted). Dense sends ``4 numel`` bytes with
+AllReduce; random-k and block-k with a shared seed ``4 k`` with AllReduce; top-k ``4 k`` values
++ ``4 k`` int32 positions with AllGather, and decompresses N payloads instead of one.
+
+No torch: plain floats, usable from notebooks and the analysis layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+WIRE_OVERHEAD = 1538 / 1448  # Ethernet + IP + TCP (with timestamps) bytes per payload byte, MTU 1500
+
+#: latency terms and byte terms per collective: (count of alpha, factor of n*beta) for N workers
+_TERMS = {
+    "allreduce": lambda N: (2 * (N - 1), 2 * (N - 1) / N),
+    "allgather": lambda N: ((N - 1), (N - 1)),
+}
+
+
+def terms(collective: str, world: int) -> tuple[float, float]:
+    """``(a, b)`` with ``t = a alpha + b n beta`` for this collective at ``world`` workers."""
+    if world < 1:
+        raise ValueError(f"world={world!r} must be >= 1")
+    try:
+        return _TERMS[collective](world)
+    except KeyError:
+        raise ValueError(f"collective={collective!r}; allowed: {', '.join(_TERMS)}") from None
+
+
+def allreduce_time(nbytes: float, world: int, alpha: float, beta: float) -> float:
+    """Ring AllReduce: 2(N-1) alpha + 2(N-1)/N n beta (seconds)."""
+    a, b = terms("allreduce", world)
+    return a * alpha + b * nbytes * beta
+
+
+def allgather_time(nbytes: float, world: int, alpha: float, beta: float) -> float:
+    """Ring AllGather of n bytes per worker: (N-1) alpha + (N-1) n beta (seconds)."""
+    a, b = terms("allgather", world)
+    return a * alpha + b * nbytes * beta
+
+
+@dataclass
+class Collective:
+    """A fitted alpha-beta model of one collective, measured at ``rate_bits`` (None: unlimited)."""
+
+    name: str
+    alpha: float
+    beta: float
+    rate_bits: float | None = None
+    rel_rms: float | None = None  # fit quality: RMS of relative residuals over the fitted points
+
+    @property
+    def cpu_beta(self) -> float:
+        """Seconds per byte that remain at infinite bandwidth."""
+        wire = WIRE_OVERHEAD * 8 / self.rate_bits if self.rate_bits else 0.0
+        return max(0.0, self.beta - wire)
+
+    def at_rate(self, rate_bits: float) -> Collective:
+        """The same collective on a link of ``rate_bits`` bit/s (alpha and the CPU part kept)."""
+        return Collective(self.name, self.alpha, self.cpu_beta + WIRE_OVERHEAD * 8 / rate_bits, rate_bits)
+
+    def time(self, nbytes: float, world: int) -> float:
+        a, b = terms(self.name, world)
+        return a * self.alpha + b * nbytes * self.beta
+
+
+def fit(collective: str, world: int, sizes: list[float], times: list[float], rate_bits=None) -> Collective:
+    """Least squares for alpha, beta >= 0 from (bytes per worker, seconds) at ``world`` workers.
+
+    Minimises relative error (each point weighted by 1/t), so that 4-byte and 64 MB messages both
+    count; a negative solution for one parameter is clamped to 0 and the other refitted.
+    """
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError("need at least two (size, time) points of equal count")
+    a, b = terms(collective, world)
+    # rows: [a/t, b n/t] . [alpha, beta] = 1
+    x1 = [a / t for t in times]
+    x2 = [b * n / t for n, t in zip(sizes, times, strict=True)]
+    s11 = sum(v * v for v in x1)
+    s22 = sum(v * v for v in x2)
+    s12 = sum(u * v for u, v in zip(x1, x2, strict=True))
+    r1, r2 = sum(x1), sum(x2)
+    det = s11 * s22 - s12 * s12
+    alpha = beta = -1.0
+    if det > 0:
+        alpha = (r1 * s22 - r2 * s12) / det
+        beta = (r2 * s11 - r1 * s12) / det
+    if alpha < 0 or beta < 0:
+        if alpha < 0 and beta < 0 or det <= 0:
+            alpha, beta = max(r1 / s11, 0.0), 0.0
+            alt_b = max(r2 / s22, 0.0)
+            if _rel_rms(a, b, 0.0, alt_b, sizes, times) < _rel_rms(a, b, alpha, 0.0, sizes, times):
+                alpha, beta = 0.0, alt_b
+        elif alpha < 0:
+            alpha, beta = 0.0, max(r2 / s22, 0.0)
+        else:
+            alpha, beta = max(r1 / s11, 0.0), 0.0
+    return Collective(collective, alpha, beta, rate_bits, _rel_rms(a, b, alpha, beta, sizes, times))
+
+
+def _rel_rms(a, b, alpha, beta, sizes, times) -> float:
+    res = [(a * alpha + b * n * beta) / t - 1 for n, t in zip(sizes, times, strict=True)]
+    return math.sqrt(sum(r * r for r in res) / len(res))
+
+
+# ------------------------------------------------------------------------------------ schemes
+@dataclass
+class SchemeCost:
+    """What a scheme puts on the wire and costs locally (milliseconds measured at ``world_ref``)."""
+
+    name: str
+    collective: str | None  # None: no exchange (compute only)
+    nbytes: float  # bytes per worker per step
+    compress_ms: float = 0.0
+    decompress_ms: float = 0.0
+    #: part of decompress_ms that is per received payload (AllGather adds N payloads)
+    decompress_per_payload_ms: float = 0.0
+    world_ref: int = 1
+
+
+def scheme_costs(numel: int, ratio: float, measured: dict | None = None, world_ref: int = 4) -> dict[str, SchemeCost]:
+    """Wire bytes of the four schemes (layer-wise k summed like the trainer: here ratio x numel)
+    and their local costs from ``measured[scheme] = {"compress": ms, "decompress": ms}``."""
+    k = max(1, round(ratio * numel))
+    m = measured or {}
+
+    def mc(s, key):
+        return float(m.get(s, {}).get(key, 0.0))
+
+    return {
+        "dense": SchemeCost("dense", "allreduce", 4 * numel, 0.0, mc("dense", "decompress"), 0.0, world_ref),
+        "topk": SchemeCost("topk", "allgather", 8 * k, mc("topk", "compress"), mc("topk", "decompress"),
+                           mc("topk", "decompress") / max(world_ref, 1), world_ref),
+        "randk": SchemeCost("randk", "allreduce", 4 * k, mc("randk", "compress"), mc("randk", "decompress"), 0.0, world_ref),
+        "blockk": SchemeCost("blockk", "allreduce", 4 * k, mc("blockk", "compress"), mc("blockk", "decompress"), 0.0, world_ref),
+    }
+
+
+@dataclass
+class CostModel:
+    """Fitted collectives + measured compute: predicts exchange and step times."""
+
+    collectives: dict[str, Collective]
+    compute_ms: float = 0.0
+    schemes: dict[str, SchemeCost] = field(default_factory=dict)
+
+    def exchange_ms(self, scheme: SchemeCost, world: int, rate_bits: float | None = None) -> float:
+        if scheme.collective is None or world <= 1:
+            return 0.0
+        col = self.collectives[scheme.collective]
+        if rate_bits is not None:
+            col = col.at_rate(rate_bits)
+        return 1e3 * col.time(scheme.nbytes, world)
+
+    def step_ms(self, name: str, world: int, rate_bits: float | None = None) -> float:
+        s = self.schemes[name]
+        extra = s.decompress_per_payload_ms * (world - s.world_ref)
+        return self.compute_ms + s.compress_ms + max(0.0, s.decompress_ms + extra) + self.exchange_ms(s, world, rate_bits)
+
+    def break_even(self, worlds, rates_bits) -> dict[str, list[list[float]]]:
+        """``ratio[scheme][i][j]`` = step(scheme) / step(dense) at worlds[i], rates_bits[j]
+        (< 1: the scheme is faster than dense there)."""
+        out = {}
+        for name in self.schemes:
+            if name == "dense":
+                continue
+            out[name] = [[self.step_ms(name, w, r) / self.step_ms("dense", w, r) for r in rates_bits] for w in worlds]
+        return out
+
+
+__all__ = [
+    "WIRE_OVERHEAD",
+    "Collective",
+    "CostModel",
+    "SchemeCost",
+    "allgather_time",
+    "allreduce_time",
+    "fit",
+    "scheme_costs",
+    "terms",
+]

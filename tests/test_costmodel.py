@@ -1,0 +1,84 @@
+"""sparsetrain.costmodel: formulas, fit, predictions (fast, no cluster)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sparsetrain.costmodel import (
+    WIRE_OVERHEAD,
+    Collective,
+    CostModel,
+    allgather_time,
+    allreduce_time,
+    fit,
+    scheme_costs,
+    terms,
+)
+
+
+def test_ring_formulas():
+    # AllReduce: 2(N-1) alpha + 2(N-1)/N n beta ; AllGather: (N-1) alpha + (N-1) n beta
+    assert allreduce_time(1000, 4, 1e-5, 1e-9) == pytest.approx(6e-5 + 1.5 * 1000 * 1e-9)
+    assert allgather_time(1000, 4, 1e-5, 1e-9) == pytest.approx(3e-5 + 3 * 1000 * 1e-9)
+    assert allreduce_time(10**9, 1, 1.0, 1.0) == 0.0  # one worker: nothing to exchange
+    assert terms("allreduce", 1024) == (2046, pytest.approx(2 * 1023 / 1024))
+    with pytest.raises(ValueError):
+        terms("broadcast", 4)
+
+
+@pytest.mark.parametrize("coll", ["allreduce", "allgather"])
+def test_fit_recovers_alpha_beta(coll):
+    alpha, beta = 50e-6, 8 / 1e9
+    sizes = [4 * 4**i for i in range(13)]
+    a, b = terms(coll, 4)
+    times = [a * alpha + b * n * beta for n in sizes]
+    c = fit(coll, 4, sizes, times)
+    assert c.alpha == pytest.approx(alpha, rel=1e-6) and c.beta == pytest.approx(beta, rel=1e-6)
+    assert c.rel_rms < 1e-9
+
+
+def test_fit_clamps_to_non_negative():
+    sizes = [4, 1e3, 1e6, 1e8]
+    times = [1e-9 * s for s in sizes]  # pure bandwidth: alpha would come out ~0 or slightly negative
+    c = fit("allreduce", 4, sizes, [t * (1.0 if i % 2 else 1.01) for i, t in enumerate(times)])
+    assert c.alpha >= 0 and c.beta > 0
+
+
+def test_at_rate_keeps_alpha_and_cpu_part():
+    wire_1g = WIRE_OVERHEAD * 8 / 1e9
+    c = Collective("allreduce", 20e-6, wire_1g + 0.5e-9, rate_bits=1e9)
+    assert c.cpu_beta == pytest.approx(0.5e-9)
+    d = c.at_rate(1e8)
+    assert d.alpha == c.alpha and d.beta == pytest.approx(10 * wire_1g + 0.5e-9)
+
+
+def test_scheme_bytes_and_step_prediction():
+    numel, ratio = 11_173_962, 0.01
+    k = round(ratio * numel)
+    sc = scheme_costs(numel, ratio, {"blockk": {"compress": 5.0, "decompress": 3.0},
+                                     "topk": {"compress": 30.0, "decompress": 4.0}}, world_ref=4)
+    assert sc["dense"].nbytes == 4 * numel and sc["dense"].collective == "allreduce"
+    assert sc["topk"].nbytes == 8 * k and sc["topk"].collective == "allgather"
+    assert sc["blockk"].nbytes == sc["randk"].nbytes == 4 * k
+    col = {"allreduce": Collective("allreduce", 0.0, 8e-9, 1e9), "allgather": Collective("allgather", 0.0, 8e-9, 1e9)}
+    cm = CostModel(col, compute_ms=100.0, schemes=sc)
+    dense = cm.step_ms("dense", 4)
+    assert dense == pytest.approx(100.0 + 1e3 * 1.5 * 4 * numel * 8e-9)
+    assert cm.step_ms("blockk", 4) == pytest.approx(100.0 + 5.0 + 3.0 + 1e3 * 1.5 * 4 * k * 8e-9)
+    # top-k decompresses one payload per worker: more workers, more decompress time
+    assert cm.step_ms("topk", 8) - cm.exchange_ms(sc["topk"], 8) > cm.step_ms("topk", 4) - cm.exchange_ms(sc["topk"], 4)
+    # at 1 worker nothing is exchanged
+    assert cm.step_ms("dense", 1) == pytest.approx(100.0)
+
+
+def test_break_even_direction():
+    sc = scheme_costs(10**7, 0.01, {"blockk": {"compress": 5.0, "decompress": 3.0}})
+    col = {"allreduce": Collective("allreduce", 1e-5, WIRE_OVERHEAD * 8 / 1e9, 1e9),
+           "allgather": Collective("allgather", 1e-5, WIRE_OVERHEAD * 8 / 1e9, 1e9)}
+    cm = CostModel(col, compute_ms=100.0, schemes=sc)
+    be = cm.break_even([2, 64], [1e9, 100e9])["blockk"]
+    assert be[0][0] < 1  # slow network: block-k wins
+    assert be[0][0] < be[0][1]  # the faster the network, the smaller its advantage
+    assert all(math.isfinite(v) for row in be for v in row)
