@@ -21,7 +21,7 @@ for study in "${STUDIES[@]}"; do
   echo "== $study: exit $code after ${took}s"
   if [ "${COMMIT:-1}" = 1 ]; then
     for attempt in 1 2 3 4 5; do  # another git process may hold the index lock for a moment
-      git add -f results/timings.txt "results/$study" 2>/dev/null &&
+      git add results/timings.txt "results/$study" 2>/dev/null &&
         git commit -q -m "results: $study (${took}s, exit $code)" -- results/timings.txt "results/$study" &&
         break
       sleep 5
