@@ -4,6 +4,9 @@
 #   bash scripts/reproduce.sh                       # all studies
 #   bash scripts/reproduce.sh rq1_scope rq3_aggregation
 #   COMMIT=0 bash scripts/reproduce.sh baseline     # without git commits
+#   DEST=/path/to/checkout bash scripts/reproduce.sh  # run here (e.g. a git worktree, so edits
+#                                                   # to the checkout cannot touch running jobs),
+#                                                   # copy results to DEST and commit them there
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -19,10 +22,18 @@ for study in "${STUDIES[@]}"; do
   took=$(( $(date +%s) - start ))
   echo "$study exit=$code seconds=$took finished=$(date -u +%FT%TZ)" >> results/timings.txt
   echo "== $study: exit $code after ${took}s"
+  repo=.
+  if [ -n "${DEST:-}" ]; then
+    repo=$DEST
+    mkdir -p "$DEST/results"
+    rsync -a --delete --exclude checkpoint.pt --exclude model.pt --exclude wandb/ --exclude ranks/ \
+      "results/$study" "$DEST/results/"
+    cp results/timings.txt "$DEST/results/timings.txt"
+  fi
   if [ "${COMMIT:-1}" = 1 ]; then
     for attempt in 1 2 3 4 5; do  # another git process may hold the index lock for a moment
-      git add results/timings.txt "results/$study" 2>/dev/null &&
-        git commit -q -m "results: $study (${took}s, exit $code)" -- results/timings.txt "results/$study" &&
+      (cd "$repo" && git add results/timings.txt "results/$study" 2>/dev/null &&
+        git commit -q -m "results: $study (${took}s, exit $code)" -- results/timings.txt "results/$study") &&
         break
       sleep 5
     done
