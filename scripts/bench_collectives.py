@@ -28,6 +28,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,7 +89,7 @@ def worker(a) -> None:
 
 
 def measure(a, rate: str, i: int) -> dict:
-    tmp = Path(a.out) / f".coll_{i}.json"
+    tmp = Path(tempfile.gettempdir()) / f"st_bench_coll_{os.getpid()}_{i}.json"
     tmp.unlink(missing_ok=True)
     cmd = [sys.executable, str(NETNS), "--nproc", str(a.nproc), "--rate", rate, "--prefix",
            f"sc{os.getpid() % 10000}{i}", "--kill-timeout", "5", "--master-port", str(29700 + i), "--",

@@ -43,6 +43,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -131,6 +132,9 @@ def worker(a) -> None:
                         opt.zero_grad(set_to_none=False)
                     loss.backward()
                 if reducer is not None:
+                    if a.skew_phase:  # waiting for the slowest rank, kept out of "exchange"
+                        with timer.phase("skew"):
+                            dist.barrier()
                     reducer.reduce(flat, i, timer)
                 with timer.phase("optimizer"):
                     opt.step()
@@ -181,7 +185,7 @@ def worker(a) -> None:
                 "peak_growth_mb_per_rank": [allr[r][s].get("peak_growth_mb") for r in range(world)],
             }
         meta = {"world_size": world, "batch_per_rank": a.batch, "threads_per_rank": a.threads,
-                "ratio": a.ratio, "steps": a.steps, "warmup": a.warmup, "passes": a.passes,
+                "ratio": a.ratio, "skew_phase": a.skew_phase, "steps": a.steps, "warmup": a.warmup, "passes": a.passes,
                 "numel": sum(p.numel() for p in build_model("resnet18", 3, 10).parameters()),
                 "rate": os.environ.get("ST_NETNS_RATE"),
                 "rate_bits": float(os.environ.get("ST_NETNS_RATE_BITS", "nan")),
@@ -197,7 +201,7 @@ def rate_str(bits: float) -> str:
 
 
 def run_rate(a, rate: str, tag: str) -> dict:
-    tmp = Path(a.out) / f".step_{tag}.json"
+    tmp = Path(tempfile.gettempdir()) / f"st_bench_step_{os.getpid()}_{tag}.json"
     tmp.unlink(missing_ok=True)
     cmd = [sys.executable, str(NETNS), "--nproc", str(a.nproc), "--rate", rate,
            "--prefix", f"sb{os.getpid() % 10000}{tag}"[:9], "--kill-timeout", "5",
@@ -205,7 +209,7 @@ def run_rate(a, rate: str, tag: str) -> dict:
            "--", sys.executable, str(Path(__file__).resolve()), "--worker",
            "--json", str(tmp), "--batch", str(a.batch), "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--passes", str(a.passes), "--threads", str(a.threads),
-           "--ratio", str(a.ratio), "--schemes", ",".join(a.schemes)]
+           "--ratio", str(a.ratio), "--schemes", ",".join(a.schemes)] + ([] if a.skew_phase else ["--no-skew-phase"])
     env = dict(os.environ, PYTHONPATH=str(REPO))
     t0 = time.time()
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=a.rate_timeout)
@@ -247,7 +251,7 @@ def table(results: list[dict]) -> str:
         lines.append(f"\n== {m['rate']} ({m['label']}), {m['world_size']} ranks, batch {m['batch_per_rank']}/rank, "
                      f"{m['threads_per_rank']} thread/rank ==")
         lines.append(f"{'scheme':<8}{'step ms':>9}{'x dense':>8}{'fwd':>7}{'bwd':>7}{'compr':>7}{'exch':>8}"
-                     f"{'decomp':>7}{'optim':>7}{'exch %':>7}{'MB sent':>9}{'peak MB':>9}{'+MB':>7}")
+                     f"{'decomp':>7}{'skew':>6}{'optim':>7}{'exch %':>7}{'MB sent':>9}{'peak MB':>9}{'+MB':>7}")
         for name, r in s.items():
             ph = r["phases_ms"]
             peak = max(v for v in r["peak_rss_mb_per_rank"] if v is not None)
@@ -255,7 +259,7 @@ def table(results: list[dict]) -> str:
             lines.append(
                 f"{name:<8}{r['step_ms']:>9.1f}{r['step_ms'] / base if base else float('nan'):>8.2f}"
                 f"{ph.get('forward', 0):>7.0f}{ph.get('backward', 0):>7.0f}{ph.get('compress', 0):>7.1f}"
-                f"{ph.get('exchange', 0):>8.1f}{ph.get('decompress', 0):>7.1f}{ph.get('optimizer', 0):>7.1f}"
+                f"{ph.get('exchange', 0):>8.1f}{ph.get('decompress', 0):>7.1f}{ph.get('skew', 0):>6.0f}{ph.get('optimizer', 0):>7.1f}"
                 f"{100 * ph.get('exchange', 0) / r['step_ms']:>7.1f}{r['bytes_sent_per_step'] / 1e6:>9.2f}"
                 f"{peak:>9.0f}{grow:>7.0f}")
     return "\n".join(lines)
@@ -290,7 +294,7 @@ def write_outputs(results: list[dict], out: Path) -> None:
     with open(out / "step.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["label", "rate_bits", "scheme", "step_ms", "forward_ms", "backward_ms", "compress_ms",
-                    "exchange_ms", "decompress_ms", "optimizer_ms", "bytes_sent_per_step",
+                    "exchange_ms", "decompress_ms", "skew_ms", "optimizer_ms", "bytes_sent_per_step",
                     "peak_rss_mb_max", "peak_growth_mb_max"])
         for res in results:
             m = res["meta"]
@@ -298,7 +302,7 @@ def write_outputs(results: list[dict], out: Path) -> None:
                 ph = r["phases_ms"]
                 w.writerow([m["label"], m["rate_bits"], name, f"{r['step_ms']:.2f}",
                             *(f"{ph.get(k, 0.0):.2f}" for k in ("forward", "backward", "compress", "exchange",
-                                                               "decompress", "optimizer")),
+                                                               "decompress", "skew", "optimizer")),
                             r["bytes_sent_per_step"],
                             f"{max(v for v in r['peak_rss_mb_per_rank'] if v is not None):.1f}",
                             f"{max(v for v in r['peak_growth_mb_per_rank'] if v is not None):.1f}"])
@@ -344,6 +348,9 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--no-skew-phase", dest="skew_phase", action="store_false",
+                    help="do not time the wait for the slowest rank (a barrier before the exchange) "
+                         "as its own phase 'skew'; it then shows up inside 'exchange'")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
     ap.add_argument("--out", default=str(REPO / "results" / "bench"))
     ap.add_argument("--rate-timeout", type=float, default=400)

@@ -156,7 +156,7 @@ def validate(cfg: Any, env: Optional[dict] = None) -> None:
         raise ConfigError(f"ratio={cfg.ratio} is not allowed; it must satisfy 0 < ratio <= 1")
     try:
         get_compressor(cfg.scheme.name)
-    except KeyError as exc:
+    except (KeyError, ValueError) as exc:
         raise ConfigError(str(exc).strip("'\"")) from None
     choices = {
         "scope.name": (cfg.scope.name, ("layerwise", "global")),

@@ -1,0 +1,111 @@
+"""scripts/bench_step.py end to end on a tiny cluster (marker netns: root + ip netns + tc)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_netns import requires_netns
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _ours() -> list[str]:
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    return [n for n in ns + os.listdir("/sys/class/net") if n.startswith("sb")]
+
+
+@pytest.mark.netns
+@requires_netns
+def test_bench_step_tiny_end_to_end(tmp_path):
+    before = set(_ours())
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--rates", "2gbit,paper",
+           "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "1",
+           "--schemes", "compute,dense,blockk,ddp", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "step.json").read_text())
+    labels = [r["meta"]["label"] for r in doc["results"]]
+    assert labels == ["2gbit", "paper"]
+    for r in doc["results"]:
+        assert set(r["schemes"]) == {"compute", "dense", "blockk", "ddp"}
+        assert r["schemes"]["dense"]["phases_ms"]["exchange"] > 0
+        assert "exchange" not in r["schemes"]["compute"]["phases_ms"]
+        assert all(v > 0 for v in r["schemes"]["blockk"]["peak_rss_mb_per_rank"])
+    rows = list(csv.DictReader(open(tmp_path / "step.csv")))
+    assert len(rows) == 8 and (tmp_path / "step_vs_bandwidth.png").exists()
+    assert set(_ours()) <= before  # every namespace and link of the run is gone
+
+
+@pytest.mark.netns
+@requires_netns
+def test_bench_step_cleans_up_when_a_rank_fails(tmp_path):
+    before = set(_ours())
+    # an unknown scheme makes every rank fail inside its namespace
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--rates", "1gbit", "--nproc", "2",
+           "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "1", "--schemes", "nosuch",
+           "--out", str(tmp_path), "--rate-timeout", "120"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode != 0
+    assert set(_ours()) <= before
+
+
+def _overlap_worker(rank, world, port, q):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from sparsetrain.exchange import DenseReducer
+    from sparsetrain.models import build_model
+    from sparsetrain.timing import PhaseTimer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    results = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = build_model("resnet20", 3, 10)
+        params = list(model.parameters())
+        flat = torch.zeros(sum(p.numel() for p in params))
+        off = 0
+        for p in params:
+            p.grad = flat[off : off + p.numel()].view_as(p)
+            off += p.numel()
+        red = DenseReducer(flat.numel())
+        if overlap:
+            red.attach(params, flat, bucket_mb=0.05, first_bucket_mb=0.01)
+            assert len(red._buckets) > 3
+        g = torch.Generator().manual_seed(rank)
+        for step in range(2):
+            flat.zero_()
+            x = torch.randn(4, 3, 32, 32, generator=g)
+            F.cross_entropy(model(x), torch.arange(4)).backward()
+            red.reduce(flat, step, PhaseTimer("cpu", 0))
+        results.append(flat.clone())
+    q.put((rank, bool(torch.equal(results[0], results[1]))))
+    dist.destroy_process_group()
+
+
+def test_dense_reducer_overlap_matches_plain_allreduce():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_overlap_worker, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: True, 1: True}
