@@ -25,6 +25,7 @@ DEFAULTS = [
     "train.epochs=1",
     "data.train_size=20000",
     "train.batch_size=64",
+    "data.augment=false",
     "optim.lr=0.05",
     "optim.warmup_epochs=0.2",
     "train.progress=false",
