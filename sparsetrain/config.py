@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -41,20 +41,20 @@ class DataConfig:
     name: str = MISSING
     root: str = "${oc.env:SPARSETRAIN_DATA,data}"
     download: bool = True
-    train_size: Optional[int] = None  # first N training examples (None: all)
-    test_size: Optional[int] = None
+    train_size: int | None = None  # first N training examples (None: all)
+    test_size: int | None = None
     augment: bool = True
 
 
 @dataclass
 class TrainConfig:
     epochs: int = 3
-    max_steps: Optional[int] = None  # stop after this many steps (short runs, smoke tests)
+    max_steps: int | None = None  # stop after this many steps (short runs, smoke tests)
     batch_size: int = 128  # per worker
     eval_every: int = 1  # epochs
     log_every: int = 10  # steps
     device: str = "auto"  # auto | cpu | cuda
-    threads: Optional[int] = None  # torch threads per rank (None: cores / local ranks)
+    threads: int | None = None  # torch threads per rank (None: cores / local ranks)
     timing_warmup: int = 2  # first steps left out of the phase-time means
     checkpoint: bool = True  # save checkpoint.pt each epoch and on SIGTERM; resume from it
     save_model: bool = False  # write the final weights to model.pt
@@ -77,8 +77,8 @@ class OptimConfig:
 class WandbConfig:
     mode: str = "offline"  # offline | online | disabled
     project: str = "sparsetrain"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # default: the sweep folder's name, shared by a sweep's jobs
+    entity: str | None = None
+    group: str | None = None  # default: the sweep folder's name, shared by a sweep's jobs
     tags: list[str] = field(default_factory=list)
 
 
@@ -86,8 +86,8 @@ class WandbConfig:
 class DistConfig:
     backend: str = "auto"  # auto (nccl on cuda, gloo on cpu) | gloo | nccl
     timeout_s: float = 120.0  # collective timeout: a dead rank cannot hang the job longer
-    ranks_per_node: Optional[int] = None  # SLURM: ranks per node (None: all on one node)
-    master_port: Optional[int] = None  # local spawn: None picks a free port
+    ranks_per_node: int | None = None  # SLURM: ranks per node (None: all on one node)
+    master_port: int | None = None  # local spawn: None picks a free port
 
 
 @dataclass
@@ -106,11 +106,11 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig)
 
 
-def _nodes(world_size: int, ranks_per_node: Optional[int]) -> int:
+def _nodes(world_size: int, ranks_per_node: int | None) -> int:
     return math.ceil(world_size / (ranks_per_node or world_size))
 
 
-def _tasks_per_node(world_size: int, ranks_per_node: Optional[int]) -> int:
+def _tasks_per_node(world_size: int, ranks_per_node: int | None) -> int:
     return min(world_size, ranks_per_node or world_size)
 
 
@@ -144,7 +144,7 @@ def check_group_overrides(overrides: list[str]) -> None:
                 )
 
 
-def validate(cfg: Any, env: Optional[dict] = None) -> None:
+def validate(cfg: Any, env: dict | None = None) -> None:
     """Semantic checks on a composed config. Raises ConfigError with one line."""
     from sparsetrain.compress import get_compressor  # registry of schemes
     from sparsetrain.exchange import check_combination

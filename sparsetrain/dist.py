@@ -15,9 +15,9 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist

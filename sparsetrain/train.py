@@ -9,7 +9,6 @@ code, error feedback acts on the raw gradient; weight decay and momentum come af
 from __future__ import annotations
 
 import gc
-import math
 import os
 import resource
 import signal
@@ -212,7 +211,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Rank 0's model (its batch-norm statistics broadcast) on the test set, sharded."""
         if self.info.world_size > 1:
-            for name, buf in self.model.named_buffers():
+            for buf in self.model.buffers():
                 dist.broadcast(buf, src=0)
         self.model.eval()
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)

@@ -3,7 +3,6 @@
 import re
 
 import pytest
-
 from conftest import TINY, read_json, read_jsonl, run_cli
 
 PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
@@ -22,7 +21,7 @@ def test_bad_input_is_one_line_and_nonzero(override, needle, tmp_path):
     assert proc.returncode != 0
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1, proc.stderr
     summary = tmp_path / "run" / "summary.json"
     if summary.exists():  # a refused run may leave a record, but never a finished-looking one

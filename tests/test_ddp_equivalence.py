@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import TINY
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from conftest import TINY
 from sparsetrain.config import CONF_DIR, register
 from sparsetrain.dist import RankInfo, free_port
 

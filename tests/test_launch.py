@@ -10,7 +10,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from conftest import ROOT, TINY, read_json, read_jsonl, run_cli
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

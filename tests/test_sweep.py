@@ -1,6 +1,5 @@
 """The full scheme x scope x aggregation grid from the command line, at world_size 2."""
 
-import pytest
 
 from conftest import TINY, read_json, run_cli
 
