@@ -115,7 +115,8 @@ class GroupedSlurmLauncher(SlurmLauncher):
         params: dict[str, Any] = {}
         error = None
         try:  # the job's own checks, minus the launch environment (that is the job's to check)
-            validate(cfg, env={k: v for k, v in os.environ.items() if k.startswith("WANDB")})
+            if "scheme" in cfg and "train" in cfg:  # a sparsetrain config (not some other app's)
+                validate(cfg, env={k: v for k, v in os.environ.items() if k.startswith("WANDB")})
             params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
             params.pop("_target_", None)
         except ConfigError as exc:
