@@ -126,11 +126,16 @@ def fit_all(meas: list[dict]) -> list[dict]:
 
 
 def model_from(fits: list[dict], rate_bits: float) -> dict[str, Collective]:
+    """alpha and beta from the fit at ``rate_bits``; the CPU floor per byte from the fastest rate
+    measured when its fitted beta is above its wire time (the hosts, not the link, set the pace)."""
     out = {}
     for f in fits:
         if abs(f["rate_bits"] - rate_bits) < 1:
             out[f["collective"]] = Collective(f["collective"], f["alpha_us"] * 1e-6, f["beta_ns_per_byte"] * 1e-9,
                                               f["rate_bits"])
+    for name, c in out.items():
+        fastest = max((f for f in fits if f["collective"] == name), key=lambda f: f["rate_bits"])
+        c.floor_beta = fastest["cpu_beta_ns_per_byte"] * 1e-9 if fastest["rate_bits"] > rate_bits else 0.0
     return out
 
 
@@ -154,7 +159,7 @@ def check_and_map(fits, step_doc, fit_rate_bits, out: Path) -> dict:
             a_cnt, b_fac = __import__("sparsetrain.costmodel", fromlist=["terms"]).terms(coll, world)
             meas = s[name]["phases_ms"].get("exchange", 0.0) / 1e3
             alpha = max(0.0, (meas - b_fac * cm.schemes[name].nbytes * c.beta) / a_cnt)
-            insitu[coll] = Collective(coll, alpha, c.beta, c.rate_bits)
+            insitu[coll] = Collective(coll, alpha, c.beta, c.rate_bits, floor_beta=c.floor_beta)
     cm2 = CostModel({**cm.collectives, **insitu}, compute, cm.schemes)
     checks = []
     for r in results:
@@ -211,7 +216,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
-    ap.add_argument("--rates", default="1gbit,250mbit")
+    ap.add_argument("--rates", default="1gbit,250mbit,500mbit,4gbit",
+                    help="the first is the fit rate unless --fit-rate; the fastest gives the CPU floor")
     ap.add_argument("--fit-rate", default=None, help="rate whose fit predicts the others (default: first)")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--burst", default=None, help="tbf burst passed to netns_cluster.py (default max(96 KiB, 1 ms at the rate): its own default of max(64 KiB, 1 ms) drops 64 KiB GSO packets at <= 500 Mbit/s, which halved the achieved rate at 500mbit)")

@@ -7,12 +7,13 @@ of ``n`` bytes per worker:
     AllGather  t =  (N-1) alpha +  (N-1)   n beta     (every worker receives the others' n bytes)
 
 ``alpha`` is the per-message latency (s), ``beta`` the seconds per byte. On a link of B bit/s,
-``beta = wire / (B / 8) + cpu``: ``wire`` is the framing overhead of TCP/IP over Ethernet
-(1538 bytes on the wire per 1448 of payload: 1.062) and ``cpu`` the per-byte cost that remains at
-infinite bandwidth (copies, the reduction, the kernel's TCP stack): on a CPU box it is what bounds
-the collective at high rates. :func:`fit` finds alpha and beta per collective from a
+``beta = max(wire / (B / 8), cpu)``: ``wire`` is the framing overhead of TCP/IP over Ethernet
+(1538 bytes on the wire per 1448 of payload: 1.062) and ``cpu`` the per-byte cost the hosts need
+at infinite bandwidth (copies, the reduction, the kernel's TCP stack; pipelined with sending, so
+the slower of the two sets the pace): on a CPU box it bounds the collective at high rates. :func:`fit` finds alpha and beta per collective from a
 micro-benchmark (``scripts/bench_collectives.py``); :meth:`Collective.at_rate` re-targets the fitted
-model to another bandwidth by keeping ``alpha`` and ``cpu`` and replacing the wire term.
+model to another bandwidth by keeping ``alpha`` and ``cpu`` (``floor_beta``, e.g. the beta fitted on
+the fastest link measured) and replacing the wire term.
 
 Time per step of a scheme = compute (forward + backward + optimizer, measured without exchange)
 + compress + decompress (measured) + exchange (predicted). Dense sends ``4 numel`` bytes with
@@ -67,16 +68,24 @@ class Collective:
     beta: float
     rate_bits: float | None = None
     rel_rms: float | None = None  # fit quality: RMS of relative residuals over the fitted points
+    #: seconds per byte the hosts need at any bandwidth (CPU-bound floor, e.g. fitted on a fast or
+    #: unlimited link); None: the part of ``beta`` above the wire time at ``rate_bits``
+    floor_beta: float | None = None
 
     @property
     def cpu_beta(self) -> float:
         """Seconds per byte that remain at infinite bandwidth."""
+        if self.floor_beta is not None:
+            return self.floor_beta
         wire = WIRE_OVERHEAD * 8 / self.rate_bits if self.rate_bits else 0.0
         return max(0.0, self.beta - wire)
 
     def at_rate(self, rate_bits: float) -> Collective:
-        """The same collective on a link of ``rate_bits`` bit/s (alpha and the CPU part kept)."""
-        return Collective(self.name, self.alpha, self.cpu_beta + WIRE_OVERHEAD * 8 / rate_bits, rate_bits)
+        """The same collective on a link of ``rate_bits`` bit/s: alpha kept, and per byte the
+        slower of the wire and the hosts (the ring pipelines sending with copying and reducing,
+        so the two overlap: max, not sum)."""
+        beta = max(WIRE_OVERHEAD * 8 / rate_bits, self.cpu_beta)
+        return Collective(self.name, self.alpha, beta, rate_bits, floor_beta=self.floor_beta)
 
     def time(self, nbytes: float, world: int) -> float:
         a, b = terms(self.name, world)

@@ -50,8 +50,11 @@ def test_at_rate_keeps_alpha_and_cpu_part():
     wire_1g = WIRE_OVERHEAD * 8 / 1e9
     c = Collective("allreduce", 20e-6, wire_1g + 0.5e-9, rate_bits=1e9)
     assert c.cpu_beta == pytest.approx(0.5e-9)
-    d = c.at_rate(1e8)
-    assert d.alpha == c.alpha and d.beta == pytest.approx(10 * wire_1g + 0.5e-9)
+    d = c.at_rate(1e8)  # slow link: the wire sets the pace
+    assert d.alpha == c.alpha and d.beta == pytest.approx(10 * wire_1g)
+    f = Collective("allreduce", 20e-6, wire_1g, rate_bits=1e9, floor_beta=1e-9)
+    assert f.at_rate(100e9).beta == pytest.approx(1e-9)  # fast link: the hosts set the pace
+    assert f.at_rate(1e8).beta == pytest.approx(10 * wire_1g)
 
 
 def test_scheme_bytes_and_step_prediction():
