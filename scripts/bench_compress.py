@@ -3,10 +3,12 @@
 Measures, on the ResNet-18 (CIFAR) gradient (11,173,962 floats, real tensor shapes):
   compress+EF  = memory += grad; choose k entries; gather values; zero them in memory
   decompress   = out.zero_(); expand positions; out[idx] += values
-next to references measured in the same run: one ``out.copy_(g)`` (the unit), an EF add,
+"copies" = the median over repeats of (time of the call / time of one gradient copy timed right
+before it), so that load changes on a shared machine cancel out; next to references measured in
+the same run: one ``out.copy_(g)`` (the unit), an EF add,
 ``torch.topk(g.abs(), k)``, ``torch.randperm(n)[:k]`` and numpy ``choice(n, k, replace=False)``.
 
-    python scripts/bench_compress.py --threads 1 --repeats 7 --ratio 0.01 --json bench.json
+    python scripts/bench_compress.py --threads 1 --repeats 7 --rounds 3 --ratio 0.01 --json bench.json
 """
 
 from __future__ import annotations
@@ -57,6 +59,26 @@ def timeit(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def timeit_ratio(fn, ref, repeats: int, device: torch.device) -> tuple[float, float]:
+    """(median ms of fn, median of fn/ref per repeat): ``ref`` (one copy) is timed right before
+    each call of ``fn``, so that load changes on a shared machine cancel out of the ratio."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    ms, ratios = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ref()
+        sync()
+        t1 = time.perf_counter()
+        fn()
+        sync()
+        t2 = time.perf_counter()
+        ms.append((t2 - t1) * 1e3)
+        ratios.append((t2 - t1) / (t1 - t0))
+    return statistics.median(ms), statistics.median(ratios)
+
+
 def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int) -> dict:
     shapes = resnet18_shapes()
     layout = Layout.from_sizes([int(np.prod(s)) for s in shapes])
@@ -65,6 +87,7 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
     gen = torch.Generator(device=device).manual_seed(0)
     g = torch.randn(n, generator=gen, device=device)
     out = torch.empty_like(g)
+    out2 = torch.empty_like(g)
     mem = torch.zeros_like(g)
     copy_ms = timeit(lambda: out.copy_(g), repeats, device)
     ref = {
@@ -78,6 +101,11 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
         ref["np.random.choice(replace=False)"] = timeit(lambda: legacy.choice(n, k, replace=False), 3, device)
         rng = np.random.default_rng(0)  # numpy's newer Generator: O(k) for k << n
         ref["np Generator.choice(replace=False)"] = timeit(lambda: rng.choice(n, k, replace=False), 3, device)
+    # references: ratios to a copy timed right before each call, too
+    ref_cp = {}
+    for name, fn, r in (("copy", lambda: out.copy_(g), repeats), ("ef_add", lambda: mem.add_(g), repeats),
+                        ("torch.topk(g.abs(),k)", lambda: torch.topk(g.abs(), k), max(3, repeats // 2))):
+        ref_cp[name] = timeit_ratio(fn, lambda: out2.copy_(g), r, device)[1]
     rows = []
     for scheme in ("none", "topk", "randk", "blockk"):
         for scope in ("layerwise", "global"):
@@ -91,19 +119,23 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
                 step[0] += 1
                 return ef.step(g, comp, seed=step_seed(0, step[0]), out=values)
 
-            c_ms = timeit(compress_ef, repeats, device)
+            def copy_once():
+                out2.copy_(g)
+
+            c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
             payload = compress_ef()
 
             def decompress(comp=comp, payload=payload):
                 out.zero_()
                 comp.decompress_add(payload.values, payload.positions, out)
 
-            d_ms = timeit(decompress, repeats, device)
+            d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
             rows.append({"scheme": scheme, "scope": scope, "k": comp.k,
-                         "compress_ef_ms": c_ms, "compress_ef_copies": c_ms / copy_ms,
-                         "decompress_ms": d_ms, "decompress_copies": d_ms / copy_ms})
+                         "compress_ef_ms": c_ms, "compress_ef_copies": c_cp,
+                         "decompress_ms": d_ms, "decompress_copies": d_cp})
     return {"device": str(device), "numel": n, "k": k, "tensors": len(shapes),
-            "references_ms": ref, "references_copies": {a: b / copy_ms for a, b in ref.items()},
+            "references_ms": ref,
+            "references_copies": {a: ref_cp.get(a, b / copy_ms) for a, b in ref.items()},
             "schemes": rows}
 
 
@@ -122,15 +154,32 @@ def goals(res: dict) -> dict:
     for scheme in ("topk", "randk", "blockk"):
         lw, gl = by.get((scheme, "layerwise")), by.get((scheme, "global"))
         if lw and gl:
-            out[f"{scheme} layerwise/global = {lw['compress_ef_ms'] / gl['compress_ef_ms']:.2f} <= 1.5"] = (
-                lw["compress_ef_ms"] <= 1.5 * gl["compress_ef_ms"])
-    topk = res["references_ms"].get("torch.topk(g.abs(),k)")
+            ratio = lw["compress_ef_copies"] / gl["compress_ef_copies"]  # load-cancelled ratios
+            out[f"{scheme} layerwise/global = {ratio:.2f} <= 1.5"] = ratio <= 1.5
+    topk = res["references_copies"].get("torch.topk(g.abs(),k)")
     for scope in ("layerwise", "global"):
         r = by.get(("topk", scope))
         if r and topk:
-            out[f"topk/{scope} speed-up over torch.topk = {topk / r['compress_ef_ms']:.1f}x >= 12"] = (
-                topk / r["compress_ef_ms"] >= 12)
+            out[f"topk/{scope} speed-up over torch.topk = {topk / r['compress_ef_copies']:.1f}x >= 12"] = (
+                topk / r["compress_ef_copies"] >= 12)
     return out
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Median of every number over whole-benchmark rounds (a shared machine's load comes and goes
+    on the scale of a round); the rounds themselves are kept under ``rounds``."""
+    if len(rounds) == 1:
+        return rounds[0]
+    res = dict(rounds[0])
+    for key in ("references_ms", "references_copies"):
+        res[key] = {a: statistics.median(r[key][a] for r in rounds) for a in rounds[0][key]}
+    rows = []
+    for i, row in enumerate(rounds[0]["schemes"]):
+        rows.append({f: (statistics.median(r["schemes"][i][f] for r in rounds) if isinstance(v, float) else v)
+                     for f, v in row.items()})
+    res["schemes"] = rows
+    res["rounds"] = rounds
+    return res
 
 
 def print_table(res: dict) -> None:
@@ -151,6 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=3, help="whole-benchmark rounds; medians reported")
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--json", default=None, help="write results here")
@@ -160,11 +210,12 @@ def main() -> None:
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and not args.no_cuda:
         devices.append(torch.device("cuda"))
-    results = {"threads": args.threads, "repeats": args.repeats, "ratio": args.ratio,
+    results = {"threads": args.threads, "repeats": args.repeats, "rounds": args.rounds, "ratio": args.ratio,
                "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
                "runs": []}
     for dev in devices:
-        res = bench_device(dev, args.ratio, args.repeats, args.block_size)
+        rounds = [bench_device(dev, args.ratio, args.repeats, args.block_size) for _ in range(args.rounds)]
+        res = merge_rounds(rounds)
         res["goals"] = goals(res)
         print_table(res)
         results["runs"].append(res)

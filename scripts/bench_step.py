@@ -345,6 +345,9 @@ def write_outputs(results: list[dict], out: Path) -> None:
             if r["meta"]["label"] == "paper":
                 ax.axvline(r["meta"]["rate_bits"] / 1e9, color="grey", ls=":", lw=1)
         ax.set_xscale("log")
+        ticks = sorted({r["meta"]["rate_bits"] / 1e9 for r in srt})
+        ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("link bandwidth per rank, each way (Gbit/s, tc tbf; no added latency)")
         ax.set_ylabel("time per step (ms)")
         m = results[0]["meta"]

@@ -123,7 +123,8 @@ def register() -> None:
 
 
 def group_options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    root = CONF_DIR / group
+    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
 
 
 def check_group_overrides(overrides: list[str]) -> None:

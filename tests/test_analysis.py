@@ -447,42 +447,7 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
 # --- experiment presets -----------------------------------------------------------------------
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
-STUDY_NAMES = ("rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
-
-
-@pytest.mark.parametrize("name", [*STUDY_NAMES, *(f"paper/{n}" for n in STUDY_NAMES)])
-def test_experiment_presets_are_valid(name):
-    path = CONF / f"{name}.yaml"
-    text = path.read_text()
-    assert text.startswith("# @package _global_")
-    preset = yaml.safe_load(text)
-    params = preset["hydra"]["sweeper"]["params"]
-    allowed = {"scheme", "scope", "aggregation", "world_size", "ratio", "seed", "model", "data"}
-    assert set(params) <= allowed | {k for k in params if "." in k}, params
-    for key, value in params.items():
-        assert isinstance(value, str) and value, key
-    schemes = params.get("scheme", "").split(",")
-    assert set(schemes) <= {"", "none", "topk", "randk", "blockk"}
-    # top-k only gathers: a grid that pairs it with AllReduce would stop the sweep.
-    aggregation = params.get("aggregation", preset.get("aggregation", {}) or "")
-    if "topk" in schemes:
-        assert "allreduce" not in str(aggregation) and "allreduce" not in str(preset.get("defaults"))
-    for ratio in params.get("ratio", "0.01").split(","):
-        assert 0 < float(ratio) <= 1
-    for workers in params.get("world_size", "1").split(","):
-        assert int(workers) >= 1
-    groups = {list(d)[0].split("/")[-1]: list(d.values())[0] for d in preset["defaults"] if isinstance(d, dict)}
-    if name.startswith("paper/"):
-        assert groups["model"] == "resnet18" and groups["data"] == "cifar10"
-        assert preset["world_size"] == 8 or "world_size" in params
-        assert preset["train"]["epochs"] == 300 and preset["train"]["batch_size"] == 128
-        assert preset["optim"]["lr"] == 0.1 and preset["optim"]["warmup_epochs"] == 5
-        assert preset["optim"]["milestones"] == [0.5, 0.8333]
-        assert params["seed"] == "0,1,2"
-        assert preset["hydra"]["sweep"]["dir"].startswith("results/paper/")
-    else:
-        assert groups["model"] == "resnet20" and groups["data"] == "fashion_mnist"
-        assert preset["hydra"]["sweep"]["dir"] == f"results/{name}"
+STUDY_NAMES = ("baseline", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
 
 
 def _grid(params) -> list[list[str]]:
@@ -491,18 +456,27 @@ def _grid(params) -> list[list[str]]:
             for combo in itertools.product(*(str(params[k]).split(",") for k in keys))]
 
 
-@pytest.mark.parametrize("name", [*STUDY_NAMES, *(f"paper/{n}" for n in STUDY_NAMES)])
+@pytest.mark.parametrize("name", [*STUDY_NAMES, *(f"paper/{n}" for n in STUDY_NAMES[1:])])
 def test_experiment_presets_compose_and_every_grid_point_validates(name):
-    """Hydra composes each preset with the project's schema, and no grid point is refused."""
+    """Each preset composes with the schema, runs at its scale, and no grid point is refused."""
+    assert (CONF / f"{name}.yaml").read_text().startswith("# @package _global_")
     config = pytest.importorskip("sparsetrain.config")
     from hydra import compose, initialize_config_dir
 
     config.register()
     with initialize_config_dir(str(config.CONF_DIR), version_base=None):
         base = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
-        assert base.hydra.sweep.dir == (f"results/{name}")
+        assert base.hydra.sweep.dir == f"results/{name}"
+        if name.startswith("paper/"):
+            assert (base.model.name, base.data.name, base.world_size) == ("resnet18", "cifar10", 8)
+            assert base.train.epochs == 300 and base.train.batch_size == 128
+            assert base.optim.lr == 0.1 and base.optim.warmup_epochs == 5
+            assert list(base.optim.milestones) == [0.5, 0.8333]
+            assert base.hydra.sweeper.params.seed == "0,1,2"
+        else:
+            assert (base.model.name, base.data.name) == ("resnet20", "fashion_mnist")
         points = _grid(base.hydra.sweeper.params)
-        assert 8 <= len(points) <= 60
+        assert 2 <= len(points) <= 60
         for point in points:
             cfg = compose("config", overrides=[f"experiment={name}", *point])
             config.validate(cfg, env={})

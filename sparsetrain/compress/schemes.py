@@ -86,7 +86,8 @@ class TopK(Compressor):
             rows, js = [], []
             for s in self.large:
                 n, k = sizes[s], self.ks[s]
-                rows.append(torch.randint(0, n, (m,), generator=gen) + offsets[s])
+                # sorted: the per-step gather then sweeps memory upwards (prefetch-friendly)
+                rows.append(torch.sort(torch.randint(0, n, (m,), generator=gen)).values + offsets[s])
                 p = k / n
                 js.append(min(m, math.ceil(p * m + 4.0 * math.sqrt(p * m) + 4.0)))
             self.sample_idx = torch.stack(rows).reshape(-1).to(self.device)
