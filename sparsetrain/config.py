@@ -88,6 +88,9 @@ class DistConfig:
     timeout_s: float = 120.0  # collective timeout: a dead rank cannot hang the job longer
     ranks_per_node: int | None = None  # SLURM: ranks per node (None: all on one node)
     master_port: int | None = None  # local spawn: None picks a free port
+    # Dense only: start bucketed AllReduces during backward, as DDP does. Part of the exchange
+    # then hides inside the backward phase; false times it as a phase of its own (the paper's view).
+    overlap: bool = True
 
 
 @dataclass

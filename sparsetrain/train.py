@@ -99,6 +99,8 @@ class Trainer:
             device=self.device,
             dtype=self.flat_grad.dtype,
         )
+        if cfg.dist.overlap and hasattr(self.reducer, "attach"):
+            self.reducer.attach(self.params, self.flat_grad)
         self.optimizer = torch.optim.SGD(
             param_groups_for_weight_decay(self.model, cfg.optim.weight_decay),
             lr=cfg.optim.lr,
