@@ -7,7 +7,7 @@ TORCH_PINS ?= $(shell [ "$$(uname -m)" = x86_64 ] && echo "torch==2.14.1 torchvi
 RESULTS ?= results
 FIGURES ?= figures
 
-.PHONY: help venv data run test test-full lint figures bench slurm-up slurm-down clean
+.PHONY: help venv data run test test-full lint figures bench bench-step bench-model slurm-up slurm-down clean
 
 help:  ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -39,8 +39,14 @@ lint: venv  ## ruff
 figures: venv  ## tables and figures from $(RESULTS) into $(FIGURES)
 	$(PY) -m sparsetrain.analysis $(RESULTS) --out $(FIGURES)
 
-bench: venv  ## compressor micro-benchmark (1 thread)
-	$(PY) scripts/bench_compress.py --threads 1
+bench: venv  ## compressor micro-benchmark (1 thread, 3 rounds) -> results/bench/compress.json
+	$(PY) scripts/bench_compress.py --threads 1 --json results/bench/compress.json
+
+bench-step: venv  ## 4 ranks on a tc-shaped netns cluster: step time by phase vs bandwidth (root, ~8 min)
+	$(PY) scripts/bench_step.py --out results/bench
+
+bench-model: venv  ## collective micro-benchmark, alpha-beta fit, model check, break-even map (root, after bench-step)
+	$(PY) scripts/bench_collectives.py --out results/bench
 
 slurm-up:  ## start the single-node SLURM cluster on this machine (root)
 	bash scripts/slurm_cluster.sh start
