@@ -172,7 +172,7 @@ def plot_time_per_phase(runs: pd.DataFrame) -> Figure:
         by = ["scheme", *varying_axes(done, exclude=("scheme",))]
         data = summarize(done, by, [f"time_{p}_ms" for p in phases] + ["time_step_ms"])
         labels = _config_labels(data, by)
-        fig, axes = _new_figure(width=7.0, height=0.9 + 0.38 * len(data))
+        fig, axes = _new_figure(width=7.0, height=max(2.8, 0.9 + 0.38 * len(data)))  # room for the legend
         ax = axes[0, 0]
         y = np.arange(len(data))[::-1]
         left = np.zeros(len(data))
