@@ -132,7 +132,8 @@ class Trainer:
         self.batch_in_epoch = 0
         self.records_logged = 0
         self.last_eval: dict[str, float] = {}
-        self.epoch_stats = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+        # loss sum, correct, count: kept on the device so a step never waits for the host
+        self.epoch_stats = torch.zeros(3, dtype=torch.float64, device=self.device)
         self.elapsed_s = 0.0
         self._stop_requested = False
         if info.world_size > 1:  # robust to seeding differences: start from rank 0's weights
@@ -157,7 +158,7 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "records_logged": self.records_logged,
             "last_eval": dict(self.last_eval),
-            "epoch_stats": self.epoch_stats.clone(),
+            "epoch_stats": self.epoch_stats.cpu(),
             "elapsed_s": self.elapsed_s,
             "timer": self.timer.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -172,7 +173,7 @@ class Trainer:
         self.batch_in_epoch = state["batch_in_epoch"]
         self.records_logged = state["records_logged"]
         self.last_eval = dict(state["last_eval"])
-        self.epoch_stats = state["epoch_stats"].clone()
+        self.epoch_stats = state["epoch_stats"].to(self.device, copy=True)
         self.elapsed_s = state["elapsed_s"]
         self.timer.load_state_dict(state["timer"])
         torch.set_rng_state(state["torch_rng"])
@@ -255,7 +256,7 @@ class Trainer:
                 [loss.detach().double() * len(yb), (out.argmax(1) == yb).sum().double(),
                  torch.tensor(float(len(yb)), dtype=torch.float64, device=loss.device)]
             )
-        self.epoch_stats += batch.cpu()
+        self.epoch_stats += batch
         self.step += 1
         return loss, stats, lr
 
@@ -293,7 +294,7 @@ class Trainer:
         if full:
             self.epoch += 1
             self.batch_in_epoch = 0
-        stats = self.epoch_stats.clone().to(self.device)
+        stats = self.epoch_stats.clone()
         if self.info.world_size > 1:
             dist.all_reduce(stats)
         stats = stats.cpu()
