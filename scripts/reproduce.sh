@@ -4,6 +4,7 @@
 #   bash scripts/reproduce.sh                       # all studies
 #   bash scripts/reproduce.sh rq1_scope rq3_aggregation
 #   COMMIT=0 bash scripts/reproduce.sh baseline     # without git commits
+#   SUFFIX=_s2 EXTRA="seed=2" bash scripts/reproduce.sh rq1_scope   # more seeds, own folder
 #   DEST=/path/to/checkout bash scripts/reproduce.sh  # run here (e.g. a git worktree, so edits
 #                                                   # to the checkout cannot touch running jobs),
 #                                                   # copy results to DEST and commit them there
@@ -13,11 +14,14 @@ PY=${PY:-.venv/bin/python}
 STUDIES=("$@")
 [ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope rq3_aggregation rq4_workers rq2_scheme rq5_speed)
 mkdir -p results
-for study in "${STUDIES[@]}"; do
+for preset in "${STUDIES[@]}"; do
+  study=$preset${SUFFIX:-}
   start=$(date +%s)
   echo "== $study: started $(date -u +%FT%TZ)"
   rm -rf "results/$study"
-  $PY -m sparsetrain.run -m "experiment=$study" wandb.mode=disabled > "results/$study.log" 2>&1
+  # shellcheck disable=SC2086  # EXTRA holds several overrides
+  $PY -m sparsetrain.run -m "experiment=$preset" wandb.mode=disabled ${EXTRA:-} \
+    "hydra.sweep.dir=results/$study" > "results/$study.log" 2>&1
   code=$?
   took=$(( $(date +%s) - start ))
   echo "$study exit=$code seconds=$took finished=$(date -u +%FT%TZ)" >> results/timings.txt
