@@ -36,8 +36,10 @@ test-full: venv data  ## every test, slow ones too
 lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
-figures: venv  ## tables and figures from $(RESULTS) into $(FIGURES)
+figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(FIGURES), benchmarks in place
 	$(PY) -m sparsetrain.analysis $(RESULTS) --out $(FIGURES)
+	$(PY) scripts/bench_step.py --report $(RESULTS)/bench/step.json
+	$(PY) scripts/bench_collectives.py --model-only --out $(RESULTS)/bench
 
 bench: venv  ## compressor micro-benchmark (1 thread, 3 rounds) -> results/bench/compress.json
 	$(PY) scripts/bench_compress.py --threads 1 --json results/bench/compress.json
