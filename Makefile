@@ -6,6 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_PINS ?= $(shell [ "$$(uname -m)" = x86_64 ] && echo "torch==2.14.1 torchvision==0.29.1")
 RESULTS ?= results
 FIGURES ?= figures
+ANALYSE = $(PY) -m sparsetrain.analysis --quiet
 
 .PHONY: help venv data run test test-full lint figures bench bench-step bench-model slurm-up slurm-down clean
 
@@ -37,7 +38,13 @@ lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
 figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(FIGURES), benchmarks in place
-	$(PY) -m sparsetrain.analysis $(RESULTS) --out $(FIGURES)
+	$(PY) -m sparsetrain.analysis --quiet $(RESULTS) --out $(FIGURES)/by_sweep
+	@# Each research question from every sweep that holds its points (dense, other seeds, ...).
+	$(ANALYSE) --study rq1_scope $(RESULTS)/baseline*/ $(RESULTS)/rq1_scope*/ --out $(FIGURES)/rq1_scope
+	$(ANALYSE) --study rq2_scheme $(RESULTS)/baseline*/ $(RESULTS)/rq1_scope*/ $(RESULTS)/rq2_scheme*/ --out $(FIGURES)/rq2_scheme
+	$(ANALYSE) --study rq3_aggregation $(RESULTS)/rq2_scheme*/ $(RESULTS)/rq3_aggregation*/ $(RESULTS)/rq4_workers*/ --out $(FIGURES)/rq3_aggregation
+	$(ANALYSE) --study rq4_workers $(RESULTS)/baseline*/ $(RESULTS)/rq2_scheme*/ $(RESULTS)/rq4_workers*/ --out $(FIGURES)/rq4_workers
+	$(ANALYSE) --study rq5_speed $(RESULTS)/rq5_speed*/ --out $(FIGURES)/rq5_speed
 	$(PY) scripts/bench_step.py --report $(RESULTS)/bench/step.json
 	$(PY) scripts/bench_collectives.py --model-only --out $(RESULTS)/bench
 
