@@ -404,14 +404,15 @@ def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = 
             record = dict(record)
             for phase, ms in (record.pop("time_ms", None) or {}).items():
                 record[f"time_{phase}_ms"] = ms
+            if "lr" in record:  # the schedule's lr at that point, not the run's lr axis
+                record["lr_now"] = record.pop("lr")
             records.append(record)
         if not records:
             continue
         frame = pd.DataFrame(records).drop(columns=["kind"])
         info = {column: getattr(run, column) for column in keep}
         for column, value in info.items():
-            if column not in frame.columns:
-                frame[column] = value
+            frame[column] = value  # the run's axes win over any same-named record field
         frames.append(frame)
     if not frames:
         return pd.DataFrame(columns=[*keep, "epoch", "step"])
