@@ -178,6 +178,17 @@ def test_failing_rank_stops_others_exits_nonzero_and_cleans_up():
     assert _leftovers(prefix) == []
 
 
+def _wait_for_namespaces(prefix: str, timeout: float = 30) -> None:
+    """Until the launcher has made the last rank's namespace (or the timeout passes)."""
+    deadline = time.monotonic() + timeout
+    while (
+        time.monotonic() < deadline
+        and f"{prefix}-r1"
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    ):
+        time.sleep(0.1)
+
+
 @requires_netns
 def test_sigterm_to_launcher_cleans_up():
     prefix = _prefix("s")
@@ -188,13 +199,7 @@ def test_sigterm_to_launcher_cleans_up():
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        while (
-            time.monotonic() < deadline
-            and f"{prefix}-r1"
-            not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        ):
-            time.sleep(0.1)
+        _wait_for_namespaces(prefix)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
@@ -213,13 +218,7 @@ def test_cleanup_subcommand_removes_leftovers_of_a_killed_run():
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 30
-    while (
-        time.monotonic() < deadline
-        and f"{prefix}-r1"
-        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    ):
-        time.sleep(0.1)
+    _wait_for_namespaces(prefix)
     time.sleep(0.5)
     proc.kill()  # SIGKILL: no chance to clean up
     proc.wait()
