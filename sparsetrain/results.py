@@ -49,6 +49,12 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
         raise
 
 
+def one_line_error(exc: BaseException) -> str:
+    """``Type: first line of the message``: what summary.json and the console show."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
 def read_summary(run_dir: str | Path) -> dict | None:
     path = Path(run_dir) / SUMMARY
     if not path.exists():

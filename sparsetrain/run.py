@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sparsetrain.config import CONF_DIR, ConfigError, check_group_overrides, register, validate
-from sparsetrain.results import SUMMARY, mark_failed, now_iso, read_summary, write_json_atomic
+from sparsetrain.results import SUMMARY, RunWriter, mark_failed, one_line_error, read_summary
 
 register()
 _failed_sweep_jobs: list[str] = []
@@ -61,9 +61,8 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     if cfg.world_size == 1:
         return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
 
-    write_json_atomic(run_dir / SUMMARY, {"status": "running", "error": None, "started_at": now_iso(),
-                                          "config": cfg_dict, "run_dir": str(run_dir),
-                                          "world_size": cfg.world_size})
+    # Recorded before any rank exists, so a launch that fails early still leaves a summary.
+    RunWriter(run_dir).start(config=cfg_dict, run_dir=str(run_dir), world_size=cfg.world_size)
     log_dir = run_dir / "ranks"
 
     def launch():
@@ -103,8 +102,7 @@ def _describe(exc: Exception) -> str:
             detail = f"killed by {failure.signal_name()}"
         detail = detail.strip().splitlines()[-1] if detail.strip() else f"exit code {failure.exitcode}"
         return f"rank {rank} failed: {detail}"
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    return one_line_error(exc)
 
 
 def _fail(msg: str, run_dir: Path, multirun: bool, code: int) -> dict[str, Any]:

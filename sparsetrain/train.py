@@ -33,8 +33,8 @@ from sparsetrain.dist import (
 )
 from sparsetrain.exchange import build_reducer
 from sparsetrain.models import build_model, param_groups_for_weight_decay
-from sparsetrain.results import NullWriter, RunWriter, mark_failed
-from sparsetrain.timing import PhaseTimer
+from sparsetrain.results import NullWriter, RunWriter, mark_failed, one_line_error
+from sparsetrain.timing import PHASES, PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 
 CHECKPOINT = "checkpoint.pt"
@@ -350,7 +350,7 @@ class Trainer:
         try:
             self._loop()
         except BaseException as exc:
-            self.writer.finish("failed", error=_one_line(exc), **self._summary_fields())
+            self.writer.finish("failed", error=one_line_error(exc), **self._summary_fields())
             self.tracker.finish(self.writer.summary, failed=True)
             raise
         finally:
@@ -406,9 +406,7 @@ class Trainer:
             "train_loss": self.last_train_loss,
             "test_accuracy": self.last_eval.get("test_accuracy"),
             "test_loss": self.last_eval.get("test_loss"),
-            "time_ms": {k: means.get(k, 0.0) for k in
-                        ("data", "forward", "backward", "compress", "exchange", "decompress",
-                         "optimizer", "step")},
+            "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
             "timed_steps": self.timer.counted_steps,
             "peak_memory_mb": peak_mb,
             "duration_s": self.elapsed_s,
@@ -432,11 +430,6 @@ def _progress(trainer: Trainer, cfg: Any):
     return tqdm(total=total, initial=trainer.step, unit="step", dynamic_ncols=True, leave=False)
 
 
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
 def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> dict:
     """Entry point of one rank: set up the process group, train, tear down."""
     cfg = OmegaConf.create(cfg_dict)
@@ -455,7 +448,7 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> di
         trainer = Trainer(cfg, info, run_dir)
     except Exception as exc:  # set-up failed before the trainer could record it
         if info.is_main:
-            mark_failed(run_dir, _one_line(exc), config=cfg_dict, world_size=info.world_size)
+            mark_failed(run_dir, one_line_error(exc), config=cfg_dict, world_size=info.world_size)
         destroy_process_group()
         raise
     try:
