@@ -29,6 +29,11 @@ class SchemeConfig:
     name: str = MISSING
     error_feedback: bool = True
     block_size: int = 256  # blockk with scope=global: entries per contiguous block
+    # Tensors that travel whole, in the same collective: "1d" (biases, batch-norm weights and
+    # biases, as the reference code does), "none" (compress every tensor), or an integer N
+    # (tensors with fewer than N entries).
+    uncompressed: str = "1d"
+    warmup_steps: int = 0  # dense exchange for the first N steps, then compression (memory empty)
 
 
 @dataclass
@@ -59,6 +64,9 @@ class TrainConfig:
     checkpoint: bool = True  # save checkpoint.pt each epoch and on SIGTERM; resume from it
     save_model: bool = False  # write the final weights to model.pt
     progress: bool = True  # tqdm bar on rank 0 when attached to a terminal
+    # Before each evaluation, recompute batch-norm running statistics from this many training
+    # batches (0: keep the running averages from training).
+    bn_recalibrate: int = 0
 
 
 @dataclass
@@ -150,7 +158,7 @@ def check_group_overrides(overrides: list[str]) -> None:
 
 def validate(cfg: Any, env: dict | None = None) -> None:
     """Semantic checks on a composed config. Raises ConfigError with one line."""
-    from sparsetrain.compress import get_compressor  # registry of schemes
+    from sparsetrain.compress import get_compressor, parse_uncompressed  # registry of schemes
     from sparsetrain.exchange import check_combination
 
     env = os.environ if env is None else env
@@ -188,6 +196,14 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
+    for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
+                       "train.bn_recalibrate": cfg.train.bn_recalibrate}.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} is not allowed; it must be >= 0")
+    try:
+        parse_uncompressed(cfg.scheme.uncompressed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     try:
         check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
     except ValueError as exc:

@@ -8,6 +8,10 @@ A reducer overwrites that buffer, in place, with the update every rank applies i
   ``allreduce`` (positions drawn from a seed shared by all ranks: only the k values are summed)
   or ``allgather`` (each rank its own positions; values and positions packed into one byte
   buffer, one ``all_gather_into_tensor``, every rank adds all contributions).
+
+Tensors that bypass compression (``scheme.uncompressed``: by default the 1-D ones) sit at the end
+of the flat buffer (``flat_gradients`` orders it so) and travel whole in the same collective:
+appended to the AllReduce buffer, or to the packed AllGather message.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from sparsetrain.compress import (
     SCOPES,
     ErrorFeedback,
+    Layout,
     as_layout,
     available,
     get_compressor,
@@ -57,6 +62,9 @@ class DenseReducer:
         self.numel = numel
         self.dense_bytes_per_step = numel * element_size
         self.bytes_sent_per_step = self.dense_bytes_per_step
+        self.uncompressed_bytes_per_step = self.dense_bytes_per_step  # everything goes whole
+        self.density = 1.0
+        self.warmup_steps = 0
         self._buckets: list[tuple[int, int]] = []
         self._flat: torch.Tensor | None = None
         self._hooks: list = []
@@ -138,6 +146,29 @@ class DenseReducer:
         pass
 
 
+def flat_gradients(params, uncompressed=None, *, device=None, dtype=torch.float32):
+    """One flat gradient buffer whose slices are the parameters' ``.grad`` (backward accumulates
+    in place, the reducer reads and overwrites the buffer, the optimizer reads ``.grad``).
+
+    ``uncompressed``: one flag per parameter (``compress.uncompressed_flags``); flagged tensors
+    are placed last, the others first, each group in parameter order, so that the compressed
+    part is one contiguous prefix (global scope compresses it as one vector) and the whole
+    tensors one contiguous tail. Returns ``(flat, params_in_buffer_order, flags_in_that_order)``.
+    """
+    params = [p for p in params if p.requires_grad]
+    flags = [False] * len(params) if uncompressed is None else [bool(f) for f in uncompressed]
+    if len(flags) != len(params):
+        raise ValueError(f"{len(flags)} uncompressed flags for {len(params)} parameters")
+    order = [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
+    params = [params[i] for i in order]
+    flags = [flags[i] for i in order]
+    device = device if device is not None else (params[0].device if params else "cpu")
+    flat = torch.zeros(sum(p.numel() for p in params), device=device, dtype=dtype)
+    for p, view in zip(params, as_layout(params).views(flat, [p.shape for p in params])):
+        p.grad = view
+    return flat, params, flags
+
+
 def check_combination(scheme: str, scope: str, aggregation: str, ratio: float) -> None:
     """Raise ``ValueError`` (one line: key, value, what is allowed) for an invalid combination.
 
@@ -176,6 +207,12 @@ class SparseReducer:
     Result on every rank: ``flat_grad = (1/W) * sum_r decompress(payload_r)``, identical on all
     ranks (the same additions in the same rank order). Values are divided by W before they are
     added, which is exact for W = 2 (and any power of two) so that ratio=1 matches dense there.
+
+    The flat buffer is ``[compressed prefix | uncompressed tail]``: the compressor and the
+    error-feedback memory cover the prefix (``compressor.numel`` entries); the last
+    ``uncompressed_numel`` entries travel whole, after the sparse values in the same message,
+    and never enter the memory. For the first ``warmup_steps`` steps the whole buffer is
+    AllReduced densely and the memory stays empty; compression starts at step ``warmup_steps``.
     """
 
     def __init__(
@@ -187,6 +224,8 @@ class SparseReducer:
         rank: int,
         seed: int,
         error_feedback: bool = True,
+        uncompressed_numel: int = 0,
+        warmup_steps: int = 0,
         group=None,
         device="cpu",
         dtype=torch.float32,
@@ -210,25 +249,31 @@ class SparseReducer:
         self.device = torch.device(device)
         self.dtype = dtype
         self.stats_every = int(stats_every)
-        self.numel = compressor.numel
-        self.memory = ErrorFeedback(self.numel, enabled=error_feedback, device=device, dtype=dtype)
+        self.warmup_steps = int(warmup_steps)
+        self.compressed_numel = compressor.numel
+        self.uncompressed_numel = int(uncompressed_numel)
+        self.numel = self.compressed_numel + self.uncompressed_numel
+        self.memory = ErrorFeedback(self.compressed_numel, enabled=error_feedback, device=device, dtype=dtype)
 
         esize = torch.empty((), dtype=dtype).element_size()
         k, p = compressor.k, compressor.num_positions
+        num_values = k + self.uncompressed_numel  # sparse values, then the whole tensors
+        self.density = num_values / self.numel
         self.pos_dtype = torch.int32 if compressor.max_position < 2**31 else torch.int64
         psize = torch.empty((), dtype=self.pos_dtype).element_size()
         self.dense_bytes_per_step = self.numel * esize
+        self.uncompressed_bytes_per_step = self.uncompressed_numel * esize
         if aggregation == "allreduce":
-            self._values = torch.empty(k, dtype=dtype, device=device)
-            self.bytes_sent_per_step = k * esize
+            self._values = torch.empty(num_values, dtype=dtype, device=device)
+            self.bytes_sent_per_step = num_values * esize
         else:
-            self._val_bytes = k * esize
+            self._val_bytes = num_values * esize
             self._pos_off = -(-self._val_bytes // psize) * psize  # aligned for the int view
             align = max(esize, psize)  # every rank's message starts aligned for both views
             self._msg_bytes = -(-(self._pos_off + p * psize) // align) * align
             self._send = torch.zeros(self._msg_bytes, dtype=torch.uint8, device=device)
             self._recv = torch.zeros(self.world_size * self._msg_bytes, dtype=torch.uint8, device=device)
-            self._send_values = self._send[: self._val_bytes].view(dtype)
+            self._values = self._send[: self._val_bytes].view(dtype)
             self._pos_end = self._pos_off + p * psize
             self._send_pos = self._send[self._pos_off : self._pos_end].view(self.pos_dtype)
             self.bytes_sent_per_step = self._msg_bytes
@@ -237,24 +282,34 @@ class SparseReducer:
         rank = None if self.aggregation == "allreduce" else self.rank
         return step_seed(self.seed, step, rank)
 
+    def _dense_step(self, flat_grad: torch.Tensor, W: int, timer: PhaseTimer) -> ExchangeStats:
+        """Compression warm-up: plain AllReduce of everything; the memory stays untouched."""
+        with timer.phase("exchange"):
+            if W > 1:
+                dist.all_reduce(flat_grad, group=self.group)
+                flat_grad.div_(W)
+        return ExchangeStats(self.dense_bytes_per_step, self.dense_bytes_per_step, 1.0, 0.0, 0.0)
+
     def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer) -> ExchangeStats:
         W = _world(self.group)
         if W != self.world_size:
             raise RuntimeError(
                 f"world_size={self.world_size} but the process group has {W} ranks"
             )
+        if flat_grad.numel() != self.numel:
+            raise ValueError(f"the flat gradient has {flat_grad.numel()} entries, the reducer {self.numel}")
+        if step < self.warmup_steps:
+            return self._dense_step(flat_grad, W, timer)
+        nc, k = self.compressed_numel, self.compressor.k
+        grad, whole = flat_grad[:nc], flat_grad[nc:]
         want_stats = self.stats_every > 0 and step % self.stats_every == 0
-        grad_sq = (
-            float(torch.dot(flat_grad, flat_grad))
-            if want_stats and not self.memory.enabled
-            else None
-        )
+        grad_sq = float(torch.dot(grad, grad)) if want_stats and not self.memory.enabled else None
         comp = self.compressor
         with timer.phase("compress"):
-            acc = self.memory.accumulate(flat_grad)
-            out = self._values if self.aggregation == "allreduce" else self._send_values
-            payload = comp.compress(acc, self._step_seed(step), out=out)
+            acc = self.memory.accumulate(grad)
+            payload = comp.compress(acc, self._step_seed(step), out=self._values[:k])
             self.memory.forget(payload, comp)
+            self._values[k:].copy_(whole)
             if self.aggregation == "allgather":
                 self._send_pos.copy_(payload.positions)
         stats = self.memory.stats(payload, grad_sq) if want_stats else (None, None)
@@ -269,24 +324,27 @@ class SparseReducer:
                 self._recv[: self._msg_bytes].copy_(self._send)
 
         with timer.phase("decompress"):
-            flat_grad.zero_()
+            grad.zero_()
             if self.aggregation == "allreduce":
                 self._values.div_(W)
-                comp.decompress_add(self._values, payload.positions, flat_grad, indices=payload.indices)
+                comp.decompress_add(self._values[:k], payload.positions, grad, indices=payload.indices)
+                whole.copy_(self._values[k:])
             else:
-                mb = self._msg_bytes
+                whole.zero_()
+                size = self._msg_bytes
                 for r in range(W):
-                    msg = self._recv[r * mb : (r + 1) * mb]
+                    msg = self._recv[r * size : (r + 1) * size]
                     values = msg[: self._val_bytes].view(self.dtype) / W
                     if r == self.rank:  # own positions already expanded
-                        comp.decompress_add(values, payload.positions, flat_grad, indices=payload.indices)
+                        comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
                     else:
                         positions = msg[self._pos_off : self._pos_end].view(self.pos_dtype)
-                        comp.decompress_add(values, positions, flat_grad)
+                        comp.decompress_add(values[:k], positions, grad)
+                    whole.add_(values[k:])
         return ExchangeStats(
             self.bytes_sent_per_step,
             self.dense_bytes_per_step,
-            density=comp.k / self.numel,
+            density=self.density,
             compression_error=stats[0],
             memory_norm=stats[1],
         )
@@ -310,6 +368,8 @@ def build_reducer(
     seed: int,
     error_feedback: bool = True,
     block_size: int = 256,
+    uncompressed=None,
+    warmup_steps: int = 0,
     group=None,
     device="cpu",
     dtype=torch.float32,
@@ -318,17 +378,28 @@ def build_reducer(
     """The reducer for a scheme/scope/aggregation; ``DenseReducer`` for ``scheme='none'``.
 
     ``layout``: a ``Layout``, the parameters (one segment each), their sizes, or a total numel.
-    Raises ``ValueError`` with a one-line message for invalid combinations.
+    ``uncompressed``: one flag per segment, True for the tensors that travel whole; they must be
+    the last segments (``flat_gradients`` orders the buffer so). ``warmup_steps``: dense steps
+    before compression starts. Raises ``ValueError`` with a one-line message for invalid
+    combinations.
     """
     check_combination(scheme, scope, aggregation, ratio)
     layout = as_layout(layout)
-    if scheme == "none":
-        return DenseReducer(layout.total, torch.empty((), dtype=dtype).element_size(), group=group)
+    esize = torch.empty((), dtype=dtype).element_size()
+    flags = [False] * len(layout) if uncompressed is None else [bool(f) for f in uncompressed]
+    if len(flags) != len(layout):
+        raise ValueError(f"{len(flags)} uncompressed flags for a layout of {len(layout)} segments")
+    n_compressed = flags.index(True) if True in flags else len(flags)
+    if any(flags[:n_compressed]) or not all(flags[n_compressed:]):
+        raise ValueError("uncompressed segments must come last in the flat buffer (see flat_gradients)")
+    if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
+        return DenseReducer(layout.total, esize, group=group)
     cls = get_compressor(scheme)
     # pass scheme options only to the schemes that declare them
     accepted = inspect.signature(cls.__init__).parameters
     options = {"block_size": block_size} if "block_size" in accepted else {}
-    comp = cls(ratio, layout, scope, device=device, **options)
+    compressed = Layout(layout.sizes[:n_compressed])
+    comp = cls(ratio, compressed, scope, device=device, **options)
     return SparseReducer(
         comp,
         aggregation=aggregation,
@@ -336,6 +407,8 @@ def build_reducer(
         rank=rank,
         seed=seed,
         error_feedback=error_feedback,
+        uncompressed_numel=layout.total - compressed.total,
+        warmup_steps=warmup_steps,
         group=group,
         device=device,
         dtype=dtype,
@@ -351,4 +424,5 @@ __all__ = [
     "available",
     "build_reducer",
     "check_combination",
+    "flat_gradients",
 ]

@@ -119,3 +119,23 @@ class NullWriter:
     def open_metrics(self, keep_records: int | None = None) -> None: ...
     def log(self, record: dict[str, Any]) -> None: ...
     def finish(self, status: str, error: str | None = None, **fields: Any) -> None: ...
+
+
+# A run "did not train" when its final training loss is no better than a uniform guess over the
+# classes (ln C, 2.30 for 10 classes): such a run diverged or never left the start, and its
+# accuracy says nothing about the scheme. Tables list it apart and never rank it.
+DID_NOT_TRAIN = "did not train"
+
+
+def untrained_reason(summary: dict) -> str | None:
+    """Why a completed run counts as not trained (one line), or None when it trained."""
+    if summary.get("status") != "completed":
+        return None
+    classes = summary.get("num_classes") or 10
+    loss = summary.get("train_loss")
+    bound = math.log(classes)
+    if loss is None or not math.isfinite(float(loss)):
+        return f"final train loss {loss} is not finite"
+    if float(loss) >= bound:
+        return f"final train loss {float(loss):.3g} >= ln({classes}) = {bound:.2f}, a uniform guess"
+    return None

@@ -9,6 +9,7 @@ code, error feedback acts on the raw gradient; weight decay and momentum come af
 from __future__ import annotations
 
 import gc
+import math
 import os
 import resource
 import signal
@@ -22,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from sparsetrain.compress import Layout
+from sparsetrain.compress import Layout, uncompressed_flags
 from sparsetrain.data import ShardedLoader, load_dataset, test_batches
 from sparsetrain.dist import (
     RankInfo,
@@ -31,7 +32,7 @@ from sparsetrain.dist import (
     pick_device,
     rank_info,
 )
-from sparsetrain.exchange import build_reducer
+from sparsetrain.exchange import build_reducer, flat_gradients
 from sparsetrain.models import build_model, param_groups_for_weight_decay
 from sparsetrain.results import NullWriter, RunWriter, mark_failed, one_line_error
 from sparsetrain.timing import PHASES, PhaseTimer
@@ -44,6 +45,10 @@ PER_RANK_STATE = ("reducer", "epoch_stats")
 
 class Preempted(Exception):
     """SIGTERM arrived: the loop saved a checkpoint and stops."""
+
+
+class Diverged(RuntimeError):
+    """The training loss became inf or NaN on some rank; every rank stops at the same check."""
 
 
 def lr_at(step: int, steps_per_epoch: int, cfg: Any, world_size: int) -> float:
@@ -76,15 +81,13 @@ class Trainer:
         )
         self.data = data
         self.model = build_model(cfg.model.name, data.in_channels, data.num_classes).to(self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.num_parameters = sum(p.numel() for p in self.params)
-        # One flat gradient buffer; each .grad is a view into it (backward accumulates in place).
-        self.flat_grad = torch.zeros(self.num_parameters, device=self.device)
-        offset = 0
-        for p in self.params:
-            p.grad = self.flat_grad[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self.layout = Layout.from_sizes([p.numel() for p in self.params])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.num_parameters = sum(p.numel() for p in params)
+        # Tensors that bypass compression (scheme.uncompressed) go to the end of the flat buffer.
+        rule = cfg.scheme.uncompressed if cfg.scheme.name != "none" else "none"
+        flags = uncompressed_flags([p.shape for p in params], rule)
+        self.flat_grad, self.params, flags = flat_gradients(params, flags, device=self.device)
+        self.layout = Layout.from_tensors(self.params)
         self.reducer = build_reducer(
             cfg.scheme.name,
             cfg.scope.name,
@@ -96,6 +99,8 @@ class Trainer:
             seed=cfg.seed,
             error_feedback=cfg.scheme.error_feedback,
             block_size=cfg.scheme.block_size,
+            uncompressed=flags,
+            warmup_steps=cfg.scheme.warmup_steps,
             device=self.device,
             dtype=self.flat_grad.dtype,
         )
@@ -134,6 +139,9 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         # loss sum, correct, count: kept on the device so a step never waits for the host
         self.epoch_stats = torch.zeros(3, dtype=torch.float64, device=self.device)
+        # (step, loss) of this rank's first non-finite loss; step inf while there is none. Kept on
+        # the device and read at the agreement points only, so no step waits for the host.
+        self.nonfinite = torch.tensor([math.inf, 0.0], dtype=torch.float64, device=self.device)
         self.elapsed_s = 0.0
         self._stop_requested = False
         if info.world_size > 1:  # robust to seeding differences: start from rank 0's weights
@@ -205,14 +213,52 @@ class Trainer:
         self._stop_requested = True
 
     def _stop_agreed(self) -> bool:
-        """All ranks learn of a SIGTERM that reached any of them (one tiny collective)."""
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
+        """All ranks learn, at the same step, of a SIGTERM that reached any of them and of a
+        non-finite loss on any of them (one tiny collective). Raises ``Diverged`` on every rank
+        for the earliest non-finite loss; returns whether to stop for a SIGTERM."""
+        mine = torch.cat([torch.tensor([1.0 if self._stop_requested else 0.0], dtype=torch.float64,
+                                       device=self.device), self.nonfinite])
+        rows = [mine]
         if self.info.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+            rows = [torch.empty_like(mine) for _ in range(self.info.world_size)]
+            dist.all_gather(rows, mine)
+        table = torch.stack(rows).cpu()
+        first = int(torch.argmin(table[:, 1]))  # lowest step; ties: the lowest rank
+        if math.isfinite(table[first, 1].item()):
+            step, loss = int(table[first, 1].item()), table[first, 2].item()
+            where = f" on rank {first}" if self.info.world_size > 1 else ""
+            raise Diverged(f"diverged at step {step} (loss={loss:g}{where})")
+        return bool(table[:, 0].max().item() > 0)
+
+    def _recalibrate_batch_norm(self) -> None:
+        """Recompute batch-norm running statistics from ``train.bn_recalibrate`` training batches
+        (the first ones of the current epoch's order, no augmentation draws beyond the loader's
+        own seeded ones), averaged over ranks. Training updates move the weights in bursts under
+        sparse schemes, so the running averages lag behind the weights they are used with."""
+        norms = [m for m in self.model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        n = self.cfg.train.bn_recalibrate
+        if not norms or n <= 0:
+            return
+        saved = [m.momentum for m in norms]
+        for m in norms:
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average over the batches below
+        self.model.train()
+        with torch.no_grad():
+            for i, (xb, _) in enumerate(self.loader.batches(self.epoch)):
+                if i >= n:
+                    break
+                self.model(xb.to(self.device, non_blocking=True))
+        for m, momentum in zip(norms, saved):
+            m.momentum = momentum
+            if self.info.world_size > 1:
+                for buf in (m.running_mean, m.running_var):
+                    dist.all_reduce(buf)
+                    buf.div_(self.info.world_size)
 
     def evaluate(self) -> dict[str, float]:
         """Rank 0's model (its batch-norm statistics broadcast) on the test set, sharded."""
+        self._recalibrate_batch_norm()
         if self.info.world_size > 1:
             for buf in self.model.buffers():
                 dist.broadcast(buf, src=0)
@@ -256,6 +302,9 @@ class Trainer:
                 [loss.detach().double() * len(yb), (out.argmax(1) == yb).sum().double(),
                  torch.tensor(float(len(yb)), dtype=torch.float64, device=loss.device)]
             )
+            first_bad = ~torch.isfinite(batch[0]) & torch.isinf(self.nonfinite[0])
+            here = torch.stack([torch.full_like(batch[0], self.step + 1), loss.detach().double()])
+            self.nonfinite = torch.where(first_bad, here, self.nonfinite)
         self.epoch_stats += batch
         self.step += 1
         return loss, stats, lr
@@ -272,6 +321,7 @@ class Trainer:
             "density": stats.density,
             "compression_error": stats.compression_error,
             "memory_norm": stats.memory_norm,
+            "compressing": self.step > self.reducer.warmup_steps,
         }
         self._emit(record)
 
@@ -290,6 +340,7 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         """Close an epoch (or the partial one a max_steps cap ended): log, maybe evaluate."""
+        self._stop_agreed()  # raises Diverged before a diverged state is evaluated or saved
         full = self.batch_in_epoch >= len(self.loader)
         if full:
             self.epoch += 1
@@ -334,8 +385,10 @@ class Trainer:
             launcher=self.info.launcher,
             device=str(self.device),
             num_parameters=self.num_parameters,
+            num_classes=self.data.num_classes,
             bytes_sent_per_step=self.reducer.bytes_sent_per_step,
             dense_bytes_per_step=self.reducer.dense_bytes_per_step,
+            **self._exchange_fields(),
             resumed_from_step=self.step if resumed else None,
             slurm_job_id=os.environ.get("SLURM_JOB_ID"),
         )
@@ -392,6 +445,16 @@ class Trainer:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
+
+    def _exchange_fields(self) -> dict:
+        """What the exchange sends once compression runs, and when it started."""
+        red = self.reducer
+        return {
+            "density": red.density,  # entries sent / entries, uncompressed tensors included
+            "uncompressed_bytes_per_step": red.uncompressed_bytes_per_step,
+            "uncompressed_share": red.uncompressed_bytes_per_step / red.bytes_sent_per_step,
+            "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
+        }
 
     def _summary_fields(self) -> dict:
         means = self.timer.means()

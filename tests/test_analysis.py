@@ -299,6 +299,29 @@ def test_rq1_table_mean_std_n_and_missing_named(results):
     assert with_failed.missing.empty
 
 
+def test_run_that_did_not_train_is_listed_never_ranked(results):
+    """A completed run whose final train loss is above ln(10) (a uniform guess) is not a result."""
+    run = results / "rq1_scope" / "10"  # randk, global, seed 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["config"]["scheme"]["name"], summary["config"]["seed"]) == ("randk", 0)
+    summary.update(train_loss=3.11, num_classes=10)
+    (run / "summary.json").write_text(json.dumps(summary))
+    runs = sa.load_runs(results / "rq1_scope")
+    flagged = runs[runs["status"] == "did not train"]
+    assert list(flagged["run_dir"]) == [str(run.resolve())]
+    assert "3.11 >= ln(10) = 2.30" in flagged["error"].iloc[0]
+    table = sa.rq1_scope_table(runs)
+    # random-k global keeps only seed 1 in the numbers; the run is listed under the table.
+    accs = expected_accuracy(make_config(scheme="randk", scope="global", seed=1)) * 100
+    assert _row(table, scheme="random-k")["global"] == f"{accs:.2f} (n=1)"
+    md = table.to_markdown()
+    assert "did not train: scheme=randk, scope=global" in md and "a uniform guess" in md
+    # a non-finite final loss counts too
+    summary.update(train_loss=None)
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert sa.load_runs(run)["status"].tolist() == ["did not train"]
+
+
 def test_tables_do_not_mix_configurations(results):
     """Runs of different ratios never share a cell, whichever table is asked."""
     runs = sa.load_runs(results / "rq2_scheme")

@@ -10,8 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparsetrain.compress import Layout, get_compressor, step_seed
-from sparsetrain.exchange import DenseReducer, SparseReducer, build_reducer, check_combination
+from sparsetrain.compress import Layout, get_compressor, step_seed, uncompressed_flags
+from sparsetrain.exchange import (
+    DenseReducer,
+    SparseReducer,
+    build_reducer,
+    check_combination,
+    flat_gradients,
+)
 from sparsetrain.timing import PhaseTimer
 
 LAYOUT = Layout.from_sizes([7, 1, 300, 12001, 64])
@@ -25,6 +31,14 @@ COMBOS = [
     for agg in ("allreduce", "allgather")
     if not (scheme == "topk" and agg == "allreduce")
 ]
+
+
+# The same tensors with the last two (a 1-element and a 64-element "1-D" tensor) sent whole, and
+# the first WARMUP steps dense: the layout the trainer builds with scheme.uncompressed.
+TAIL_LAYOUT = Layout.from_sizes([7, 300, 12001, 1, 64])
+TAIL_FLAGS = [False, False, False, True, True]
+TAIL_NC = 7 + 300 + 12001
+WARMUP = 1
 
 
 def grad_of(rank, step):
@@ -61,6 +75,37 @@ def hand_reference(scheme, scope, agg, world):
     return outs, chosen, memory
 
 
+def hand_reference_tail(scheme, scope, agg, world):
+    """As ``hand_reference`` for TAIL_LAYOUT: the tail averaged whole, no memory for it, and the
+    first WARMUP steps plain averages with the memory left empty."""
+    comp = get_compressor(scheme)(RATIO, Layout(TAIL_LAYOUT.sizes[:3]), scope,
+                                  **({"block_size": 32} if scheme == "blockk" else {}))
+    memory = [torch.zeros(TAIL_NC, dtype=torch.float64) for _ in range(world)]
+    outs = []
+    for step in range(STEPS):
+        avg = torch.zeros(TAIL_LAYOUT.total, dtype=torch.float64)
+        for r in range(world):
+            g = grad_of(r, step)
+            if step < WARMUP:
+                avg += g
+                continue
+            acc = g[:TAIL_NC] + memory[r]
+            _, idx = comp.select(acc, step_seed(SEED, step, None if agg == "allreduce" else r))
+            mask = torch.zeros(TAIL_NC, dtype=torch.bool)
+            mask[idx] = True
+            avg[:TAIL_NC] += torch.where(mask, acc, 0.0)
+            avg[TAIL_NC:] += g[TAIL_NC:]
+            memory[r] = torch.where(mask, 0.0, acc)
+        outs.append(avg / world)
+    return outs, memory
+
+
+def build_tail(scheme, scope, agg, rank, world, ratio=RATIO):
+    return build_reducer(scheme, scope, agg, ratio, TAIL_LAYOUT, world_size=world, rank=rank,
+                         seed=SEED, block_size=32, dtype=torch.float64, uncompressed=TAIL_FLAGS,
+                         warmup_steps=WARMUP)
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,6 +125,15 @@ def _worker(rank, world, port, path):
                 outs.append(flat.clone())
             mem = red.memory.memory.clone() if isinstance(red, SparseReducer) else None
             results[(scheme, scope, agg)] = (outs, mem)
+            if scheme == "none":
+                continue
+            red = build_tail(scheme, scope, agg, rank, world)
+            outs = []
+            for step in range(STEPS):
+                flat = grad_of(rank, step)
+                red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
+                outs.append(flat.clone())
+            results[("tail", scheme, scope, agg)] = (outs, red.memory.memory.clone())
         # ratio = 1: every scheme and aggregation equals dense, bit for bit (W = 2)
         for scheme, scope, agg in COMBOS:
             red = build(scheme, scope, agg, rank, world, ratio=1.0)
@@ -121,6 +175,43 @@ def test_two_ranks_dense(gloo_results):
 
 
 @pytest.mark.parametrize("scheme,scope,agg", COMBOS)
+def test_two_ranks_uncompressed_tail_and_warmup_match_hand_reference(gloo_results, scheme, scope, agg):
+    ref, memory = hand_reference_tail(scheme, scope, agg, 2)
+    for rank in range(2):
+        outs, mem = gloo_results[rank][("tail", scheme, scope, agg)]
+        for step in range(STEPS):
+            torch.testing.assert_close(outs[step], ref[step], rtol=0, atol=1e-12)
+        torch.testing.assert_close(mem, memory[rank], rtol=0, atol=1e-12)
+    # the whole tensors arrive as the exact average, on both ranks
+    for step in range(STEPS):
+        tail = gloo_results[0][("tail", scheme, scope, agg)][0][step][TAIL_NC:]
+        assert torch.equal(tail, (grad_of(0, step)[TAIL_NC:] + grad_of(1, step)[TAIL_NC:]) / 2)
+        assert torch.equal(tail, gloo_results[1][("tail", scheme, scope, agg)][0][step][TAIL_NC:])
+
+
+@pytest.mark.parametrize("scheme,scope,agg", COMBOS)
+def test_error_feedback_identity_with_uncompressed_tail(scheme, scope, agg):
+    """float64, one process: update + new memory == gradient + old memory, bit for bit, on the
+    compressed part; the tail is the gradient itself; warm-up steps leave the memory empty."""
+    red = build_tail(scheme, scope, agg, 0, 1)
+    old = torch.zeros(TAIL_NC, dtype=torch.float64)
+    for step in range(STEPS + 2):
+        grad = grad_of(0, step)
+        flat = grad.clone()
+        stats = red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
+        new = red.memory.memory
+        if step < WARMUP:
+            assert torch.equal(flat, grad) and torch.count_nonzero(new) == 0
+            assert stats.density == 1.0 and stats.bytes_sent == red.dense_bytes_per_step
+            continue
+        assert torch.equal(flat[:TAIL_NC] + new, grad[:TAIL_NC] + old)
+        assert torch.equal(flat[TAIL_NC:], grad[TAIL_NC:])
+        assert int(torch.count_nonzero(flat[:TAIL_NC])) <= red.compressor.k
+        assert stats.bytes_sent == red.bytes_sent_per_step
+        old = new.clone()
+
+
+@pytest.mark.parametrize("scheme,scope,agg", COMBOS)
 def test_ratio_one_equals_dense_exactly(gloo_results, scheme, scope, agg):
     dense = (grad_of(0, 0) + grad_of(1, 0)) / 2
     for rank in range(2):
@@ -155,6 +246,48 @@ def test_bytes_accounting(scheme, scope, agg):
         assert red.bytes_sent_per_step == comp.k * 8  # float32 values + int32 indices
     flat = torch.randn(LAYOUT.total)
     assert red.reduce(flat, 0, PhaseTimer("cpu")).bytes_sent == red.bytes_sent_per_step
+
+
+@pytest.mark.parametrize("scheme,scope,agg", COMBOS)
+def test_bytes_accounting_with_uncompressed_tail(scheme, scope, agg):
+    """The whole tensors' values ride in the same message: 65 more float32 values per step."""
+    plain = build_reducer(scheme, scope, agg, 0.01, Layout(TAIL_LAYOUT.sizes[:3]), world_size=1,
+                          rank=0, seed=0, block_size=32)
+    red = build_reducer(scheme, scope, agg, 0.01, TAIL_LAYOUT, world_size=1, rank=0, seed=0,
+                        block_size=32, uncompressed=TAIL_FLAGS)
+    assert red.compressor.k == plain.compressor.k
+    extra = red.bytes_sent_per_step - plain.bytes_sent_per_step
+    assert red.uncompressed_bytes_per_step == 65 * 4
+    # AllGather pads the message to a multiple of 4 bytes only: 65 values add 260 bytes exactly
+    assert extra == 65 * 4
+    assert red.density == pytest.approx((plain.compressor.k + 65) / TAIL_LAYOUT.total)
+    assert red.dense_bytes_per_step == TAIL_LAYOUT.total * 4
+
+
+def test_uncompressed_segments_must_be_last_and_all_whole_is_dense():
+    with pytest.raises(ValueError, match="must come last"):
+        build_reducer("randk", "layerwise", "allreduce", 0.1, TAIL_LAYOUT, world_size=1, rank=0,
+                      seed=0, uncompressed=[True, False, False, False, False])
+    red = build_reducer("randk", "layerwise", "allreduce", 0.1, [3, 4], world_size=1, rank=0,
+                        seed=0, uncompressed=[True, True])
+    assert isinstance(red, DenseReducer)
+
+
+def test_flat_gradients_puts_whole_tensors_last_as_views():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    params = list(model.parameters())
+    flags = uncompressed_flags([p.shape for p in params], "1d")
+    flat, ordered, ordered_flags = flat_gradients(params, flags)
+    assert [p.ndim for p in ordered] == [2, 2, 1, 1, 1, 1]
+    assert ordered_flags == [False, False, True, True, True, True]
+    assert ordered[0] is params[0] and ordered[1] is params[4]
+    model(torch.randn(5, 4)).sum().backward()
+    offset = 0
+    for p in ordered:  # backward wrote into the flat buffer, in buffer order
+        assert torch.equal(flat[offset : offset + p.numel()], p.grad.view(-1))
+        assert p.grad.data_ptr() == flat[offset:].data_ptr()
+        offset += p.numel()
+    assert offset == flat.numel()
 
 
 def test_dense_for_none_and_state_dict():

@@ -20,6 +20,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from sparsetrain.results import DID_NOT_TRAIN, untrained_reason
+
 PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
 # Phases that a dense run does not have: absent there means zero, not unknown.
 SPARSE_ONLY_PHASES = ("compress", "decompress")
@@ -188,6 +190,9 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         finished_at=summary.get("finished_at"),
         duration_s=_num(summary.get("duration_s")),
     )
+    reason = untrained_reason(summary)
+    if reason:  # finished, but no better than a uniform guess: not a result to rank
+        row.update(status=DID_NOT_TRAIN, error=reason)
     if summary.get("world_size") is not None:
         row["world_size"] = summary["world_size"]
     sent, dense = row["bytes_sent_per_step"], row["dense_bytes_per_step"]
@@ -323,6 +328,10 @@ def load_runs(*paths: str | Path, include_failed: bool = True) -> pd.DataFrame:
     block_size, model, data, ...), ``status`` (completed, failed, running, no summary, absent),
     ``error``, ``run_dir``, the metrics of ``summary.json`` and ``time_<phase>_ms``. Dense SGD shows
     as scheme ``dense`` with ratio 1 and ``-`` for the axes it ignores.
+
+    A completed run whose final train loss is no better than a uniform guess (``ln classes``)
+    gets the status ``did not train`` (``sparsetrain.results.untrained_reason``): tables list it
+    under the numbers and never rank it.
 
     ``include_failed=False`` keeps completed runs only. Tables take the full frame so that they can
     name what is missing; pass ``include_failed=False`` for ad-hoc analysis of finished runs.

@@ -23,7 +23,13 @@ from sparsetrain.compress.base import (
     step_seed,
 )
 from sparsetrain.compress.feedback import ErrorFeedback
-from sparsetrain.compress.layout import Layout, as_layout
+from sparsetrain.compress.layout import (
+    UNCOMPRESSED_RULES,
+    Layout,
+    as_layout,
+    parse_uncompressed,
+    uncompressed_flags,
+)
 from sparsetrain.compress.sampling import DistinctSampler
 from sparsetrain.compress.schemes import BlockRandomK, NoCompression, RandomK, TopK
 
@@ -38,10 +44,13 @@ __all__ = [
     "Payload",
     "RandomK",
     "TopK",
+    "UNCOMPRESSED_RULES",
     "as_layout",
     "available",
     "get_compressor",
+    "parse_uncompressed",
     "k_for",
     "register",
     "step_seed",
+    "uncompressed_flags",
 ]

@@ -71,3 +71,51 @@ def as_layout(spec) -> Layout:
     if items and isinstance(items[0], torch.Tensor):
         return Layout.from_tensors(items)
     return Layout.from_sizes(items)
+
+
+#: Which tensors bypass compression and travel whole (``scheme.uncompressed``):
+#: ``"none"``: every tensor is compressed; ``"1d"``: tensors with one dimension or none (biases,
+#: batch-norm weights and biases) go whole, as in the reference code of the paper's lineage
+#: (epfml/powersgd sends min(rank * (m + n), numel) entries of a tensor: every vector whole);
+#: ``"N"`` (a positive integer): tensors with fewer than N entries go whole.
+UNCOMPRESSED_RULES = ("none", "1d", "<positive integer N>")
+
+
+def parse_uncompressed(rule) -> str | int:
+    """``"none"``, ``"1d"`` or an int threshold; ``ValueError`` (one line) for anything else."""
+    text = str(rule).strip().lower()
+    if text in ("none", "1d"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(
+            f"scheme.uncompressed={rule!r} is not allowed; allowed: none, 1d, or a positive "
+            "integer N (tensors with fewer than N entries travel whole)"
+        )
+    return n
+
+
+def uncompressed_flags(shapes: Sequence[Sequence[int]], rule) -> list[bool]:
+    """One flag per tensor shape: True where the tensor bypasses compression under ``rule``.
+
+    >>> uncompressed_flags([(16, 3, 3, 3), (16,), (10,)], "1d")
+    [False, True, True]
+    >>> uncompressed_flags([(16, 3, 3, 3), (16,), (10,)], 12)
+    [False, False, True]
+    """
+    rule = parse_uncompressed(rule)
+    flags = []
+    for shape in shapes:
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if rule == "none":
+            flags.append(False)
+        elif rule == "1d":
+            flags.append(len(shape) <= 1)
+        else:
+            flags.append(numel < rule)
+    return flags
