@@ -143,6 +143,8 @@ class Trainer:
         # the device and read at the agreement points only, so no step waits for the host.
         self.nonfinite = torch.tensor([math.inf, 0.0], dtype=torch.float64, device=self.device)
         self.elapsed_s = 0.0
+        self.bytes_sent_total = 0  # per rank, warm-up steps included
+        self.memory_norm_max = 0.0  # rank 0's error-feedback memory norm, largest logged
         self._stop_requested = False
         if info.world_size > 1:  # robust to seeding differences: start from rank 0's weights
             for t in self.model.state_dict().values():
@@ -168,6 +170,8 @@ class Trainer:
             "last_eval": dict(self.last_eval),
             "epoch_stats": self.epoch_stats.cpu(),
             "elapsed_s": self.elapsed_s,
+            "bytes_sent_total": self.bytes_sent_total,
+            "memory_norm_max": self.memory_norm_max,
             "timer": self.timer.state_dict(),
             "torch_rng": torch.get_rng_state(),
         }
@@ -183,6 +187,8 @@ class Trainer:
         self.last_eval = dict(state["last_eval"])
         self.epoch_stats = state["epoch_stats"].to(self.device, copy=True)
         self.elapsed_s = state["elapsed_s"]
+        self.bytes_sent_total = state.get("bytes_sent_total", 0)
+        self.memory_norm_max = state.get("memory_norm_max", 0.0)
         self.timer.load_state_dict(state["timer"])
         torch.set_rng_state(state["torch_rng"])
 
@@ -257,8 +263,17 @@ class Trainer:
                     buf.div_(self.info.world_size)
 
     def evaluate(self) -> dict[str, float]:
-        """Rank 0's model (its batch-norm statistics broadcast) on the test set, sharded."""
+        """Test loss and accuracy. With ``train.bn_recalibrate`` the model is scored twice: with
+        the running batch-norm statistics from training (``test_accuracy_running_bn``, so every
+        run measures what recalibration changes) and then with recalibrated ones (the result)."""
+        if self.cfg.train.bn_recalibrate <= 0:
+            return self._test()
+        before = self._test()
         self._recalibrate_batch_norm()
+        return {**self._test(), "test_accuracy_running_bn": before["test_accuracy"]}
+
+    def _test(self) -> dict[str, float]:
+        """Rank 0's model (its batch-norm statistics broadcast) on the test set, sharded."""
         if self.info.world_size > 1:
             for buf in self.model.buffers():
                 dist.broadcast(buf, src=0)
@@ -306,10 +321,13 @@ class Trainer:
             here = torch.stack([torch.full_like(batch[0], self.step + 1), loss.detach().double()])
             self.nonfinite = torch.where(first_bad, here, self.nonfinite)
         self.epoch_stats += batch
+        self.bytes_sent_total += stats.bytes_sent  # a Python int: no device sync
         self.step += 1
         return loss, stats, lr
 
     def _log_step(self, loss, stats, lr) -> None:
+        if stats.memory_norm is not None:  # bounded memory is the sign of a stable scheme
+            self.memory_norm_max = max(self.memory_norm_max, stats.memory_norm)
         record = {
             "kind": "step",
             "step": self.step,
@@ -472,6 +490,9 @@ class Trainer:
             "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
             "timed_steps": self.timer.counted_steps,
             "peak_memory_mb": peak_mb,
+            "bytes_sent_total": self.bytes_sent_total,
+            "memory_norm_max": self.memory_norm_max if self.cfg.scheme.name != "none" else None,
+            "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": self.elapsed_s,
         }
 

@@ -471,6 +471,7 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
 STUDY_NAMES = ("baseline", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
+OTHER_PRESETS = ("stability",)
 
 
 def _grid(params) -> list[list[str]]:
@@ -479,7 +480,7 @@ def _grid(params) -> list[list[str]]:
             for combo in itertools.product(*(str(params[k]).split(",") for k in keys))]
 
 
-@pytest.mark.parametrize("name", [*STUDY_NAMES, *(f"paper/{n}" for n in STUDY_NAMES[1:])])
+@pytest.mark.parametrize("name", [*STUDY_NAMES, *OTHER_PRESETS, *(f"paper/{n}" for n in STUDY_NAMES[1:])])
 def test_experiment_presets_compose_and_every_grid_point_validates(name):
     """Each preset composes with the schema, runs at its scale, and no grid point is refused."""
     assert (CONF / f"{name}.yaml").read_text().startswith("# @package _global_")

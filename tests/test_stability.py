@@ -47,6 +47,11 @@ def test_warmup_then_compression_and_whole_vectors_in_the_summary(tmp_path):
     assert s["uncompressed_share"] == pytest.approx(s["uncompressed_bytes_per_step"] / s["bytes_sent_per_step"])
     assert s["num_classes"] == 10 and 0.01 < s["density"] < 0.05
     assert math.isfinite(s["test_accuracy"])
+    assert s["bytes_sent_total"] == 3 * s["dense_bytes_per_step"] + 3 * s["bytes_sent_per_step"]
+    # recalibration scores the model both ways, so every run measures what it changes
+    last = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "epoch"][-1]
+    assert 0 <= last["test_accuracy_running_bn"] <= 1
+    assert s["test_accuracy_running_bn"] == last["test_accuracy_running_bn"]
 
 
 def test_uncompressed_none_restores_every_tensor_compressed(tmp_path):
