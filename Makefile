@@ -8,7 +8,7 @@ RESULTS ?= results
 FIGURES ?= figures
 ANALYSE = $(PY) -m sparsetrain.analysis --quiet
 
-.PHONY: help venv data run test test-full lint figures bench bench-step bench-model slurm-up slurm-down clean
+.PHONY: help venv data run test test-full lint figures bench bench-step bench-model gpu-check slurm-up slurm-down clean
 
 help:  ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -56,6 +56,9 @@ bench-step: venv  ## 4 ranks on a tc-shaped netns cluster: step time by phase vs
 
 bench-model: venv  ## collective micro-benchmark, alpha-beta fit, model check, break-even map (root, after bench-step)
 	$(PY) scripts/bench_collectives.py --out results/bench
+
+gpu-check: venv  ## the CUDA path on one GPU (<5 min): cuda tests, compressor + step-time benchmarks -> results/bench/gpu_*
+	PY=$(PY) OUT=$(RESULTS)/bench bash scripts/gpu_check.sh
 
 slurm-up:  ## start the single-node SLURM cluster on this machine (root)
 	bash scripts/slurm_cluster.sh start

@@ -91,11 +91,35 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_backend(backend: str, device: torch.device, local_world_size: int,
+                    gpus: int | None = None) -> str:
+    """The process-group backend for ``dist.backend`` on ``device``: ``auto`` is NCCL on CUDA,
+    gloo on CPU. Raises ConfigError (one line) where NCCL cannot work: CPU tensors, or more
+    ranks on this machine than GPUs (NCCL refuses two ranks on one GPU)."""
+    from sparsetrain.config import ConfigError
+
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        if device.type != "cuda":
+            raise ConfigError(
+                f"dist.backend='nccl' is not allowed with train.device on {device.type}: NCCL "
+                "needs CUDA tensors; use dist.backend=gloo (or auto) or train.device=cuda"
+            )
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        if local_world_size > gpus:
+            raise ConfigError(
+                f"dist.backend='nccl' is not allowed with {local_world_size} ranks on a machine "
+                f"with {gpus} GPU(s): NCCL needs one GPU per rank; use fewer ranks per node or "
+                "dist.backend=gloo"
+            )
+    return backend
+
+
 def init_process_group(info: RankInfo, device: torch.device, backend: str, timeout_s: float) -> None:
     if info.world_size <= 1 or dist.is_initialized():
         return
-    if backend == "auto":
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = resolve_backend(backend, device, info.local_world_size)
     kwargs = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(
         backend,

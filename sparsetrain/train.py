@@ -195,7 +195,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Every rank contributes its own error-feedback memory; rank 0 writes one file."""
         state = self.state_dict()
-        own = {key: state.pop(key) for key in PER_RANK_STATE}
+        # On the CPU: all_gather_object pickles, and a CUDA tensor would be unpickled on rank 0
+        # onto the sender's GPU (cuda:1 in rank 0's process), where it has no business being.
+        own = {key: _to_cpu(state.pop(key)) for key in PER_RANK_STATE}
         gathered = [own]
         if self.info.world_size > 1:
             gathered = [None] * self.info.world_size
@@ -476,9 +478,10 @@ class Trainer:
 
     def _summary_fields(self) -> dict:
         means = self.timer.means()
+        on_cuda = self.device.type == "cuda"
         peak_mb = (
             torch.cuda.max_memory_allocated(self.device) / 2**20
-            if self.device.type == "cuda"
+            if on_cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
         return {
@@ -490,11 +493,23 @@ class Trainer:
             "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
             "timed_steps": self.timer.counted_steps,
             "peak_memory_mb": peak_mb,
+            "peak_memory_of": "cuda_max_allocated" if on_cuda else "process_max_rss",
             "bytes_sent_total": self.bytes_sent_total,
             "memory_norm_max": self.memory_norm_max if self.cfg.scheme.name != "none" else None,
             "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": self.elapsed_s,
         }
+
+
+def _to_cpu(obj):
+    """``obj`` with every tensor in it (nested dicts, lists, tuples) copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def _main_thread() -> bool:

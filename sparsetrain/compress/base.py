@@ -77,6 +77,15 @@ def step_seed(base_seed: int, step: int, rank: int | None = None) -> int:
     return x & ((1 << 63) - 1)
 
 
+def _normalise_device(device) -> torch.device:
+    """``cuda`` means the current CUDA device: pin its index, so that it compares equal to the
+    device of the tensors put there (``cuda:0``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 @dataclass
 class Payload:
     """What one rank sends in one step.
@@ -117,7 +126,7 @@ class Compressor:
         self.scope = scope
         self.layout: Layout = self.full_layout if scope == "layerwise" else self.full_layout.merged()
         self.numel = self.full_layout.total
-        self.device = torch.device(device)
+        self.device = _normalise_device(device)
         self.ks: list[int] = [k_for(self.ratio, n) for n in self.layout.sizes]
         self.k: int = sum(self.ks)
         if options:
@@ -148,6 +157,11 @@ class Compressor:
 
         ``out``: optional preallocated (k,) buffer for the values (e.g. a slice of a send buffer).
         """
+        if acc.device != self.device:
+            raise ValueError(
+                f"{type(self).__name__} was built for device {self.device} but acc is on "
+                f"{acc.device}; build it with device=acc.device"
+            )
         positions, idx = self.select(acc, seed)
         values = torch.index_select(acc, 0, idx, out=out) if out is not None else acc[idx]
         return Payload(values, positions, idx)

@@ -104,7 +104,7 @@ class TopK(Compressor):
         self.fallbacks = 0  # how often the exact full-segment fallback ran (diagnostics)
 
     def _buffers(self, acc):
-        if self._scratch is None or self._scratch.dtype != acc.dtype:
+        if self._scratch is None or self._scratch.dtype != acc.dtype or self._scratch.device != acc.device:
             n = self.numel
             self._scratch = torch.empty(n, dtype=acc.dtype, device=acc.device)
             self._mask = torch.zeros((n + 7) // 8 * 8, dtype=torch.bool, device=acc.device)
@@ -200,6 +200,11 @@ class TopK(Compressor):
     def select(self, acc, seed=0):
         if acc.device.type == "cpu" and acc.dtype in (torch.float32, torch.float64) and acc.is_contiguous():
             return self._select_cpu(acc)
+        return self._select_torch(acc)
+
+    def _select_torch(self, acc):
+        """Any device (the CUDA path): the same method in torch ops only. Callable on CPU too,
+        so that tests check it there against ``torch.topk`` and the numpy path."""
         sc, mask = self._buffers(acc)
         torch.abs(acc, out=sc)
         thr = self._thresholds(sc)

@@ -1,0 +1,76 @@
+"""`make gpu-check`'s pieces that run without a GPU: the refusal without one, the step-time table
+on the CPU, the compressor benchmark's goals per device."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: gpu-check would run")
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
+    env = {**os.environ, "PY": sys.executable}
+    p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 2
+    assert p.stdout == "" and p.stderr.count("\n") == 1 and "no CUDA GPU" in p.stderr
+    for name in ("bench_compress", "bench_step_device"):
+        q = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), "--device", "cuda"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert q.returncode == 2 and "no CUDA GPU" in q.stderr and q.stderr.count("\n") == 1
+
+
+def test_step_table_runs_on_cpu(tmp_path, capsys):
+    mod = _script("bench_step_device")
+    assert mod.main(["--device", "cpu", "--model", "resnet20", "--batch", "2", "--steps", "1",
+                     "--warmup", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "cpu_step.json").read_text())
+    rows = doc["rows"]
+    assert [(r["scheme"], r["scope"]) for r in rows] == [(s, sc) for s, sc, _ in mod.ROWS]
+    for r in rows:
+        assert 0 < r["phase_sum_over_step"] <= 1 + 1e-9  # phases are disjoint parts of the step
+        assert r["phases_ms"]["forward"] > 0 and r["phases_ms"]["backward"] > 0
+        if r["scheme"] != "none":
+            assert r["phases_ms"]["compress"] > 0 and r["bytes_sent_per_step"] < rows[0]["bytes_sent_per_step"] / 10
+    text = (tmp_path / "cpu_step.txt").read_text()
+    assert text.startswith("device: cpu") and "x dense" in text and "phases add up" in text
+
+
+def test_compress_goals_per_device():
+    mod = _script("bench_compress")
+    rows = [{"scheme": s, "scope": sc, "compress_ef_copies": c, "decompress_copies": 1.0}
+            for s, sc, c in [("topk", "layerwise", 4.0), ("topk", "global", 6.0),
+                             ("randk", "layerwise", 1.9), ("randk", "global", 2.1),
+                             ("blockk", "layerwise", 1.0), ("blockk", "global", 1.0)]]
+    for device, need in (("cuda:0", 5), ("cpu", 12)):
+        res = {"device": device, "schemes": rows, "references_copies": {"torch.topk(g.abs(),k)": 30.0}}
+        goals = mod.goals(res)
+        assert goals["topk/layerwise compress+EF <= 5 copies"] is True
+        assert goals["topk/global compress+EF <= 5 copies"] is False
+        assert goals["randk/global compress+EF <= 2 copies"] is False
+        speed = {k: v for k, v in goals.items() if "speed-up" in k}
+        assert speed == {f"topk/layerwise speed-up over torch.topk = 7.5x >= {need}": need == 5,
+                         f"topk/global speed-up over torch.topk = 5.0x >= {need}": need == 5}
+
+
+def test_cpu_clock_times_a_call():
+    mod = _script("bench_compress")
+    ms = mod.clock(torch.device("cpu"))
+    assert ms(lambda: None) >= 0
+    assert mod.timeit(lambda: torch.zeros(10).sum(), 3, torch.device("cpu")) >= 0
