@@ -85,7 +85,7 @@ def worker(a) -> None:
     import torch.nn.functional as F
 
     sys.path.insert(0, str(REPO))
-    from sparsetrain.exchange import build_reducer
+    from sparsetrain.exchange import build_exchange
     from sparsetrain.models import build_model, param_groups_for_weight_decay
     from sparsetrain.timing import PhaseTimer
 
@@ -113,18 +113,14 @@ def worker(a) -> None:
                                   momentum=0.9, nesterov=True)
         else:
             net = model
-            flat = torch.zeros(n)
-            off = 0
-            for p in params:
-                p.grad = flat[off: off + p.numel()].view_as(p)
-                off += p.numel()
-            if name != "compute":
-                scheme = "none" if name.startswith("dense") else name
-                agg = "allgather" if name == "topk" else "allreduce"
-                reducer = build_reducer(scheme, "layerwise", agg, a.ratio, [p.numel() for p in params],
-                                        world_size=world, rank=rank, seed=0, stats_every=0)
-                if name == "dense_ovl":
-                    reducer.attach(params, flat)
+            scheme = "none" if name.startswith("dense") or name == "compute" else name
+            agg = "allgather" if name == "topk" else "allreduce"
+            flat, params, reducer = build_exchange(params, scheme, "layerwise", agg, a.ratio,
+                                                   world_size=world, rank=rank, seed=0, stats_every=0)
+            if name == "compute":
+                reducer = None
+            elif name == "dense_ovl":
+                reducer.attach(params, flat)
             opt = torch.optim.SGD(param_groups_for_weight_decay(model, 1e-4), lr=0.01,
                                   momentum=0.9, nesterov=True)
         timer = PhaseTimer("cpu", warmup_steps=warmup)

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from sparsetrain.exchange import build_reducer  # noqa: E402
+from sparsetrain.exchange import build_exchange  # noqa: E402
 from sparsetrain.models import build_model, param_groups_for_weight_decay  # noqa: E402
 from sparsetrain.timing import PHASES, PhaseTimer  # noqa: E402
 
@@ -59,15 +59,8 @@ def time_row(scheme, scope, agg, device, a) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(0)
     model = build_model(a.model, 3, 10).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    n = sum(p.numel() for p in params)
-    flat = torch.zeros(n, device=device)
-    off = 0
-    for p in params:
-        p.grad = flat[off : off + p.numel()].view_as(p)
-        off += p.numel()
-    reducer = build_reducer(scheme, scope, agg, a.ratio, [p.numel() for p in params], world_size=1,
-                            rank=0, seed=0, device=device)
+    flat, params, reducer = build_exchange(model.parameters(), scheme, scope, agg, a.ratio,
+                                           device=device, world_size=1, rank=0, seed=0)
     opt = torch.optim.SGD(param_groups_for_weight_decay(model, 5e-4), lr=0.01, momentum=0.9,
                           nesterov=True)
     gen = torch.Generator().manual_seed(1)

@@ -30,6 +30,7 @@ from sparsetrain.compress import (
     available,
     get_compressor,
     step_seed,
+    uncompressed_flags,
 )
 from sparsetrain.timing import PhaseTimer
 
@@ -416,12 +417,42 @@ def build_reducer(
     )
 
 
+def build_exchange(
+    params,
+    scheme: str,
+    scope: str = "layerwise",
+    aggregation: str = "allgather",
+    ratio: float = 0.01,
+    *,
+    uncompressed="1d",
+    device=None,
+    dtype=torch.float32,
+    **reducer_options,
+):
+    """The flat gradient buffer and its reducer for ``params``, as the trainer builds them, so
+    that benchmarks time exactly what training runs.
+
+    ``uncompressed`` is the rule of ``scheme.uncompressed`` (``"1d"``, ``"none"`` or N); it does
+    not apply to dense SGD. ``reducer_options`` go to ``build_reducer`` (world_size, rank, seed,
+    error_feedback, block_size, warmup_steps, group, stats_every). Returns ``(flat,
+    params_in_buffer_order, reducer)``.
+    """
+    params = [p for p in params if p.requires_grad]
+    rule = uncompressed if scheme != "none" else "none"
+    flags = uncompressed_flags([p.shape for p in params], rule)
+    flat, params, flags = flat_gradients(params, flags, device=device, dtype=dtype)
+    reducer = build_reducer(scheme, scope, aggregation, ratio, Layout.from_tensors(params),
+                            uncompressed=flags, device=flat.device, dtype=dtype, **reducer_options)
+    return flat, params, reducer
+
+
 __all__ = [
     "AGGREGATIONS",
     "DenseReducer",
     "ExchangeStats",
     "SparseReducer",
     "available",
+    "build_exchange",
     "build_reducer",
     "check_combination",
     "flat_gradients",

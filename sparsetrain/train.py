@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from sparsetrain.compress import Layout, uncompressed_flags
 from sparsetrain.data import ShardedLoader, load_dataset, test_batches
 from sparsetrain.dist import (
     RankInfo,
@@ -32,7 +31,7 @@ from sparsetrain.dist import (
     pick_device,
     rank_info,
 )
-from sparsetrain.exchange import build_reducer, flat_gradients
+from sparsetrain.exchange import build_exchange
 from sparsetrain.models import build_model, param_groups_for_weight_decay
 from sparsetrain.results import NullWriter, RunWriter, mark_failed, one_line_error
 from sparsetrain.timing import PHASES, PhaseTimer
@@ -83,26 +82,22 @@ class Trainer:
         self.model = build_model(cfg.model.name, data.in_channels, data.num_classes).to(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.num_parameters = sum(p.numel() for p in params)
-        # Tensors that bypass compression (scheme.uncompressed) go to the end of the flat buffer.
-        rule = cfg.scheme.uncompressed if cfg.scheme.name != "none" else "none"
-        flags = uncompressed_flags([p.shape for p in params], rule)
-        self.flat_grad, self.params, flags = flat_gradients(params, flags, device=self.device)
-        self.layout = Layout.from_tensors(self.params)
-        self.reducer = build_reducer(
+        # One flat gradient buffer, each .grad a view into it; tensors that bypass compression
+        # (scheme.uncompressed) sit at its end.
+        self.flat_grad, self.params, self.reducer = build_exchange(
+            params,
             cfg.scheme.name,
             cfg.scope.name,
             cfg.aggregation.name,
             cfg.ratio,
-            self.layout,
+            uncompressed=cfg.scheme.uncompressed,
+            device=self.device,
             world_size=info.world_size,
             rank=info.rank,
             seed=cfg.seed,
             error_feedback=cfg.scheme.error_feedback,
             block_size=cfg.scheme.block_size,
-            uncompressed=flags,
             warmup_steps=cfg.scheme.warmup_steps,
-            device=self.device,
-            dtype=self.flat_grad.dtype,
         )
         if cfg.dist.overlap and hasattr(self.reducer, "attach"):
             self.reducer.attach(self.params, self.flat_grad)

@@ -61,7 +61,7 @@ def _overlap_worker(rank, world, port, q):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from sparsetrain.exchange import DenseReducer
+    from sparsetrain.exchange import DenseReducer, build_exchange
     from sparsetrain.models import build_model
     from sparsetrain.timing import PhaseTimer
 
@@ -71,13 +71,8 @@ def _overlap_worker(rank, world, port, q):
     for overlap in (False, True):
         torch.manual_seed(0)
         model = build_model("resnet20", 3, 10)
-        params = list(model.parameters())
-        flat = torch.zeros(sum(p.numel() for p in params))
-        off = 0
-        for p in params:
-            p.grad = flat[off : off + p.numel()].view_as(p)
-            off += p.numel()
-        red = DenseReducer(flat.numel())
+        flat, params, red = build_exchange(model.parameters(), "none", world_size=world, rank=rank, seed=0)
+        assert isinstance(red, DenseReducer)
         if overlap:
             red.attach(params, flat, bucket_mb=0.05, first_bucket_mb=0.01)
             assert len(red._buckets) > 3
