@@ -208,7 +208,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    if cfg.wandb.mode == "online" and not env.get("WANDB_API_KEY") and not _wandb_logged_in():
+    if cfg.wandb.mode == "online" and not _wandb_logged_in(env):
         raise ConfigError(
             "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
             "allowed without one: offline, disabled"
@@ -218,6 +218,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     check_launch_environment(cfg.world_size, env)
 
 
-def _wandb_logged_in() -> bool:
-    netrc = Path.home() / ".netrc"
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+def _wandb_logged_in(env: Any) -> bool:
+    from sparsetrain.tracking import has_wandb_credentials
+
+    return has_wandb_credentials(env)

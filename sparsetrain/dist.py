@@ -167,4 +167,30 @@ def spawn_ranks(fn: Callable, args: tuple, world_size: int, *, port: int | None,
     # The agent logs every child's traceback at ERROR; the rank logs and the run's summary
     # already hold the failure, so keep the console to our one-line report.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    return elastic_launch(config, entrypoint=fn)(*args)
+    return elastic_launch(config, entrypoint=_rank_main)(fn, *args)
+
+
+# What a rank sees when a peer is gone (gloo, NCCL): a symptom, not a cause.
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             "Connection refused", "remote process exited", "NCCL communicator was aborted")
+PEER_LOST_GRACE_S = 5.0
+
+
+def peer_lost(exc: BaseException) -> bool:
+    text = f"{exc}"
+    return any(p in text for p in PEER_LOST)
+
+
+def _rank_main(fn: Callable, *args):
+    """A local rank. One that fails only because a peer vanished waits a moment before exiting,
+    so the agent (polling every ``monitor_interval``) sees the peer's death first and reports
+    *that* rank ("rank 1 died (SIGKILL)") rather than this one's "Connection reset by peer"; the
+    agent then stops this rank."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        if peer_lost(exc):
+            import time
+
+            time.sleep(PEER_LOST_GRACE_S)
+        raise

@@ -10,13 +10,26 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
+HEARTBEAT = "heartbeat.json"
+# Rank 0 rewrites heartbeat.json from a thread while a run trains: at most every
+# HEARTBEAT_MIN_S when the step moved on, at least every HEARTBEAT_EVERY_S (long evaluations and
+# checkpoints keep beating). A run still marked running whose heartbeat is older than
+# HEARTBEAT_STALE_S has died without a word (SIGKILL, OOM killer, lost node).
+HEARTBEAT_MIN_S = 5.0
+HEARTBEAT_EVERY_S = 15.0
+HEARTBEAT_STALE_S = 300.0
 
 
 def now_iso() -> str:
@@ -49,10 +62,25 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
         raise
 
 
+# "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] " and the like: the
+# source position of a C++ check, noise to a user.
+_SOURCE_POSITION = re.compile(r"^\[[^\]\s]*\.(?:cc|cpp|h|hpp|c):\d+\]\s*")
+
+
 def one_line_error(exc: BaseException) -> str:
     """``Type: first line of the message``: what summary.json and the console show."""
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    first = _SOURCE_POSITION.sub("", text[0]) if text else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+def echo(line: str) -> None:
+    """Print a line on stdout through tqdm: an open progress bar is cleared first and redrawn
+    after, so a log line never lands inside the bar's line on a terminal."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
 
 
 def read_summary(run_dir: str | Path) -> dict | None:
@@ -70,6 +98,101 @@ def mark_failed(run_dir: str | Path, error: str, **fields: Any) -> None:
     summary.update(fields)
     summary.update(status="failed", error=error, finished_at=now_iso())
     write_json_atomic(Path(run_dir) / SUMMARY, summary)
+
+
+def replace_error(run_dir: str | Path, error: str, **fields: Any) -> None:
+    """Set a failed run's error to ``error`` (the root cause found after the fact, such as the
+    rank that was killed), keeping what the run itself had recorded as ``error_seen_by_rank0``."""
+    summary = read_summary(run_dir) or {"run_dir": str(run_dir), "started_at": now_iso()}
+    if summary.get("status") == "completed":
+        return
+    if summary.get("error") and summary["error"] != error:
+        summary.setdefault("error_seen_by_rank0", summary["error"])
+    summary.update(fields)
+    summary.update(status="failed", error=error)
+    summary.setdefault("finished_at", now_iso())
+    write_json_atomic(Path(run_dir) / SUMMARY, summary)
+
+
+def read_heartbeat(run_dir: str | Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / HEARTBEAT).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def unfinished_reason(run_dir: str | Path, summary: dict | None,
+                      stale_after_s: float = HEARTBEAT_STALE_S, now: float | None = None) -> str | None:
+    """``no heartbeat since <time> (step N)`` for a run that says ``running`` but has not beaten
+    for ``stale_after_s`` seconds (or never did and started that long ago); None otherwise."""
+    if not summary or summary.get("status") != "running":
+        return None
+    now = time.time() if now is None else now
+    beat = read_heartbeat(run_dir)
+    if beat and isinstance(beat.get("unix"), (int, float)):
+        if now - beat["unix"] < stale_after_s:
+            return None
+        step = f" (step {beat['step']})" if beat.get("step") is not None else ""
+        return f"no heartbeat since {beat.get('time')}{step}"
+    started = summary.get("started_at")
+    try:
+        started_unix = datetime.fromisoformat(started).timestamp()
+    except (TypeError, ValueError):
+        return "no heartbeat"
+    return None if now - started_unix < stale_after_s else f"no heartbeat since {started} (start)"
+
+
+class Heartbeat:
+    """Rank 0's sign of life: ``heartbeat.json`` = {time, unix, step, last_step_at, pid, host},
+    rewritten atomically by a daemon thread while training runs (see HEARTBEAT_MIN_S /
+    HEARTBEAT_EVERY_S). ``step`` is read through ``step_fn`` (once a second), ``last_step_at`` is
+    when it was last seen to change."""
+
+    def __init__(self, run_dir: str | Path, step_fn: Callable[[], int]):
+        self.path = Path(run_dir) / HEARTBEAT
+        self._step_fn = step_fn
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_step: int | None = None
+        self._last_step_at: str | None = None
+        self._written_step: int | None = None
+        self._written_at = 0.0
+
+    def _observe(self) -> None:
+        step = self._step_fn()
+        if step != self._last_step:
+            self._last_step, self._last_step_at = step, now_iso()
+
+    def beat(self) -> None:
+        self._observe()
+        step = self._last_step
+        self._written_step, self._written_at = step, time.monotonic()
+        try:
+            write_json_atomic(self.path, {
+                "time": now_iso(), "unix": time.time(), "step": step,
+                "last_step_at": self._last_step_at, "pid": os.getpid(), "host": os.uname().nodename,
+            })
+        except OSError:  # a full disk must not kill the run from a side thread
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self._observe()
+            since = time.monotonic() - self._written_at
+            if since >= HEARTBEAT_EVERY_S or (since >= HEARTBEAT_MIN_S and self._last_step != self._written_step):
+                self.beat()
+
+    def start(self) -> Heartbeat:
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="sparsetrain-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.beat()
 
 
 class RunWriter:

@@ -20,7 +20,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sparsetrain.config import CONF_DIR, ConfigError, check_group_overrides, register, validate
-from sparsetrain.results import SUMMARY, RunWriter, mark_failed, one_line_error, read_summary
+from sparsetrain.results import (
+    SUMMARY,
+    RunWriter,
+    mark_failed,
+    one_line_error,
+    read_heartbeat,
+    read_summary,
+    replace_error,
+)
 
 register()
 _failed_sweep_jobs: list[str] = []
@@ -53,6 +61,12 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         if is_rank0:
             mark_failed(run_dir, str(exc), config=OmegaConf.to_container(cfg, resolve=False))
         return _fail(str(exc), run_dir, multirun, code=2)
+    try:  # a checkpoint here is resumed: it must be readable and from this same configuration
+        from sparsetrain.checkpoint import CheckpointError, check_resume
+
+        check_resume(run_dir, cfg_dict)
+    except (ConfigError, CheckpointError) as exc:  # the folder's files are left as they are
+        return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
 
     from sparsetrain.train import worker_main
 
@@ -84,29 +98,43 @@ def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
         mark_failed(run_dir, "interrupted (Ctrl-C)")
         raise
     except Exception as exc:  # one line for the user; the rank logs hold the traceback
-        msg = _describe(exc)
+        msg, root_rank = _describe(exc, run_dir)
+        if root_rank:  # another rank's failure: rank 0's own account is only its symptom
+            replace_error(run_dir, msg)
+            return _fail(msg, run_dir, multirun, code=1, own_summary=False)
         mark_failed(run_dir, msg)
         return _fail(msg, run_dir, multirun, code=1)
 
 
-def _describe(exc: Exception) -> str:
+def _describe(exc: Exception, run_dir: Path) -> tuple[str, int | None]:
+    """One line for a failed launch and the rank it blames. Of the ranks torch's elastic agent saw
+    fail, the first (by time, then rank) is the cause; a rank killed by a signal leaves no error
+    file, so its line is ``rank 1 died (SIGKILL) after step N`` with N from rank 0's records."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    if isinstance(exc, ChildFailedError):
-        rank, failure = min(exc.failures.items())
-        detail = failure.message
-        if isinstance(detail, dict):  # the error file written by the rank's @record wrapper
-            detail = detail.get("message", "")
-        detail = detail if isinstance(detail, str) else ""
-        if not detail and failure.signal_name() != "<N/A>":  # killed by a signal
-            detail = f"killed by {failure.signal_name()}"
-        detail = detail.strip().splitlines()[-1] if detail.strip() else f"exit code {failure.exitcode}"
-        return f"rank {rank} failed: {detail}"
-    return one_line_error(exc)
+    if not isinstance(exc, ChildFailedError) or not exc.failures:
+        return one_line_error(exc), None
+    rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    if failure.exitcode < 0 and failure.signal_name() != "<N/A>":  # killed, no word of its own
+        return f"rank {rank} died ({failure.signal_name()}){_after_step(run_dir)}", rank
+    detail = failure.message
+    if isinstance(detail, dict):  # the error file written by the rank's @record wrapper
+        detail = detail.get("message", "")
+    detail = detail if isinstance(detail, str) else ""
+    detail = detail.strip().splitlines()[-1] if detail.strip() else f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {detail}", rank
 
 
-def _fail(msg: str, run_dir: Path, multirun: bool, code: int) -> dict[str, Any]:
-    summary = read_summary(run_dir)
+def _after_step(run_dir: Path) -> str:
+    summary = read_summary(run_dir) or {}
+    step = summary.get("steps") if summary.get("status") == "failed" else None
+    if step is None:
+        step = (read_heartbeat(run_dir) or {}).get("step")
+    return f" after step {step}" if step is not None else ""
+
+
+def _fail(msg: str, run_dir: Path, multirun: bool, code: int, own_summary: bool = True) -> dict[str, Any]:
+    summary = read_summary(run_dir) if own_summary else None
     if summary and summary.get("error") and summary["error"] != msg:
         msg = summary["error"]  # the rank's own account is more precise
     if _env_rank() == 0:
@@ -134,12 +162,22 @@ class SweepReport(Callback):
                 logs = _slurm_logs(sweep_dir, where, summary)
                 hint = f"; logs: {logs}" if logs else ""
                 status = summary.get("status")
-                error = summary.get("error") or ("never finished (killed?)" if status == "running" else None)
-                _failed_sweep_jobs.append(f"{where}: {status}: {error}{hint}")
+                if status == "running":  # the sweep is over: this job died without a word
+                    state = f"unfinished ({_no_heartbeat(summary_path.parent, summary)})"
+                else:
+                    state = f"{status}: {summary.get('error')}"
+                _failed_sweep_jobs.append(f"{where}: {state}{hint}")
         if _failed_sweep_jobs:
             _error(f"{len(_failed_sweep_jobs)} sweep job(s) did not complete:")
             for line in _failed_sweep_jobs:
                 print(f"  {line}", file=sys.stderr)
+
+
+def _no_heartbeat(run_dir: Path, summary: dict) -> str:
+    beat = read_heartbeat(run_dir) or {}
+    if beat.get("time"):
+        return f"no heartbeat since {beat['time']} (step {beat.get('step')})"
+    return f"no heartbeat since {summary.get('started_at')} (start)"
 
 
 def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:

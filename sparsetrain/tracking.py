@@ -8,6 +8,7 @@ WANDB_API_KEY, never read or written by this code); ``disabled`` skips W&B entir
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -55,6 +56,30 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         elif isinstance(value, (int, float, str, bool)) or value is None:
             out[name] = value
     return out
+
+
+def has_wandb_credentials(env: Mapping[str, str] | None = None) -> bool:
+    """Whether W&B would find a key without asking: ``WANDB_API_KEY`` (or an identity token file),
+    or a non-empty password for the W&B host (``WANDB_BASE_URL``, default api.wandb.ai) in the
+    netrc file (``$NETRC`` or ``~/.netrc``) that ``wandb login`` writes. Reads nothing else and
+    never prints or stores the key. Without one, ``wandb.init`` would prompt on a terminal (a
+    SLURM job would wait forever) or fail inside the rank, so online runs are refused up front."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    env = os.environ if env is None else env
+    if env.get("WANDB_API_KEY", "").strip():
+        return True
+    token = env.get("WANDB_IDENTITY_TOKEN_FILE")
+    if token and os.path.isfile(token):
+        return True
+    host = urlsplit(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc or "api.wandb.ai"
+    path = env.get("NETRC") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".netrc")
+    try:
+        creds = netrc.netrc(path).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(creds and (creds[2] or "").strip())
 
 
 def make_tracker(wandb_cfg: dict[str, Any], config: dict[str, Any], run_dir: str, name: str):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from sparsetrain import checkpoint as ckpt
 from sparsetrain.data import ShardedLoader, load_dataset, test_batches
 from sparsetrain.dist import (
     RankInfo,
@@ -33,7 +34,8 @@ from sparsetrain.dist import (
 )
 from sparsetrain.exchange import build_exchange
 from sparsetrain.models import build_model, param_groups_for_weight_decay
-from sparsetrain.results import NullWriter, RunWriter, mark_failed, one_line_error
+from sparsetrain.preempt import StopSignals
+from sparsetrain.results import Heartbeat, NullWriter, RunWriter, echo, mark_failed, one_line_error
 from sparsetrain.timing import PHASES, PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 
@@ -198,22 +200,23 @@ class Trainer:
             gathered = [None] * self.info.world_size
             dist.all_gather_object(gathered, own)
         state["per_rank"] = gathered
+        state["config"] = OmegaConf.to_container(self.cfg, resolve=True)  # resume checks it
         if self.info.is_main:
-            tmp = self.checkpoint_path.with_suffix(".tmp")
-            torch.save(state, tmp)
-            os.replace(tmp, self.checkpoint_path)
+            ckpt.save(state, self.checkpoint_path)  # atomic; a full disk keeps the old one
 
     def maybe_resume(self) -> bool:
         if not (self.cfg.train.checkpoint and self.checkpoint_path.exists()):
             return False
-        state = torch.load(self.checkpoint_path, map_location=self.device, weights_only=True)
+        state = ckpt.load(self.checkpoint_path, map_location=self.device)
+        ckpt.check_same_run(state.pop("config", None), OmegaConf.to_container(self.cfg, resolve=True),
+                            self.checkpoint_path)
         state.update(state.pop("per_rank")[self.info.rank])
         self.load_state_dict(state)
         return True
 
     # ---- loop ----------------------------------------------------------------------------
     def _request_stop(self, signum, frame) -> None:
-        self._stop_requested = True
+        self._stop_requested = signal.Signals(signum).name
 
     def _stop_agreed(self) -> bool:
         """All ranks learn, at the same step, of a SIGTERM that reached any of them and of a
@@ -381,11 +384,10 @@ class Trainer:
         self._emit(record)
         if self.info.is_main:
             acc = self.last_eval.get("test_accuracy", float("nan"))
-            print(
+            echo(  # through tqdm: never into the progress bar's line
                 f"epoch {record['epoch']:.3g} | step {self.step} | train_loss "
                 f"{self.last_train_loss:.4f} | test_acc {acc:.4f} | "
                 f"{self.timer.means().get('step', float('nan')):.1f} ms/step",
-                flush=True,
             )
 
     def fit(self) -> dict:
@@ -411,7 +413,8 @@ class Trainer:
             self.tracker = make_tracker(
                 dict(config["wandb"]), config, str(self.run_dir), self.run_dir.name
             )
-        previous = signal.signal(signal.SIGTERM, self._request_stop) if _main_thread() else None
+        signals = StopSignals(self._request_stop, self.info.launcher) if _main_thread() else None
+        heartbeat = Heartbeat(self.run_dir, lambda: self.step).start() if self.info.is_main else None
         self.last_train_loss = None
         gc.collect()
         gc.disable()  # no collector pauses inside timed steps; collected once per epoch
@@ -420,11 +423,15 @@ class Trainer:
         except BaseException as exc:
             self.writer.finish("failed", error=one_line_error(exc), **self._summary_fields())
             self.tracker.finish(self.writer.summary, failed=True)
+            if signals is not None and isinstance(exc, Preempted):
+                signals.pass_on()  # SLURM: submitit's handler requeues the job (rank 0) and exits
             raise
         finally:
             gc.enable()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            if signals is not None:
+                signals.restore()
+            if heartbeat is not None:
+                heartbeat.stop()
         if self.cfg.train.save_model and self.info.is_main:
             torch.save(self.model.state_dict(), self.run_dir / "model.pt")
         self.writer.finish("completed", **self._summary_fields())
@@ -450,7 +457,8 @@ class Trainer:
                     if self._stop_agreed():
                         self.elapsed_s += time.perf_counter() - t0
                         self.save_checkpoint()
-                        raise Preempted(f"SIGTERM at step {self.step}: checkpoint saved; rerun to resume")
+                        raise Preempted(f"{self._stop_requested or 'stop signal on another rank'} at step "
+                                        f"{self.step}: checkpoint saved; rerun to resume")
                 if self._hit_max_steps():
                     break
             self.elapsed_s += time.perf_counter() - t0

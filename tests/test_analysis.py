@@ -332,9 +332,11 @@ def test_tables_do_not_mix_configurations(results):
     row = _row(rq2, scheme="random-k")
     want = [expected_accuracy(make_config(scheme="randk", ratio=0.1, seed=s)) * 100 for s in (0, 1)]
     assert row["ratio=0.1"].startswith(f"{sum(want) / 2:.2f} ± ")
-    # Job 0 (topk, ratio 0.01, seed 0) never finished: named, and out of the numbers.
+    # Job 0 (topk, ratio 0.01, seed 0) never finished: named, and out of the numbers. Its
+    # summary still says running, but it started long ago and never beat: unfinished.
     assert _row(rq2, scheme="top-k")["ratio=0.01"].endswith("(n=1)")
-    assert "running: scheme=topk" in rq2.to_markdown()
+    assert "unfinished: scheme=topk" in rq2.to_markdown()
+    assert "no heartbeat since 2025-01-01T00:00:00 (start)" in rq2.to_markdown()
 
 
 def test_rq3_rq4_rq5_tables(results):

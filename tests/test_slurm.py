@@ -8,6 +8,7 @@ Skipped, with the reason, when `sinfo` does not answer.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -139,30 +140,39 @@ def test_cancelled_job_is_failed_and_reported_with_logs(tmp_path):
     assert f"logs: {sweep / '.submitit' / job_id}" in line, line
 
 
-def test_preempted_job_requeues_and_resumes(tmp_path):
-    """SIGUSR2 (what SLURM sends before a time limit / on preemption) to the job's tasks:
-    submitit calls the launcher's checkpoint() and requeues the job; the rerun resumes from the
-    trainer's last epoch checkpoint in the same run folder."""
+def test_preempted_job_requeues_and_resumes_at_the_step(tmp_path):
+    """SIGUSR2 (what SLURM sends before a time limit / on preemption) to the job's tasks: the
+    trainer saves a checkpoint at the step (not only at the epoch), then submitit calls the
+    launcher's checkpoint() and requeues the job; the rerun resumes from that very step."""
     sweep = tmp_path / "sweep"
     run = sweep / "0"
-    # 128 examples / 2 ranks / batch 32 = 2 steps per epoch; checkpoint after epochs 1 and 2.
-    proc = _start_sweep("scheme=randk", "world_size=2", "data.train_size=128", "train.epochs=3",
+    # 256 examples / 2 ranks / batch 32 = 4 steps per epoch, 12 in all; epoch checkpoints at 4, 8.
+    proc = _start_sweep("scheme=randk", "world_size=2", "train.epochs=3", "train.log_every=1",
                         sweep=sweep)
     try:
-        _wait_for(lambda: (run / "checkpoint.pt").exists(), proc, "checkpoint")
+        _wait_for(lambda: _steps(run) >= 5, proc, "a step past the first epoch checkpoint")
         job_id = read_json(run / "summary.json")["slurm_job_id"]
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         # SLURM holds a requeued job back for a while (BeginTime); let it start again now.
         _wait_for(lambda: _squeue_state(job_id) == "PENDING", proc, "requeue", timeout=60)
+        stopped = read_json(run / "summary.json")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
+    assert stopped["status"] == "failed", stopped
+    match = re.fullmatch(r"Preempted: SIGUSR2 at step (\d+): checkpoint saved; rerun to resume",
+                         stopped["error"] or "")
+    assert match, stopped
+    saved_at = int(match.group(1))
+    assert saved_at >= 5 and saved_at == stopped["steps"]
     s = read_json(run / "summary.json")
-    assert s["status"] == "completed" and s["steps"] == 6, s
-    assert s["resumed_from_step"] in (2, 4), s
-    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "epoch"] == [2, 4, 6]
+    assert s["status"] == "completed" and s["steps"] == 12, s
+    assert s["resumed_from_step"] == saved_at, s  # the step, not the last epoch (4 or 8)
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert steps == list(range(1, 13)), steps  # every step once: none redone, none lost
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "epoch"] == [4, 8, 12]
     log = next(sweep.glob(".submitit/*/*_0_log.out")).read_text()
     assert "Requeued job" in log

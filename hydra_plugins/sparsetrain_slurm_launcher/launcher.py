@@ -116,7 +116,8 @@ class GroupedSlurmLauncher(SlurmLauncher):
         error = None
         try:  # the job's own checks, minus the launch environment (that is the job's to check)
             if "scheme" in cfg and "train" in cfg:  # a sparsetrain config (not some other app's)
-                validate(cfg, env={k: v for k, v in os.environ.items() if k.startswith("WANDB")})
+                validate(cfg, env={k: v for k, v in os.environ.items()
+                                   if k.startswith("WANDB") or k in ("HOME", "NETRC")})
             params = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
             params.pop("_target_", None)
         except ConfigError as exc:

@@ -20,7 +20,12 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from sparsetrain.results import DID_NOT_TRAIN, untrained_reason
+from sparsetrain.results import (  # stdlib only, no torch
+    DID_NOT_TRAIN,
+    HEARTBEAT_STALE_S,
+    unfinished_reason,
+    untrained_reason,
+)
 
 PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
 # Phases that a dense run does not have: absent there means zero, not unknown.
@@ -207,12 +212,15 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
     return row
 
 
-def _run_row(run: Path) -> dict:
+def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     summary = _read_json(run / "summary.json") if (run / "summary.json").is_file() else None
     config = None
     if not (summary and summary.get("config")) and (run / ".hydra" / "config.yaml").is_file():
         config = _read_yaml(run / ".hydra" / "config.yaml")
     row = row_from_summary(summary, config)
+    silent = unfinished_reason(run, summary, stale_after_s)
+    if silent:  # says running, but rank 0 stopped beating long ago: it died without a word
+        row.update(status="unfinished", error=silent)
     choices = _hydra_choices(run)
     sweep = run.parent if is_sweep_dir(run.parent) else None
     row.update(
@@ -321,7 +329,8 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
 COLUMNS_FIRST = ("experiment", *AXES[:5], REPLICATE, "status")
 
 
-def load_runs(*paths: str | Path, include_failed: bool = True) -> pd.DataFrame:
+def load_runs(*paths: str | Path, include_failed: bool = True,
+              stale_after_s: float = HEARTBEAT_STALE_S) -> pd.DataFrame:
     """One row per run found recursively under ``paths`` (sweep folders or run folders).
 
     Columns: the axes (scheme, scope, aggregation, ratio, world_size, seed, error_feedback,
@@ -333,13 +342,17 @@ def load_runs(*paths: str | Path, include_failed: bool = True) -> pd.DataFrame:
     gets the status ``did not train`` (``sparsetrain.results.untrained_reason``): tables list it
     under the numbers and never rank it.
 
+    A run whose ``summary.json`` says ``running`` but whose ``heartbeat.json`` (rank 0 rewrites it
+    at least every 15 s while training) is older than ``stale_after_s`` seconds is ``unfinished``, with
+    ``error`` = ``no heartbeat since <time> (step N)``.
+
     ``include_failed=False`` keeps completed runs only. Tables take the full frame so that they can
     name what is missing; pass ``include_failed=False`` for ad-hoc analysis of finished runs.
     """
     if not paths:
         raise ValueError("load_runs needs at least one results folder")
     runs = find_run_dirs(*paths)
-    rows = [_run_row(run) for run in runs]
+    rows = [_run_row(run, stale_after_s) for run in runs]
     for sweep in find_sweep_dirs(*paths):
         rows.extend(_absent_rows(sweep, runs))
     frame = pd.DataFrame(rows)

@@ -1,0 +1,159 @@
+"""``checkpoint.pt``: written atomically, read with a clear error, resumed only by the same run.
+
+- ``save``: the state goes to a temporary file in the run folder, is flushed to disk and only
+  then replaces ``checkpoint.pt``; a failed write (a full disk above all) deletes the temporary
+  file and leaves the previous checkpoint as it was. ``CheckpointError`` says what happened.
+- ``load``: a file torch cannot read (truncated, overwritten, not a checkpoint) is named, with the
+  two ways on: delete it, or ``train.checkpoint=false``.
+- ``check_same_run``: the checkpoint records the config that wrote it; a rerun in the same folder
+  resumes only when every key that defines the run is unchanged (``NOT_DEFINING`` lists the keys
+  that may change: logging, progress, device, threads, W&B, communication plumbing, the step cap).
+
+Imports no Hydra and nothing from the trainer, so the CLI can check a folder before any rank starts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT = "checkpoint.pt"
+
+# Keys that may differ between a checkpoint and the run that resumes it: they change how a run is
+# watched, where it runs or when it stops, not what it computes. Prefixes end with a dot.
+NOT_DEFINING = (
+    "train.max_steps",  # a cap: resuming with a higher (or no) cap trains on
+    "train.log_every",
+    "train.eval_every",
+    "train.progress",
+    "train.device",
+    "train.threads",
+    "train.timing_warmup",
+    "train.checkpoint",
+    "train.save_model",
+    "data.root",
+    "data.download",
+    "wandb.",
+    "dist.",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or read; the message is the one line the user sees."""
+
+
+def _not_defining(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_DEFINING)
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+_ABSENT = "<absent>"
+
+
+def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, current value)`` for every run-defining key that differs."""
+    a, b = _flatten(saved), _flatten(current)
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if _not_defining(key):
+            continue
+        if a.get(key, _ABSENT) != b.get(key, _ABSENT):
+            out.append((key, a.get(key, _ABSENT), b.get(key, _ABSENT)))
+    return out
+
+
+def check_same_run(saved_config: dict | None, current: dict, path: str | Path) -> None:
+    """Raise ConfigError naming the keys in which ``current`` differs from the checkpoint's run.
+    Checkpoints written before configs were recorded (``saved_config`` None) are not checked."""
+    if saved_config is None:
+        return
+    diffs = config_differences(saved_config, current)
+    if not diffs:
+        return
+    from sparsetrain.config import ConfigError
+
+    shown = "; ".join(f"{k}={_show(old)} there, {_show(new)} now" for k, old, new in diffs[:6])
+    more = f" (+{len(diffs) - 6} more)" if len(diffs) > 6 else ""
+    raise ConfigError(
+        f"will not resume {path}: it was saved by a different configuration: {shown}{more}; "
+        "rerun with the saved values to resume, or start fresh in a new folder "
+        f"(hydra.run.dir=..., hydra.sweep.dir=...) or after deleting {path}"
+    )
+
+
+def _show(value: Any) -> str:
+    return value if value == _ABSENT else repr(value)
+
+
+def save(state: dict, path: str | Path) -> None:
+    """Write ``state`` to ``path`` atomically; on failure the old file is untouched and no
+    temporary file is left. A full disk raises CheckpointError saying 'no space left'."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:  # a Python file: a full disk surfaces as OSError(ENOSPC)
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if _no_space(exc):
+            kept = f"the previous checkpoint {path} is kept" if path.exists() else "no checkpoint was kept"
+            raise CheckpointError(
+                f"no space left on device while writing the checkpoint {path}; {kept}; "
+                "free some space and rerun the same command to resume"
+            ) from exc
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write the checkpoint {path}: {exc.strerror or exc}") from exc
+        raise
+
+
+def _no_space(exc: BaseException) -> bool:
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def load(path: str | Path, map_location: Any = "cpu", mmap: bool = False) -> dict:
+    """Read a checkpoint (``weights_only=True``); a file that cannot be read is named, with the
+    ways on."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError("not a sparsetrain checkpoint")
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        reason = reason.split(". ")[0].rstrip(".")[:160]  # torch's miniz text runs on and on
+        raise CheckpointError(
+            f"the checkpoint {path} cannot be read ({type(exc).__name__}: {reason}); delete "
+            "it to start this run over, or rerun with train.checkpoint=false to ignore it"
+        ) from None
+    return state
+
+
+def check_resume(run_dir: str | Path, config: dict) -> None:
+    """Before any rank starts: if ``run_dir`` holds a checkpoint this run would resume, make sure
+    it can be read and was written by the same configuration (ConfigError / CheckpointError)."""
+    path = Path(run_dir) / CHECKPOINT
+    if not (config.get("train", {}).get("checkpoint", True) and path.exists()):
+        return
+    state = load(path, mmap=True)
+    check_same_run(state.get("config"), config, path)

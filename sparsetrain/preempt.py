@@ -1,0 +1,53 @@
+"""Stop signals while training: save a checkpoint at the step, then let the launcher act.
+
+- SIGTERM (preemption, ``scancel``, Ctrl-C of the launcher) on every launcher;
+- under SLURM also submitit's preemption signal (SIGUSR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` says
+  otherwise), which SLURM sends ``signal_delay_s`` before a time limit or on preemption.
+
+The handler only records the signal; the loop notices it at its next logged step, every rank
+agrees, the checkpoint is saved and the loop raises ``Preempted``. Then ``pass_on`` hands the
+signal to the handler that was installed before (submitit's: rank 0 requeues the job and exits),
+so a requeued job resumes from the step where it stopped, not from the last epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+
+def _slurm_preempt_signal() -> signal.Signals:
+    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    return getattr(signal.Signals, name, signal.SIGUSR2)
+
+
+class StopSignals:
+    def __init__(self, on_signal: Callable, launcher: str):
+        self._on_signal = on_signal
+        self.signals = [signal.SIGTERM]
+        if launcher == "slurm":
+            self.signals.append(_slurm_preempt_signal())
+        self.received: signal.Signals | None = None
+        self._previous: dict[int, object] = {}
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+        self._on_signal(signum, frame)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def pass_on(self) -> None:
+        """After the checkpoint is safe: give the received signal to the previous handler, if it
+        was a Python function (submitit's requeue on SLURM; not the default action)."""
+        if self.received is None:
+            return
+        handler = self._previous.get(self.received)
+        if callable(handler):
+            handler(int(self.received), None)
