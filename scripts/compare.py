@@ -3,7 +3,8 @@
 
 Dense SGD, top-k, random-k and block-random-k at 1% (layer-wise, AllGather, error feedback) on
 Fashion-MNIST with ResNet-20 and 2 ranks, then one table: test accuracy, ms per phase, bytes
-sent per step. Extra arguments are passed to every run as Hydra overrides, e.g.
+sent per step, and the final train loss with a verdict: a run whose loss is not below ln 10 (a
+uniform guess) "did not train". Extra arguments are passed to every run as Hydra overrides, e.g.
 `python scripts/compare.py train.epochs=3` or `... data=synthetic train.max_steps=20`.
 """
 
@@ -16,6 +17,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from sparsetrain.results import DID_NOT_TRAIN, untrained_reason  # noqa: E402  (no torch)
+
 SCHEMES = "none,topk,randk,blockk"
 DEFAULTS = [
     "data=fashion_mnist",
@@ -39,16 +43,18 @@ def table(sweep: Path) -> str:
         s = json.loads(path.read_text())
         t = s.get("time_ms") or {}
         name = s["config"]["scheme"]["name"] if "config" in s else path.parent.name
+        loss = s.get("train_loss")
         rows.append([
             "dense" if name == "none" else name,
-            s["status"],
+            DID_NOT_TRAIN if untrained_reason(s) else s["status"],
+            f"{loss:.3f}" if loss is not None else "-",
             f"{100 * s['test_accuracy']:.2f}" if s.get("test_accuracy") is not None else "-",
             *(f"{t.get(k, 0):.1f}" for k in ("forward", "backward", "compress", "exchange",
                                                "decompress", "step")),
             f"{s.get('bytes_sent_per_step', 0):,}",
             f"{s.get('bytes_sent_per_step', 0) / max(1, s.get('dense_bytes_per_step', 1)):.4f}",
         ])
-    head = ["scheme", "status", "test acc %", "fwd ms", "bwd ms", "compress ms", "exchange ms",
+    head = ["scheme", "status", "train loss", "test acc %", "fwd ms", "bwd ms", "compress ms", "exchange ms",
             "decompress ms", "step ms", "bytes/step", "vs dense"]
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     fmt = lambda r: "  ".join(str(c).rjust(w) for c, w in zip(r, widths))  # noqa: E731

@@ -322,6 +322,33 @@ def test_run_that_did_not_train_is_listed_never_ranked(results):
     assert sa.load_runs(run)["status"].tolist() == ["did not train"]
 
 
+def test_stability_table_counts_runs_that_did_not_train(tmp_path):
+    sweep = write_sweep(tmp_path / "stability", {"scheme": "randk,blockk", "scheme.uncompressed": "none,1d",
+                                                 "seed": "0,1"}, "stability")
+    for run in sorted(p for p in sweep.iterdir() if p.is_dir()):
+        summary = json.loads((run / "summary.json").read_text())
+        cfg = summary["config"]
+        broken = cfg["scheme"]["uncompressed"] == "none" and cfg["scheme"]["name"] == "randk"
+        summary.update(train_loss=3.5 + cfg["seed"] if broken else 0.5, num_classes=10,
+                       memory_norm_max=500.0 * (1 + cfg["seed"]) if broken else 5.0,
+                       bytes_sent_total=summary["steps"] * summary["bytes_sent_per_step"])
+        if broken and cfg["seed"] == 1:
+            summary["train_loss"] = 0.9  # one seed of the broken setting trains anyway
+        (run / "summary.json").write_text(json.dumps(summary))
+    runs = sa.load_runs(sweep)
+    assert sorted(runs["uncompressed"].unique()) == ["1d", "none"]
+    table = sa.TABLES["stability"](runs)
+    rows = {(r["scheme"], r["whole tensors"]): r for r in table.display.to_dict("records")}
+    assert rows[("random-k", "none")]["trained"] == "1/2"
+    assert rows[("random-k", "none")]["final train loss"] == f"2.200 ± {pd.Series([3.5, 0.9]).std():.3f} (n=2)"
+    assert rows[("random-k", "none")]["max memory norm"] == "1e+03"
+    assert rows[("random-k", "1d")]["trained"] == "2/2" and rows[("random-k", "1d")]["max memory norm"] == "5"
+    assert table.missing.empty  # runs that did not train are counted, not left out
+    # ... while the research-question tables leave them out and name them
+    md = sa.rq2_scheme_table(runs).to_markdown()
+    assert "did not train: scheme=randk" in md and "uncompressed=none" in md
+
+
 def test_tables_do_not_mix_configurations(results):
     """Runs of different ratios never share a cell, whichever table is asked."""
     runs = sa.load_runs(results / "rq2_scheme")

@@ -40,6 +40,8 @@ AXES = (
     "world_size",
     "error_feedback",
     "block_size",
+    "uncompressed",
+    "warmup_steps",
     "model",
     "data",
     "epochs_planned",
@@ -48,7 +50,7 @@ AXES = (
 )
 REPLICATE = "seed"
 # Axes that do not apply to dense SGD: its rows carry this marker instead of a value.
-DENSE_IRRELEVANT = ("scope", "aggregation", "error_feedback", "block_size")
+DENSE_IRRELEVANT = ("scope", "aggregation", "error_feedback", "block_size", "uncompressed", "warmup_steps")
 NOT_APPLICABLE = "-"
 DENSE = "dense"
 
@@ -136,6 +138,9 @@ def _axes_from_config(cfg: dict) -> dict:
         "seed": cfg.get("seed"),
         "error_feedback": _get(cfg, "scheme", "error_feedback"),
         "block_size": _get(cfg, "scheme", "block_size"),
+        # Runs from before these keys existed compressed every tensor from the first step.
+        "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
+        "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
         "model": _name(cfg.get("model")),
         "data": _name(cfg.get("data")),
         "epochs_planned": _get(cfg, "train", "epochs"),
@@ -194,7 +199,11 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         started_at=summary.get("started_at"),
         finished_at=summary.get("finished_at"),
         duration_s=_num(summary.get("duration_s")),
+        memory_norm_max=_num(summary.get("memory_norm_max")),
+        test_accuracy_running_bn=_num(summary.get("test_accuracy_running_bn")),
+        bytes_sent_total=_num(summary.get("bytes_sent_total")),
     )
+    row["bytes_mean_per_step"] = row["bytes_sent_total"] / row["steps"] if row["steps"] else math.nan
     reason = untrained_reason(summary)
     if reason:  # finished, but no better than a uniform guess: not a result to rank
         row.update(status=DID_NOT_TRAIN, error=reason)
@@ -308,9 +317,15 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
         for key, value in zip(keys, combo, strict=False):
             target = config
             *parents, leaf = key.split(".")
-            for parent in parents:
-                target = target.setdefault(parent, {})
-            target[leaf] = yaml.safe_load(value)
+            for parent in parents:  # a group given by name (scheme=randk) and one of its keys
+                node = target.get(parent)
+                if not isinstance(node, dict):
+                    node = target[parent] = {} if node is None else {"name": node}
+                target = node
+            if isinstance(target.get(leaf), dict):
+                target[leaf]["name"] = yaml.safe_load(value)
+            else:
+                target[leaf] = yaml.safe_load(value)
         row = row_from_summary(None, config)
         row.update(
             status="absent",
@@ -365,7 +380,8 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
     return frame
 
 
-INTEGER_COLUMNS = ("world_size", "seed", "block_size", "batch_size", "epochs_planned", "train_size", "steps")
+INTEGER_COLUMNS = ("world_size", "seed", "block_size", "warmup_steps", "batch_size", "epochs_planned",
+                   "train_size", "steps")
 
 
 def _integer_columns(frame: pd.DataFrame) -> pd.DataFrame:

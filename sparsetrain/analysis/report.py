@@ -17,6 +17,7 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rq3_aggregation": (("rq3_aggregation",), ("accuracy_vs_epoch", "workers")),
     "rq4_workers": (("rq4_workers",), ("accuracy_vs_epoch", "workers")),
     "rq5_speed": (("rq5_speed",), ("time_per_phase", "accuracy_vs_bytes")),
+    "stability": (("stability",), ("accuracy_vs_epoch",)),
 }
 ALL = (tuple(TABLES), tuple(PLOTS))
 

@@ -18,6 +18,7 @@ from .loader import (
     AXES,
     DENSE,
     DENSE_IRRELEVANT,
+    DID_NOT_TRAIN,
     NOT_APPLICABLE,
     PHASES,
     REPLICATE,
@@ -37,12 +38,21 @@ LABELS = {
     "bytes_sent_per_step": "bytes/step/worker",
     "compression": "compression (x)",
     "speedup": "speed-up over dense",
+    "uncompressed": "whole tensors",
+    "warmup_steps": "warm-up steps",
+    "train_loss": "final train loss",
+    "test_accuracy_running_bn": "test acc., running BN (%)",
+    "memory_norm_max": "max memory norm",
+    "bytes_mean_per_step": "bytes/step/worker (run mean)",
 }
 SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k"}
-PERCENT = {"test_accuracy", "train_accuracy"}
+PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn"}
 # The grid coordinates that name a missing run.
-MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "world_size", "model", "data")
+MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warmup_steps", "world_size",
+                "model", "data")
+# Stabiliser settings are named only where they differ from the defaults.
+MISSING_DEFAULTS = {"uncompressed": "1d", "warmup_steps": 0}
 # Order of values in rows and columns: the paper's order, not the alphabet's.
 VALUE_ORDER = {"layerwise": 0, "global": 1, "allreduce": 0, "allgather": 1}
 
@@ -66,6 +76,7 @@ class Table:
                 for axis in (*MISSING_AXES, REPLICATE)
                 if axis in self.missing.columns and _present(getattr(row, axis))
                 and getattr(row, axis) != NOT_APPLICABLE
+                and getattr(row, axis) != MISSING_DEFAULTS.get(axis)
             )
             where = f" ({row.run_dir})" if _present(getattr(row, "run_dir", None)) else ""
             error = f": {_one_line(row.error)}" if _present(getattr(row, "error", None)) else ""
@@ -416,6 +427,44 @@ def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     return Table("rq5_speed", title, pd.DataFrame(display_rows), data, missing.reset_index(drop=True), notes)
 
 
+def stability_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
+    """Stabiliser ablation: per scheme, with and without whole 1-D tensors and warm-up, how many
+    seeds trained, the final train loss, test accuracy (with and without batch-norm
+    recalibration), the largest error-feedback memory norm and the bytes actually sent.
+
+    Unlike the research-question tables this one keeps the runs that did not train in its
+    numbers (counted in the ``trained`` column): what a stabiliser buys is whether runs train.
+    """
+    keep = completed(runs) if include_failed else runs[runs["status"].isin(("completed", DID_NOT_TRAIN))]
+    missing = pd.DataFrame() if include_failed else runs[~runs.index.isin(keep.index)]
+    title = "Stabilisers: what whole 1-D tensors and a compression warm-up change"
+    by = ["scheme", "uncompressed", "warmup_steps", *[a for a in varying_axes(keep)
+                                                     if a not in ("scheme", "uncompressed", "warmup_steps")]]
+    metrics = ["train_loss", "test_accuracy", "test_accuracy_running_bn", "memory_norm_max",
+               "bytes_mean_per_step"]
+    notes = _constant_note(keep, by) + [
+        "trained = final train loss below ln 10 (a uniform guess); max memory norm: the largest "
+        "logged norm of rank 0's error-feedback memory, max over seeds; bytes: mean per step over "
+        "the run, warm-up steps included."]
+    if keep.empty:
+        return Table("stability", title, pd.DataFrame(), pd.DataFrame(), missing.reset_index(drop=True), notes)
+    frame = keep.assign(trained=(keep["status"] == "completed").astype(float))
+    data = summarize(frame, by, [*metrics, "trained"])
+    peak = frame.groupby(by, dropna=False, sort=False)["memory_norm_max"].max()
+    rows = []
+    for _, row in data.iterrows():
+        entry = {LABELS.get(a, a): _display_axis(a, row[a]) for a in by}
+        n = int(row["trained_n"])
+        entry["trained"] = f"{round(row['trained_mean'] * n)}/{n}"
+        for metric in ("train_loss", "test_accuracy", "test_accuracy_running_bn"):
+            entry[LABELS[metric]] = _cell(pd.DataFrame([row]), metric)
+        top = peak.loc[tuple(row[a] for a in by)] if len(by) > 1 else peak.loc[row[by[0]]]
+        entry[LABELS["memory_norm_max"]] = "n/a" if pd.isna(top) else f"{top:.3g}"
+        entry[LABELS["bytes_mean_per_step"]] = _human_bytes(row["bytes_mean_per_step_mean"])
+        rows.append(entry)
+    return Table("stability", title, pd.DataFrame(rows), data, missing.reset_index(drop=True), notes)
+
+
 def status_table(runs: pd.DataFrame) -> Table:
     """How many runs of each experiment ended in each status."""
     if runs.empty:
@@ -431,4 +480,5 @@ TABLES = {
     "rq3_aggregation": rq3_aggregation_table,
     "rq4_workers": rq4_workers_table,
     "rq5_speed": rq5_speed_table,
+    "stability": stability_table,
 }
