@@ -35,13 +35,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def default_burst(rate: str) -> str:
-    """tbf bucket: max(96 KiB, 1 ms at the rate). A 64 KiB GSO packet plus headers must fit in the
-    bucket, otherwise tbf drops it and TCP crawls (measured: 0.3 instead of 0.5 Gbit/s at 500mbit)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from netns_cluster import rate_bits
-
-    return f"{max(96 * 1024, int(rate_bits(rate) / 8 / 1000))}b"
 sys.path.insert(0, str(REPO))
 from sparsetrain.costmodel import Collective, CostModel, fit, scheme_costs  # noqa: E402
 
@@ -101,7 +94,7 @@ def measure(a, rate: str, i: int) -> dict:
     tmp = Path(tempfile.gettempdir()) / f"st_bench_coll_{os.getpid()}_{i}.json"
     tmp.unlink(missing_ok=True)
     cmd = [sys.executable, str(NETNS), "--nproc", str(a.nproc), "--rate", rate, "--prefix",
-           f"sc{os.getpid() % 10000}{i}", "--kill-timeout", "5", "--burst", a.burst or default_burst(rate), "--master-port", str(29700 + i), "--",
+           f"sc{os.getpid() % 10000}{i}", "--kill-timeout", "5", *(["--burst", a.burst] if a.burst else []), "--master-port", str(29700 + i), "--",
            sys.executable, str(Path(__file__).resolve()), "--worker", "--json", str(tmp),
            "--max-mb", str(a.max_mb)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
@@ -226,7 +219,7 @@ def main(argv=None) -> int:
                     help="the first is the fit rate unless --fit-rate; the fastest gives the CPU floor")
     ap.add_argument("--fit-rate", default=None, help="rate whose fit predicts the others (default: first)")
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--burst", default=None, help="tbf burst passed to netns_cluster.py (default max(96 KiB, 1 ms at the rate): its own default of max(64 KiB, 1 ms) drops 64 KiB GSO packets at <= 500 Mbit/s, which halved the achieved rate at 500mbit)")
+    ap.add_argument("--burst", default=None, help="tbf burst passed to netns_cluster.py (default: netns_cluster.py's, max(96 KiB, 1 ms at the rate))")
     ap.add_argument("--max-mb", type=float, default=64)
     ap.add_argument("--out", default=str(REPO / "results" / "bench"))
     ap.add_argument("--model-only", action="store_true", help="reuse <out>/collectives.json")

@@ -14,9 +14,9 @@ data, by phase, for:
   blockk   block-random-k 1%, layer-wise, error feedback, shared seed, AllReduce of the values
   ddp      torch DistributedDataParallel (gloo, 25 MB buckets, overlaps backward) as baseline
 
-The workers use the trainer's own pieces (sparsetrain.models, the flat gradient buffer whose
-views are the parameters' .grad, sparsetrain.exchange.build_reducer, PhaseTimer, SGD with Nesterov
-momentum), in one process group per rate; each scheme is timed in two passes (ABC..ABC..) and the
+The workers run the trainer's own step (sparsetrain.train.step.TrainStep over sparsetrain.models,
+the flat gradient buffer and reducer of sparsetrain.comm.build_exchange, PhaseTimer, SGD with
+Nesterov momentum), in one process group per rate; each scheme is timed in two passes (ABC..ABC..) and the
 median per-step time is reported. Peak memory per rank: peak RSS (VmHWM, reset per scheme through
 /proc/self/clear_refs) and its growth over the RSS before the scheme was built.
 
@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -50,13 +51,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def default_burst(rate: str) -> str:
-    """tbf bucket: max(96 KiB, 1 ms at the rate). A 64 KiB GSO packet plus headers must fit in the
-    bucket, otherwise tbf drops it and TCP crawls (measured: 0.3 instead of 0.5 Gbit/s at 500mbit)."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from netns_cluster import rate_bits
-
-    return f"{max(96 * 1024, int(rate_bits(rate) / 8 / 1000))}b"
 NETNS = REPO / "scripts" / "netns_cluster.py"
 SCHEMES = ("compute", "dense", "dense_ovl", "topk", "randk", "blockk", "ddp")
 PAPER_SHARE = 0.27  # exchange / step for dense in the paper: (375 - 273) / 375
@@ -82,12 +76,12 @@ def _reset_peak() -> None:
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     sys.path.insert(0, str(REPO))
-    from sparsetrain.exchange import build_exchange
+    from sparsetrain.comm import build_exchange
     from sparsetrain.models import build_model, param_groups_for_weight_decay
     from sparsetrain.timing import PhaseTimer
+    from sparsetrain.train.step import TrainStep
 
     torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", init_method="env://", timeout=__import__("datetime").timedelta(seconds=300))
@@ -124,27 +118,19 @@ def worker(a) -> None:
             opt = torch.optim.SGD(param_groups_for_weight_decay(model, 1e-4), lr=0.01,
                                   momentum=0.9, nesterov=True)
         timer = PhaseTimer("cpu", warmup_steps=warmup)
+
+        def skew(timer):  # waiting for the slowest rank, kept out of "exchange"
+            with timer.phase("skew"):
+                dist.barrier()
+
+        # the trainer's own step; ddp: the model's own .grad (no flat buffer), exchanged in backward
+        run_step = TrainStep(net, opt, reducer, None if name == "ddp" else flat, timer, "cpu",
+                             before_exchange=skew if a.skew_phase else None)
+        batches = ((x.clone(), y.clone()) for _ in itertools.count())
         steps_ms = []
         dist.barrier()
         for i in range(warmup + steps):
-            with timer.step():
-                with timer.phase("data"):
-                    xb, yb = x.clone(), y.clone()
-                with timer.phase("forward"):
-                    loss = F.cross_entropy(net(xb), yb)
-                with timer.phase("backward"):
-                    if name == "ddp":
-                        opt.zero_grad(set_to_none=False)
-                    loss.backward()
-                if reducer is not None:
-                    if a.skew_phase:  # waiting for the slowest rank, kept out of "exchange"
-                        with timer.phase("skew"):
-                            dist.barrier()
-                    reducer.reduce(flat, i, timer)
-                with timer.phase("optimizer"):
-                    opt.step()
-                    if name != "ddp":
-                        flat.zero_()
+            run_step(batches, i)
             if i >= warmup:
                 steps_ms.append(timer.last["step"])
         dist.barrier()
@@ -209,7 +195,7 @@ def run_rate(a, rate: str, tag: str) -> dict:
     tmp = Path(tempfile.gettempdir()) / f"st_bench_step_{os.getpid()}_{tag}.json"
     tmp.unlink(missing_ok=True)
     cmd = [sys.executable, str(NETNS), "--nproc", str(a.nproc), "--rate", rate,
-           "--prefix", f"sb{os.getpid() % 10000}{tag}"[:9], "--kill-timeout", "5", "--burst", a.burst or default_burst(rate),
+           "--prefix", f"sb{os.getpid() % 10000}{tag}"[:9], "--kill-timeout", "5", *(["--burst", a.burst] if a.burst else []),
            "--master-port", str(29600 + int(tag)),
            "--", sys.executable, str(Path(__file__).resolve()), "--worker",
            "--json", str(tmp), "--batch", str(a.batch), "--steps", str(a.steps),
@@ -364,7 +350,7 @@ def main(argv=None) -> int:
                     help="comma list of tc rates; 'paper' = where dense spends ~27%% in exchange "
                          "(computed from the first rate, which must be a number)")
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--burst", default=None, help="tbf burst passed to netns_cluster.py (default max(96 KiB, 1 ms at the rate): its own default of max(64 KiB, 1 ms) drops 64 KiB GSO packets at <= 500 Mbit/s, which halved the achieved rate at 500mbit)")
+    ap.add_argument("--burst", default=None, help="tbf burst passed to netns_cluster.py (default: netns_cluster.py's, max(96 KiB, 1 ms at the rate))")
     ap.add_argument("--batch", type=int, default=8, help="images per rank per step")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per scheme per pass")
     ap.add_argument("--warmup", type=int, default=1)

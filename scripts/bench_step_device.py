@@ -2,8 +2,8 @@
 """Step time by phase on one device, one rank: dense vs every scheme and scope.
 
 ResNet-18 (CIFAR variant, 11,173,962 parameters) on synthetic CIFAR-shaped batches, timed with
-the trainer's own pieces: the flat gradient buffer whose views are the parameters' ``.grad``,
-``sparsetrain.exchange.build_reducer`` (world_size 1: no process group, so "exchange" is what a
+the trainer's own step (``sparsetrain.train.step.TrainStep``) over the flat gradient buffer and
+reducer of ``sparsetrain.comm.build_exchange`` (world_size 1: no process group, so "exchange" is what a
 rank does around its collective: nothing for AllReduce, the send-to-receive copy for AllGather),
 ``PhaseTimer`` (on CUDA the device is synchronised at phase boundaries only) and SGD with
 Nesterov momentum. Rows: dense (``scheme=none``) and top-k (AllGather), random-k and block-k
@@ -20,6 +20,7 @@ Writes ``<out>/<prefix>_step.txt`` and ``.json`` (prefix ``gpu`` on CUDA, ``cpu`
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -28,15 +29,15 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from sparsetrain.exchange import build_exchange  # noqa: E402
+from sparsetrain.comm import build_exchange  # noqa: E402
 from sparsetrain.models import build_model, param_groups_for_weight_decay  # noqa: E402
 from sparsetrain.timing import PHASES, PhaseTimer  # noqa: E402
+from sparsetrain.train.step import TrainStep  # noqa: E402
 
 ROWS = [("none", "layerwise", "allreduce")] + [
     (scheme, scope, "allgather" if scheme == "topk" else "allreduce")
@@ -67,22 +68,14 @@ def time_row(scheme, scope, agg, device, a) -> dict:
     host_x = torch.randn(a.batch, 3, 32, 32, generator=gen)
     host_y = torch.randint(0, 10, (a.batch,), generator=gen)
     timer = PhaseTimer(device, warmup_steps=a.warmup)
+    run_step = TrainStep(model, opt, reducer, flat, timer, device)  # the trainer's own step
+    batches = itertools.repeat((host_x, host_y))  # copied to the device in the step's data phase
     steps = []
     for i in range(a.warmup + a.steps):
-        with timer.step():
-            with timer.phase("data"):  # host-to-device copy of one batch, as the trainer's
-                xb = host_x.to(device, non_blocking=True)
-                yb = host_y.to(device, non_blocking=True)
-            with timer.phase("forward"):
-                loss = F.cross_entropy(model(xb), yb)
-            with timer.phase("backward"):
-                flat.zero_()
-                loss.backward()
-            reducer.reduce(flat, i, timer)
-            with timer.phase("optimizer"):
-                opt.step()
+        result = run_step(batches, i)
         if i >= a.warmup:
             steps.append(timer.last["step"])
+    loss = result.loss
     means = timer.means()
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {

@@ -16,19 +16,21 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from sparsetrain.errors import ConfigError  # noqa: F401  (re-exported: its old home)
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("scheme", "scope", "aggregation", "model", "data", "experiment")
-
-
-class ConfigError(ValueError):
-    """A bad key value or combination; its message is the single line the user sees."""
+GROUPS = ("scheme", "scope", "aggregation", "model", "data", "experiment", "debug")
 
 
 @dataclass
 class SchemeConfig:
     name: str = MISSING
+    # How to build the compressor once the flat buffer's layout is known: a node with
+    # ``_target_`` (the scheme's class in sparsetrain.compress), ``_partial_: true`` and the
+    # scheme's own options; None for dense SGD (scheme=none). Set by conf/scheme/<name>.yaml.
+    compressor: Any = None
     error_feedback: bool = True
-    block_size: int = 256  # blockk with scope=global: entries per contiguous block
+    block_size: int = 256  # blockk: entries per contiguous block (scope=global); others ignore it
     # Tensors that travel whole, in the same collective: "1d" (biases, batch-norm weights and
     # biases, as the reference code does), "none" (compress every tensor), or an integer N
     # (tensors with fewer than N entries).
@@ -38,6 +40,15 @@ class SchemeConfig:
 
 @dataclass
 class NamedConfig:
+    name: str = MISSING
+
+
+@dataclass
+class ModelConfig:
+    # conf/model/<name>.yaml: ``sparsetrain.models.build_model`` as a partial; the trainer calls it
+    # with the data set's input channels and classes.
+    _target_: str = "sparsetrain.models.build_model"
+    _partial_: bool = True
     name: str = MISSING
 
 
@@ -106,7 +117,7 @@ class Config:
     scheme: SchemeConfig = MISSING
     scope: NamedConfig = MISSING
     aggregation: NamedConfig = MISSING
-    model: NamedConfig = MISSING
+    model: ModelConfig = MISSING
     data: DataConfig = MISSING
     world_size: int = 2
     ratio: float = 0.01
@@ -150,29 +161,28 @@ def check_group_overrides(overrides: list[str]) -> None:
             continue
         allowed = group_options(key)
         for choice in value.split(","):
-            if choice not in allowed and not (key == "experiment" and choice == "null"):
+            if choice not in allowed and not (key in ("experiment", "debug") and choice == "null"):
                 raise ConfigError(
                     f"{key}={choice!r} is not allowed; choose one of: {', '.join(allowed)}"
                 )
 
 
 def validate(cfg: Any, env: dict | None = None) -> None:
-    """Semantic checks on a composed config. Raises ConfigError with one line."""
-    from sparsetrain.compress import get_compressor, parse_uncompressed  # registry of schemes
-    from sparsetrain.exchange import check_combination
+    """Semantic checks on a composed config, all of them: the one place that says which values
+    and combinations run. Raises ConfigError with one line (key, value, what is allowed)."""
+    from sparsetrain.comm.rules import check_combination  # scheme x scope x aggregation x ratio
+    from sparsetrain.compress import parse_uncompressed
+    from sparsetrain.launch.env import check_launch_environment
 
     env = os.environ if env is None else env
     if cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size} is not allowed; it must be an integer >= 1")
-    if not (0.0 < cfg.ratio <= 1.0):
-        raise ConfigError(f"ratio={cfg.ratio} is not allowed; it must satisfy 0 < ratio <= 1")
     try:
-        get_compressor(cfg.scheme.name)
-    except (KeyError, ValueError) as exc:
-        raise ConfigError(str(exc).strip("'\"")) from None
+        check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_compressor_node(cfg.scheme)
     choices = {
-        "scope.name": (cfg.scope.name, ("layerwise", "global")),
-        "aggregation.name": (cfg.aggregation.name, ("allreduce", "allgather")),
         "wandb.mode": (cfg.wandb.mode, ("offline", "online", "disabled")),
         "train.device": (cfg.train.device, ("auto", "cpu", "cuda")),
         "dist.backend": (cfg.dist.backend, ("auto", "gloo", "nccl")),
@@ -204,18 +214,28 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         parse_uncompressed(cfg.scheme.uncompressed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    try:
-        check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     if cfg.wandb.mode == "online" and not _wandb_logged_in(env):
         raise ConfigError(
             "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
             "allowed without one: offline, disabled"
         )
-    from sparsetrain.dist import check_launch_environment
-
     check_launch_environment(cfg.world_size, env)
+
+
+def _check_compressor_node(scheme: Any) -> None:
+    """``scheme.compressor._target_`` must be the class registered as ``scheme.name``."""
+    from sparsetrain.compress import get_compressor
+
+    node = scheme.get("compressor") if hasattr(scheme, "get") else None
+    if scheme.name == "none" or not node:
+        return
+    target = str(node.get("_target_", ""))
+    cls = get_compressor(scheme.name)
+    if target.rsplit(".", 1)[-1] != cls.__name__:
+        raise ConfigError(
+            f"scheme.compressor._target_={target!r} does not build scheme.name={scheme.name!r}; "
+            f"use sparsetrain.compress.{cls.__name__}"
+        )
 
 
 def _wandb_logged_in(env: Any) -> bool:

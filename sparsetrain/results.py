@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import tempfile
 import threading
@@ -20,7 +19,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sparsetrain.errors import one_line_error  # noqa: F401  (the one formatter; re-exported)
+
 SUMMARY = "summary.json"
+# The phases of a step, as ``time_ms`` in summary.json and metrics.jsonl names them
+# (sparsetrain.timing times them; the analysis reads them).
+PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
 METRICS = "metrics.jsonl"
 HEARTBEAT = "heartbeat.json"
 # Rank 0 rewrites heartbeat.json from a thread while a run trains: at most every
@@ -60,18 +64,6 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-# "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] " and the like: the
-# source position of a C++ check, noise to a user.
-_SOURCE_POSITION = re.compile(r"^\[[^\]\s]*\.(?:cc|cpp|h|hpp|c):\d+\]\s*")
-
-
-def one_line_error(exc: BaseException) -> str:
-    """``Type: first line of the message``: what summary.json and the console show."""
-    text = str(exc).strip().splitlines()
-    first = _SOURCE_POSITION.sub("", text[0]) if text else ""
-    return f"{type(exc).__name__}: {first}"
 
 
 def echo(line: str) -> None:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
+from sparsetrain.results import PHASES  # noqa: F401  (the run-folder schema owns the names)
 
 
 class PhaseTimer:

@@ -31,17 +31,10 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-# Small, fast settings for end-to-end runs on 2 CPU cores.
-TINY = (
-    "data=synthetic",
-    "model=resnet20",
-    "data.train_size=512",
-    "data.test_size=128",
-    "train.batch_size=32",
-    "train.threads=1",
-    "train.progress=false",
-    "wandb.mode=disabled",
-)
+# Small, fast settings for end-to-end runs on 2 CPU cores (conf/debug/tiny.yaml: synthetic data,
+# ResNet-20, 512/128 examples, batch 32, one thread, no progress bar, W&B disabled). Overrides
+# given after it win over it.
+TINY = ("debug=tiny",)
 
 
 @pytest.fixture

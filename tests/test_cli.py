@@ -53,8 +53,7 @@ def test_two_rank_dense_run_writes_complete_run_folder(tmp_path):
 def test_multirun_failing_job_is_marked_and_others_complete(tmp_path):
     sweep = tmp_path / "sweep"
     # train_size=8 leaves 4 examples per rank: fewer than one batch, so that job fails at start.
-    tiny = [o for o in TINY if not o.startswith("data.train_size")]
-    proc = run_cli(*tiny, "-m", "data.train_size=8,256", "train.max_steps=2",
+    proc = run_cli(*TINY, "-m", "data.train_size=8,256", "train.max_steps=2",
                    f"hydra.sweep.dir={sweep}")
     assert proc.returncode != 0
     failed, ok = read_json(sweep / "0" / "summary.json"), read_json(sweep / "1" / "summary.json")
@@ -68,8 +67,7 @@ def test_wandb_offline_run_files_hold_metrics_and_no_key(tmp_path):
 
     run = tmp_path / "run"
     secret = "0123456789abcdef0123456789abcdef01234567"
-    overrides = [o for o in TINY if not o.startswith("wandb.")]
-    proc = run_cli(*overrides, "wandb.mode=offline", "world_size=1", "train.max_steps=3",
+    proc = run_cli(*TINY, "wandb.mode=offline", "world_size=1", "train.max_steps=3",
                    "train.log_every=1", f"hydra.run.dir={run}",
                    env={"WANDB_API_KEY": secret, "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stderr[-3000:]

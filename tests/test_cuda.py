@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from sparsetrain.comm import SparseReducer, build_reducer
+from sparsetrain.comm.group import resolve_backend
 from sparsetrain.compress import ErrorFeedback, Layout, TopK, get_compressor, step_seed
 from sparsetrain.config import ConfigError
-from sparsetrain.dist import resolve_backend
-from sparsetrain.exchange import SparseReducer, build_reducer
 from sparsetrain.timing import PHASES, PhaseTimer
 from tests.conftest import read_json, read_jsonl, run_cli
 
@@ -188,14 +188,14 @@ def _frequencies(comp, device, trials):
 @pytest.mark.parametrize("name", ["randk", "blockk"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_random_schemes_are_uniform(device, name, scope):
-    """Every entry is sent with probability k_s / n_s (every block drawn with nblk / nb for
+    """Every entry is sent with probability k_s / n_s (every block drawn with blocks_drawn / nb for
     global block-k), within 5 standard errors, over 1500 seeded draws."""
     layout = Layout.from_sizes([40, 16, 300])
     comp = make(name, 0.25, scope, layout, device=device)
     trials = 1500
     freq, blocks = _frequencies(comp, device, trials)
     if blocks is not None:
-        p = comp.nblk / comp.nb
+        p = comp.blocks_drawn / comp.nb
         assert float((blocks - p).abs().max()) < 5 * (p * (1 - p) / trials) ** 0.5
         return
     for _, k, off, n in segments(comp):

@@ -11,8 +11,9 @@ from conftest import TINY
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from sparsetrain.comm.group import RankInfo
 from sparsetrain.config import CONF_DIR, register
-from sparsetrain.dist import RankInfo, free_port
+from sparsetrain.launch.spawn import free_port
 
 STEPS = 3
 

@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sparsetrain.compress import Layout, get_compressor, step_seed, uncompressed_flags
-from sparsetrain.exchange import (
+from sparsetrain.comm import (
     DenseReducer,
     SparseReducer,
     build_reducer,
     check_combination,
     flat_gradients,
 )
+from sparsetrain.compress import Layout, get_compressor, step_seed, uncompressed_flags
 from sparsetrain.timing import PhaseTimer
 
 LAYOUT = Layout.from_sizes([7, 1, 300, 12001, 64])

@@ -151,7 +151,7 @@ def test_resume_refuses_a_changed_configuration(tmp_path):
 
 
 def test_config_differences_ignore_the_documented_keys():
-    from sparsetrain.checkpoint import NOT_DEFINING, config_differences
+    from sparsetrain.train.checkpoint import NOT_DEFINING, config_differences
 
     saved = {"scheme": {"name": "blockk"}, "train": {"max_steps": 10, "epochs": 3, "device": "cpu"},
              "wandb": {"mode": "offline"}, "dist": {"timeout_s": 120.0}, "seed": 0}
@@ -237,7 +237,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_no_space(small_disk):
 
 
 def test_write_error_other_than_space_is_named(tmp_path):
-    from sparsetrain.checkpoint import CheckpointError, save
+    from sparsetrain.train.checkpoint import CheckpointError, save
 
     target = tmp_path / "missing-folder" / "checkpoint.pt"
     with pytest.raises(CheckpointError, match=f"cannot write the checkpoint {target}"):
@@ -304,7 +304,7 @@ def test_stale_running_runs_are_unfinished_in_analysis_and_sweep_report(tmp_path
 
 # ---- 6. progress bar and log lines on a terminal -------------------------------------------------
 def test_epoch_lines_never_land_in_the_progress_bar(tmp_path):
-    args = [*(o for o in TINY if o != "train.progress=false"), "train.progress=true", "world_size=1",
+    args = [*TINY, "train.progress=true", "world_size=1",
             "train.epochs=3", "data.train_size=256", f"hydra.run.dir={tmp_path / 'run'}"]
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
@@ -349,8 +349,7 @@ def test_wandb_online_without_a_key_stops_before_any_rank(tmp_path):
     (home / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password \n")
     (home / ".netrc").chmod(0o600)
     run = tmp_path / "run"
-    overrides = [o for o in TINY if not o.startswith("wandb.")]
-    proc = run_cli(*overrides, "wandb.mode=online", "world_size=2", "train.max_steps=2",
+    proc = run_cli(*TINY, "wandb.mode=online", "world_size=2", "train.max_steps=2",
                    f"hydra.run.dir={run}", env={"HOME": str(home)}, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = _error_lines(proc.stderr)

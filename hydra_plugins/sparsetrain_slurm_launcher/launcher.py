@@ -13,8 +13,8 @@
    with ``squeue`` and reads each job's rank-0 result file.
 
 Everything else (``__call__`` on the compute node, ``checkpoint`` for preemption/requeue) is the
-stock launcher's. Hydra finds this plugin because ``hydra_plugins/`` sits in the repository root,
-which ``sparsetrain.run`` puts on ``sys.path``; jobs get it through ``PYTHONPATH``.
+stock launcher's. Hydra finds this plugin, and jobs unpickle it, because the package installs
+``hydra_plugins.sparsetrain_slurm_launcher`` beside ``sparsetrain`` (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from omegaconf import OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
-_REPO = Path(__file__).resolve().parents[2]
 # squeue states in which a job will still run (or is running).
 _ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED",
            "REQUEUE_HOLD", "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT",
@@ -52,7 +51,6 @@ class GroupedSlurmLauncher(SlurmLauncher):
         if "mode" in self.config.hydra.sweep:
             os.chmod(sweep_dir, mode=int(str(self.config.hydra.sweep.mode), 8))
         log.info(f"Submitit 'slurm' sweep output dir : {sweep_dir}")
-        _export_pythonpath()
 
         # Resolve each sweep point's own launcher config and run folder; group equal configs.
         groups: dict[str, list[int]] = {}
@@ -185,13 +183,6 @@ class GroupedSlurmLauncher(SlurmLauncher):
 def _failed(overrides: list[str], run_dir: Path, error: str) -> JobReturn:
     return JobReturn(overrides=overrides, working_dir=str(run_dir), status=JobStatus.COMPLETED,
                      _return_value={"status": "failed", "error": error, "run_dir": str(run_dir)})
-
-
-def _export_pythonpath() -> None:
-    """Jobs unpickle this launcher: make hydra_plugins/ importable there (sbatch exports env)."""
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if str(_REPO) not in parts:
-        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, str(_REPO)])
 
 
 def _queue() -> dict[str, str] | None:

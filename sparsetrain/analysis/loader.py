@@ -23,11 +23,11 @@ import yaml
 from sparsetrain.results import (  # stdlib only, no torch
     DID_NOT_TRAIN,
     HEARTBEAT_STALE_S,
+    PHASES,
     unfinished_reason,
     untrained_reason,
 )
 
-PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
 # Phases that a dense run does not have: absent there means zero, not unknown.
 SPARSE_ONLY_PHASES = ("compress", "decompress")
 

@@ -45,6 +45,16 @@ def get_compressor(name: str) -> type[Compressor]:
         ) from None
 
 
+def compressor_factory(name: str, **options):
+    """``partial(cls, **its options)`` for the scheme ``name``: what the config's
+    ``scheme.compressor`` node instantiates to. Options the scheme does not declare in
+    ``cls.options`` are dropped (``block_size`` means nothing to top-k)."""
+    from functools import partial
+
+    cls = get_compressor(name)
+    return partial(cls, **{key: value for key, value in options.items() if key in cls.options})
+
+
 def available() -> list[str]:
     return sorted(_REGISTRY)
 
@@ -115,6 +125,8 @@ class Compressor:
     shared_positions: ClassVar[bool] = True
     #: True when ``select`` ignores the seed (deterministic in the data).
     deterministic: ClassVar[bool] = False
+    #: The scheme's own keyword options (``scheme.<option>`` in the config), e.g. ``block_size``.
+    options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from sparsetrain.compress.layout import Layout
+
 _INT32_MAX = 2**31 - 1
 
 
@@ -52,10 +54,7 @@ class DistinctSampler:
             offsets.append(pos)
             pos += n
         self.offsets = offsets
-        kstarts, pos = [], 0
-        for k in self.ks:
-            kstarts.append(pos)
-            pos += k
+        kstarts = list(Layout.from_sizes(self.ks).offsets)  # where each segment's k entries start
         self.kstarts = kstarts
 
         self.draw_segs = [s for s, (n, k) in enumerate(zip(self.sizes, self.ks, strict=True)) if 2 * k <= n]
@@ -64,23 +63,21 @@ class DistinctSampler:
         self.ms = ms
         dev = self.device
         if self.draw_segs:
-            d_seg = torch.repeat_interleave(torch.arange(len(ms)), torch.tensor(ms))
+            draw_segment = torch.repeat_interleave(torch.arange(len(ms)), torch.tensor(ms))
             n_t = torch.tensor([self.sizes[s] for s in self.draw_segs], dtype=torch.int64)
             off_t = torch.tensor([offsets[s] for s in self.draw_segs], dtype=torch.int64)
             k_t = torch.tensor([self.ks[s] for s in self.draw_segs], dtype=torch.int64)
-            self.d_n = n_t[d_seg].to(torch.float64).to(dev)
-            self.d_nm1 = (n_t[d_seg] - 1).to(dev)
-            self.d_off = off_t[d_seg].to(dev)
-            self.d_k = k_t[d_seg].to(dev)
-            self.d_seg = d_seg.to(dev)
-            dstart = [0]
-            for m in ms:
-                dstart.append(dstart[-1] + m)
-            self.dstart = torch.tensor(dstart[:-1], dtype=torch.int64, device=dev)
-            self.dend = torch.tensor(dstart[1:], dtype=torch.int64, device=dev)
+            self.draw_size = n_t[draw_segment].to(torch.float64).to(dev)
+            self.draw_max_index = (n_t[draw_segment] - 1).to(dev)
+            self.draw_offset = off_t[draw_segment].to(dev)
+            self.draw_k = k_t[draw_segment].to(dev)
+            self.draw_segment = draw_segment.to(dev)
+            draws = Layout.from_sizes(ms)  # segment i's draws: [offsets[i], offsets[i] + ms[i])
+            self.draw_start = torch.tensor(draws.offsets, dtype=torch.int64, device=dev)
+            self.draw_end = self.draw_start + torch.tensor(ms, dtype=torch.int64, device=dev)
             self.k_t = k_t.to(dev)
-            self.draw_ar = torch.arange(sum(ms), dtype=torch.int32, device=dev)
-            self.M = sum(ms)
+            self.draw_order = torch.arange(sum(ms), dtype=torch.int32, device=dev)
+            self.num_draws = sum(ms)
             # output slots of the drawn segments (identity when every segment is drawn)
             if self.other_segs:
                 self.draw_slots = torch.cat(
@@ -106,18 +103,18 @@ class DistinctSampler:
     def sample(self, gen: torch.Generator) -> torch.Tensor:
         picked = None
         if self.draw_segs:
-            u = torch.rand(self.M, generator=gen, dtype=torch.float64, device=self.device)
-            d = torch.minimum(u.mul_(self.d_n).long(), self.d_nm1).add_(self.d_off)
+            u = torch.rand(self.num_draws, generator=gen, dtype=torch.float64, device=self.device)
+            d = torch.minimum(u.mul_(self.draw_size).long(), self.draw_max_index).add_(self.draw_offset)
             mark = self._mark_buffer()
-            mark.scatter_reduce_(0, d, self.draw_ar, reduce="amin")
-            first = mark[d] == self.draw_ar
+            mark.scatter_reduce_(0, d, self.draw_order, reduce="amin")
+            first = mark[d] == self.draw_order
             mark.index_fill_(0, d, _INT32_MAX)
             cs = torch.cumsum(first, 0)
             cs0 = torch.cat([cs.new_zeros(1), cs])
-            before = cs0[self.dstart]
-            got = cs0[self.dend] - before
-            rank = cs - before[self.d_seg]  # 1-based rank among first occurrences
-            keep = first & (rank <= self.d_k)
+            before = cs0[self.draw_start]
+            got = cs0[self.draw_end] - before
+            rank = cs - before[self.draw_segment]  # 1-based rank among first occurrences
+            keep = first & (rank <= self.draw_k)
             if bool((got < self.k_t).any()):
                 picked = self._top_up(d, keep, got, gen)
             else:
@@ -135,7 +132,7 @@ class DistinctSampler:
         """Rare path: a segment got fewer than k distinct draws; redraw it with randperm."""
         parts = []
         short = (got < self.k_t).tolist()
-        starts, ends = self.dstart.tolist(), self.dend.tolist()
+        starts, ends = self.draw_start.tolist(), self.draw_end.tolist()
         for j, s in enumerate(self.draw_segs):
             if short[j]:
                 parts.append(self._segment_perm(s, gen))

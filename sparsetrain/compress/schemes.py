@@ -13,6 +13,7 @@ import math
 import torch
 
 from sparsetrain.compress.base import Compressor, Payload, register
+from sparsetrain.compress.layout import Layout
 from sparsetrain.compress.sampling import DistinctSampler
 
 
@@ -92,15 +93,11 @@ class TopK(Compressor):
                 js.append(min(m, math.ceil(p * m + 4.0 * math.sqrt(p * m) + 4.0)))
             self.sample_idx = torch.stack(rows).reshape(-1).to(self.device)
             self.sample_m = m
-            self.sample_j = torch.tensor(js, dtype=torch.int64, device=self.device) - 1
-            self.sample_jmax = max(js)
+            self.sample_kth = torch.tensor(js, dtype=torch.int64, device=self.device) - 1
+            self.sample_kth_max = max(js)
             self.sample_full = torch.tensor([j >= m for j in js], device=self.device)
-        kst, pos = [], 0
-        for k in self.ks:
-            kst.append(pos)
-            pos += k
-        self.kstarts = kst
-        self.bounds_t = torch.tensor(list(offsets) + [self.numel], dtype=torch.int64, device=self.device)
+        self.kstarts = list(Layout.from_sizes(self.ks).offsets)  # where each segment's k entries start
+        self.segment_bounds = torch.tensor(list(offsets) + [self.numel], dtype=torch.int64, device=self.device)
         self.fallbacks = 0  # how often the exact full-segment fallback ran (diagnostics)
 
     def _buffers(self, acc):
@@ -116,8 +113,8 @@ class TopK(Compressor):
         if not self.large:
             return thr
         samples = sc[self.sample_idx].view(len(self.large), self.sample_m)
-        top = torch.topk(samples, self.sample_jmax, dim=1, sorted=True).values
-        t = top.gather(1, self.sample_j.view(-1, 1)).view(-1)
+        top = torch.topk(samples, self.sample_kth_max, dim=1, sorted=True).values
+        t = top.gather(1, self.sample_kth.view(-1, 1)).view(-1)
         t = torch.where(self.sample_full, torch.zeros_like(t), t)
         for s, v in zip(self.large, t.tolist(), strict=True):
             thr[s] = v
@@ -216,7 +213,7 @@ class TopK(Compressor):
             else:
                 mask[a:b].fill_(True)
         cand = self._candidates(mask)
-        cb = torch.searchsorted(cand, self.bounds_t).tolist()
+        cb = torch.searchsorted(cand, self.segment_bounds).tolist()
         cvals = sc[cand]
         idx = torch.empty(self.k, dtype=torch.int64, device=acc.device)
         for s, k in enumerate(self.ks):
@@ -269,6 +266,8 @@ class BlockRandomK(Compressor):
 
     shared_positions = True
 
+    options = ("block_size",)
+
     def __init__(self, ratio, layout, scope="layerwise", *, block_size: int = 256, **kw):
         super().__init__(ratio, layout, scope, **kw)
         if int(block_size) != block_size or block_size < 1:
@@ -279,25 +278,25 @@ class BlockRandomK(Compressor):
             sizes, offs = self.layout.sizes, self.layout.offsets
             S = len(sizes)
             ks_t = torch.tensor(self.ks, dtype=torch.int64)
-            ent_seg = torch.repeat_interleave(torch.arange(S), ks_t)
-            kst = torch.cumsum(ks_t, 0) - ks_t
-            self.ent_seg = ent_seg.to(dev)
-            self.ent_r = (torch.arange(self.k) - kst[ent_seg]).to(dev)
-            self.ent_off = torch.tensor(offs, dtype=torch.int64)[ent_seg].to(dev)
-            self.ent_n = torch.tensor(sizes, dtype=torch.int64)[ent_seg].to(dev)
+            entry_segment = torch.repeat_interleave(torch.arange(S), ks_t)
+            kstarts = torch.tensor(Layout.from_sizes(self.ks).offsets, dtype=torch.int64)
+            self.entry_segment = entry_segment.to(dev)
+            self.entry_in_run = (torch.arange(self.k) - kstarts[entry_segment]).to(dev)
+            self.entry_offset = torch.tensor(offs, dtype=torch.int64)[entry_segment].to(dev)
+            self.entry_segment_size = torch.tensor(sizes, dtype=torch.int64)[entry_segment].to(dev)
             self.seg_n = torch.tensor(sizes, dtype=torch.float64, device=dev)
-            self.seg_nm1 = torch.tensor(sizes, dtype=torch.int64, device=dev) - 1
+            self.segment_max_index = torch.tensor(sizes, dtype=torch.int64, device=dev) - 1
         else:
             B, n = self.block_size, self.numel
             self.nb = -(-n // B)
-            self.nblk = min(self.nb, -(-self.k // B) + 1)
+            self.blocks_drawn = min(self.nb, -(-self.k // B) + 1)
             self.last_size = n - (self.nb - 1) * B
-            self.sampler = DistinctSampler([self.nb], [self.nblk], dev)
-            self.ar_k = torch.arange(self.k, device=dev)
+            self.sampler = DistinctSampler([self.nb], [self.blocks_drawn], dev)
+            self.entry_arange = torch.arange(self.k, device=dev)
 
     @property
     def num_positions(self) -> int:
-        return len(self.layout) if self.scope == "layerwise" else self.nblk
+        return len(self.layout) if self.scope == "layerwise" else self.blocks_drawn
 
     @property
     def max_position(self) -> int:
@@ -309,7 +308,7 @@ class BlockRandomK(Compressor):
         gen = _generator(acc.device, seed)
         if self.scope == "layerwise":
             u = torch.rand(len(self.layout), generator=gen, dtype=torch.float64, device=acc.device)
-            starts = torch.minimum(u.mul_(self.seg_n).long(), self.seg_nm1)
+            starts = torch.minimum(u.mul_(self.seg_n).long(), self.segment_max_index)
         else:
             starts = self.sampler.sample(gen).mul_(self.block_size)
         return starts, self.indices(starts)
@@ -317,7 +316,7 @@ class BlockRandomK(Compressor):
     def indices(self, positions):
         positions = positions.long()
         if self.scope == "layerwise":
-            return (positions[self.ent_seg] + self.ent_r).remainder_(self.ent_n).add_(self.ent_off)
+            return (positions[self.entry_segment] + self.entry_in_run).remainder_(self.entry_segment_size).add_(self.entry_offset)
         B = self.block_size
         sizes = torch.where(positions == (self.nb - 1) * B, self.last_size, B)
         before = torch.cumsum(sizes, 0) - sizes
@@ -325,4 +324,4 @@ class BlockRandomK(Compressor):
         lengths = torch.minimum(lengths, sizes)
         run_start = torch.cumsum(lengths, 0) - lengths
         base = torch.repeat_interleave(positions - run_start, lengths, output_size=self.k)
-        return base.add_(self.ar_k)
+        return base.add_(self.entry_arange)

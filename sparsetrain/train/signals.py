@@ -2,7 +2,8 @@
 
 - SIGTERM (preemption, ``scancel``, Ctrl-C of the launcher) on every launcher;
 - under SLURM also submitit's preemption signal (SIGUSR2 unless ``SUBMITIT_PREEMPT_SIGNAL`` says
-  otherwise), which SLURM sends ``signal_delay_s`` before a time limit or on preemption.
+  otherwise; ``launch.env`` reads it into ``RankInfo.preempt_signal``), which SLURM sends
+  ``signal_delay_s`` before a time limit or on preemption.
 
 The handler only records the signal; the loop notices it at its next logged step, every rank
 agrees, the checkpoint is saved and the loop raises ``Preempted``. Then ``pass_on`` hands the
@@ -12,23 +13,24 @@ so a requeued job resumes from the step where it stopped, not from the last epoc
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Callable
 
 
-def _slurm_preempt_signal() -> signal.Signals:
-    name = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper()
+def _signal(name: str) -> signal.Signals:
+    name = name.upper()
     name = name if name.startswith("SIG") else f"SIG{name}"
     return getattr(signal.Signals, name, signal.SIGUSR2)
 
 
 class StopSignals:
-    def __init__(self, on_signal: Callable, launcher: str):
+    """Handle SIGTERM, plus ``preempt_signal`` (a name such as ``USR2``) when one is given."""
+
+    def __init__(self, on_signal: Callable, preempt_signal: str | None = None):
         self._on_signal = on_signal
         self.signals = [signal.SIGTERM]
-        if launcher == "slurm":
-            self.signals.append(_slurm_preempt_signal())
+        if preempt_signal:
+            self.signals.append(_signal(preempt_signal))
         self.received: signal.Signals | None = None
         self._previous: dict[int, object] = {}
         for sig in self.signals:

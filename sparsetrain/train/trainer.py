@@ -1,67 +1,48 @@
-"""The training loop: forward, backward, compress, exchange, decompress, optimizer step.
+"""The loop over built components: epochs, evaluation, checkpoints, stop signals, logging.
 
-Every parameter's ``.grad`` is a view into one flat buffer, so the exchange packs nothing: the
-reducer reads the flat gradient and overwrites it in place with the averaged update, and the
-optimizer (SGD, Nesterov momentum, weight decay) then applies that update. As in the reference
-code, error feedback acts on the raw gradient; weight decay and momentum come after the exchange.
+``Trainer`` builds its components from the config (``build``: data, the model and the compressor
+through Hydra's ``instantiate`` of ``model`` and ``scheme.compressor``, the flat buffer and
+reducer through ``comm.build_exchange``, the optimizer, the loader) and then runs ``fit``. Each step
+is ``train.step.TrainStep``, the same step every benchmark times. As in the reference code, error
+feedback acts on the raw gradient; weight decay and momentum come after the exchange.
 """
 
 from __future__ import annotations
 
 import gc
 import math
-import os
 import resource
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from sparsetrain import checkpoint as ckpt
+from sparsetrain.comm import build_exchange
+from sparsetrain.comm.group import RankInfo, pick_device
 from sparsetrain.data import ShardedLoader, load_dataset, test_batches
-from sparsetrain.dist import (
-    RankInfo,
-    destroy_process_group,
-    init_process_group,
-    pick_device,
-    rank_info,
-)
-from sparsetrain.exchange import build_exchange
-from sparsetrain.models import build_model, param_groups_for_weight_decay
-from sparsetrain.preempt import StopSignals
-from sparsetrain.results import Heartbeat, NullWriter, RunWriter, echo, mark_failed, one_line_error
-from sparsetrain.timing import PHASES, PhaseTimer
+from sparsetrain.errors import ConfigError, Diverged, Preempted, one_line_error
+from sparsetrain.models import param_groups_for_weight_decay
+from sparsetrain.results import PHASES, Heartbeat, NullWriter, RunWriter, echo
+from sparsetrain.timing import PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
+from sparsetrain.train import checkpoint as ckpt
+from sparsetrain.train.schedule import lr_at
+from sparsetrain.train.signals import StopSignals
+from sparsetrain.train.step import TrainStep
 
-CHECKPOINT = "checkpoint.pt"
+CHECKPOINT = ckpt.CHECKPOINT
 # What differs between ranks and is saved for each: error-feedback memory, local epoch sums.
 PER_RANK_STATE = ("reducer", "epoch_stats")
 
-
-class Preempted(Exception):
-    """SIGTERM arrived: the loop saved a checkpoint and stops."""
-
-
-class Diverged(RuntimeError):
-    """The training loss became inf or NaN on some rank; every rank stops at the same check."""
-
-
-def lr_at(step: int, steps_per_epoch: int, cfg: Any, world_size: int) -> float:
-    """Linear warm-up from the base lr to the (world-size scaled) peak, then step decay."""
-    base = cfg.optim.lr
-    peak = base * world_size if cfg.optim.scale_lr else base
-    warmup = cfg.optim.warmup_epochs * steps_per_epoch
-    if step < warmup:
-        return base + (peak - base) * step / warmup
-    total = cfg.train.epochs * steps_per_epoch
-    passed = sum(step >= m * total for m in cfg.optim.milestones)
-    return peak * cfg.optim.gamma**passed
+__all__ = ["CHECKPOINT", "Diverged", "Preempted", "Trainer", "lr_at"]
 
 
 class Trainer:
@@ -81,11 +62,15 @@ class Trainer:
             seed=cfg.seed,
         )
         self.data = data
-        self.model = build_model(cfg.model.name, data.in_channels, data.num_classes).to(self.device)
+        # conf/model/<name>.yaml: the model's class or builder, given the data's shape here
+        self.model = instantiate(cfg.model)(in_channels=data.in_channels, num_classes=data.num_classes)
+        self.model = self.model.to(self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.num_parameters = sum(p.numel() for p in params)
         # One flat gradient buffer, each .grad a view into it; tensors that bypass compression
-        # (scheme.uncompressed) sit at its end.
+        # (scheme.uncompressed) sit at its end. conf/scheme/<name>.yaml's ``compressor`` node is
+        # the scheme's class with its options, built once the buffer's layout is known.
+        compressor = instantiate(cfg.scheme.compressor) if cfg.scheme.get("compressor") else None
         self.flat_grad, self.params, self.reducer = build_exchange(
             params,
             cfg.scheme.name,
@@ -100,8 +85,9 @@ class Trainer:
             error_feedback=cfg.scheme.error_feedback,
             block_size=cfg.scheme.block_size,
             warmup_steps=cfg.scheme.warmup_steps,
+            compressor=compressor,
         )
-        if cfg.dist.overlap and hasattr(self.reducer, "attach"):
+        if cfg.dist.overlap:
             self.reducer.attach(self.params, self.flat_grad)
         self.optimizer = torch.optim.SGD(
             param_groups_for_weight_decay(self.model, cfg.optim.weight_decay),
@@ -121,14 +107,15 @@ class Trainer:
             flip=data.flip,
         )
         if len(self.loader) == 0:
-            from sparsetrain.config import ConfigError
-
             raise ConfigError(
                 f"train.batch_size={cfg.train.batch_size} is not allowed: each of "
                 f"{info.world_size} ranks holds {len(data.train_y) // info.world_size} examples; "
                 "use a smaller batch"
             )
         self.timer = PhaseTimer(self.device, cfg.train.timing_warmup)
+        schedule = partial(lr_at, steps_per_epoch=len(self.loader), cfg=cfg, world_size=info.world_size)
+        self.run_step = TrainStep(self.model, self.optimizer, self.reducer, self.flat_grad,
+                                  self.timer, self.device, lr=schedule)
         self.step = 0
         self.epoch = 0  # epochs completed
         self.batch_in_epoch = 0
@@ -294,24 +281,8 @@ class Trainer:
         return {"test_loss": (sums[0] / sums[2]).item(), "test_accuracy": (sums[1] / sums[2]).item()}
 
     def train_step(self, batches) -> tuple[torch.Tensor, Any, float]:
-        steps_per_epoch = len(self.loader)
-        with self.timer.step():
-            with self.timer.phase("data"):  # batch assembly + augmentation + host-to-device
-                xb, yb = next(batches)
-                xb = xb.to(self.device, non_blocking=True)
-                yb = yb.to(self.device, non_blocking=True)
-            with self.timer.phase("forward"):
-                out = self.model(xb)
-                loss = F.cross_entropy(out, yb)
-            with self.timer.phase("backward"):
-                self.flat_grad.zero_()
-                loss.backward()
-            stats = self.reducer.reduce(self.flat_grad, self.step, self.timer)
-            with self.timer.phase("optimizer"):
-                lr = lr_at(self.step, steps_per_epoch, self.cfg, self.info.world_size)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.optimizer.step()
+        result = self.run_step(batches, self.step)
+        loss, out, yb, stats = result.loss, result.logits, result.targets, result.stats
         with torch.no_grad():
             batch = torch.stack(
                 [loss.detach().double() * len(yb), (out.argmax(1) == yb).sum().double(),
@@ -323,7 +294,7 @@ class Trainer:
         self.epoch_stats += batch
         self.bytes_sent_total += stats.bytes_sent  # a Python int: no device sync
         self.step += 1
-        return loss, stats, lr
+        return loss, stats, result.lr
 
     def _log_step(self, loss, stats, lr) -> None:
         if stats.memory_norm is not None:  # bounded memory is the sign of a stable scheme
@@ -407,13 +378,13 @@ class Trainer:
             dense_bytes_per_step=self.reducer.dense_bytes_per_step,
             **self._exchange_fields(),
             resumed_from_step=self.step if resumed else None,
-            slurm_job_id=os.environ.get("SLURM_JOB_ID"),
+            slurm_job_id=self.info.slurm_job_id,
         )
         if self.info.is_main:
             self.tracker = make_tracker(
                 dict(config["wandb"]), config, str(self.run_dir), self.run_dir.name
             )
-        signals = StopSignals(self._request_stop, self.info.launcher) if _main_thread() else None
+        signals = StopSignals(self._request_stop, self.info.preempt_signal) if _main_thread() else None
         heartbeat = Heartbeat(self.run_dir, lambda: self.step).start() if self.info.is_main else None
         self.last_train_loss = None
         gc.collect()
@@ -530,30 +501,3 @@ def _progress(trainer: Trainer, cfg: Any):
     if cfg.train.max_steps is not None:
         total = min(total, cfg.train.max_steps)
     return tqdm(total=total, initial=trainer.step, unit="step", dynamic_ncols=True, leave=False)
-
-
-def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> dict:
-    """Entry point of one rank: set up the process group, train, tear down."""
-    cfg = OmegaConf.create(cfg_dict)
-    info = rank_info()
-    if launcher is not None:
-        info = RankInfo(info.rank, info.world_size, info.local_rank, info.local_world_size, launcher)
-    threads = cfg.train.threads or max(1, (os.cpu_count() or 1) // max(1, info.local_world_size))
-    torch.set_num_threads(threads)
-    device = pick_device(cfg.train.device, info.local_rank)
-    init_process_group(info, device, cfg.dist.backend, cfg.dist.timeout_s)
-    try:
-        if info.world_size > 1:  # every rank uses rank 0's run folder (checkpoints live there)
-            shared = [run_dir]
-            dist.broadcast_object_list(shared, src=0)
-            run_dir = shared[0]
-        trainer = Trainer(cfg, info, run_dir)
-    except Exception as exc:  # set-up failed before the trainer could record it
-        if info.is_main:
-            mark_failed(run_dir, one_line_error(exc), config=cfg_dict, world_size=info.world_size)
-        destroy_process_group()
-        raise
-    try:
-        return trainer.fit()
-    finally:
-        destroy_process_group()

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from sparsetrain.errors import CheckpointError, ConfigError
+
 CHECKPOINT = "checkpoint.pt"
 
 # Keys that may differ between a checkpoint and the run that resumes it: they change how a run is
@@ -40,10 +42,6 @@ NOT_DEFINING = (
     "wandb.",
     "dist.",
 )
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or read; the message is the one line the user sees."""
 
 
 def _not_defining(key: str) -> bool:
@@ -82,7 +80,6 @@ def check_same_run(saved_config: dict | None, current: dict, path: str | Path) -
     diffs = config_differences(saved_config, current)
     if not diffs:
         return
-    from sparsetrain.config import ConfigError
 
     shown = "; ".join(f"{k}={_show(old)} there, {_show(new)} now" for k, old, new in diffs[:6])
     more = f" (+{len(diffs) - 6} more)" if len(diffs) > 6 else ""

@@ -1,0 +1,105 @@
+"""From a scheme, scope, aggregation and ratio to a flat buffer and its reducer; the one place
+that says which combinations are allowed (``check_combination``, also used by config.validate).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparsetrain.comm.dense import DenseReducer
+from sparsetrain.comm.flat import flat_gradients
+from sparsetrain.comm.protocol import Reducer
+from sparsetrain.comm.rules import check_combination
+from sparsetrain.comm.sparse import SparseReducer
+from sparsetrain.compress import Layout, as_layout, compressor_factory, uncompressed_flags
+
+
+def build_reducer(
+    scheme: str,
+    scope: str,
+    aggregation: str,
+    ratio: float,
+    layout,
+    *,
+    world_size: int,
+    rank: int,
+    seed: int,
+    error_feedback: bool = True,
+    block_size: int = 256,
+    uncompressed=None,
+    warmup_steps: int = 0,
+    group=None,
+    device="cpu",
+    dtype=torch.float32,
+    stats_every: int = 1,
+    compressor=None,
+) -> Reducer:
+    """The reducer for a scheme/scope/aggregation; ``DenseReducer`` for ``scheme='none'``.
+
+    ``layout``: a ``Layout``, the parameters (one segment each), their sizes, or a total numel.
+    ``compressor``: how to build the compressor once the layout is known, called as
+    ``compressor(ratio, layout, scope, device=...)``: what ``scheme.compressor`` in the config
+    instantiates to (a ``functools.partial`` of the scheme's class with its options). Without it,
+    ``compress.compressor_factory(scheme, block_size=...)`` makes one.
+    ``uncompressed``: one flag per segment, True for the tensors that travel whole; they must be
+    the last segments (``flat_gradients`` orders the buffer so). ``warmup_steps``: dense steps
+    before compression starts. Raises ``ValueError`` with a one-line message for invalid
+    combinations.
+    """
+    check_combination(scheme, scope, aggregation, ratio)
+    layout = as_layout(layout)
+    esize = torch.empty((), dtype=dtype).element_size()
+    flags = [False] * len(layout) if uncompressed is None else [bool(f) for f in uncompressed]
+    if len(flags) != len(layout):
+        raise ValueError(f"{len(flags)} uncompressed flags for a layout of {len(layout)} segments")
+    n_compressed = flags.index(True) if True in flags else len(flags)
+    if any(flags[:n_compressed]) or not all(flags[n_compressed:]):
+        raise ValueError("uncompressed segments must come last in the flat buffer (see flat_gradients)")
+    if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
+        return DenseReducer(layout.total, esize, group=group)
+    if compressor is None:
+        compressor = compressor_factory(scheme, block_size=block_size)
+    compressed = Layout(layout.sizes[:n_compressed])
+    return SparseReducer(
+        compressor(ratio, compressed, scope, device=device),
+        aggregation=aggregation,
+        world_size=world_size,
+        rank=rank,
+        seed=seed,
+        error_feedback=error_feedback,
+        uncompressed_numel=layout.total - compressed.total,
+        warmup_steps=warmup_steps,
+        group=group,
+        device=device,
+        dtype=dtype,
+        stats_every=stats_every,
+    )
+
+
+def build_exchange(
+    params,
+    scheme: str,
+    scope: str = "layerwise",
+    aggregation: str = "allgather",
+    ratio: float = 0.01,
+    *,
+    uncompressed="1d",
+    device=None,
+    dtype=torch.float32,
+    **reducer_options,
+):
+    """The flat gradient buffer and its reducer for ``params``, as the trainer builds them, so
+    that benchmarks time exactly what training runs.
+
+    ``uncompressed`` is the rule of ``scheme.uncompressed`` (``"1d"``, ``"none"`` or N); it does
+    not apply to dense SGD. ``reducer_options`` go to ``build_reducer`` (world_size, rank, seed,
+    error_feedback, block_size, warmup_steps, group, stats_every, compressor). Returns ``(flat,
+    params_in_buffer_order, reducer)``.
+    """
+    params = [p for p in params if p.requires_grad]
+    rule = uncompressed if scheme != "none" else "none"
+    flags = uncompressed_flags([p.shape for p in params], rule)
+    flat, params, flags = flat_gradients(params, flags, device=device, dtype=dtype)
+    reducer = build_reducer(scheme, scope, aggregation, ratio, Layout.from_tensors(params),
+                            uncompressed=flags, device=flat.device, dtype=dtype, **reducer_options)
+    return flat, params, reducer

@@ -1,0 +1,64 @@
+"""What a reducer is: the one interface the train step talks to (``Reducer``), and what it
+reports per step (``ExchangeStats``).
+
+A reducer owns one collective per step over the flat gradient buffer (``comm.flat``): it reads
+every rank's gradient there and overwrites it, in place, with the update every rank applies
+identically. ``DenseReducer`` (comm.dense) and ``SparseReducer`` (comm.sparse) implement it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from sparsetrain.timing import PhaseTimer
+
+
+@dataclass
+class ExchangeStats:
+    """What one step sent. Byte counts are per worker, as put on the wire."""
+
+    bytes_sent: int
+    dense_bytes: int
+    density: float = 1.0
+    compression_error: float | None = None  # ||acc - sent|| / ||acc||
+    memory_norm: float | None = None  # ||error-feedback memory|| after the step
+
+
+@runtime_checkable
+class Reducer(Protocol):
+    """Turns the flat gradient into the averaged update, in place, once per step.
+
+    Sizes are per step and per worker once compression runs (``warmup_steps`` dense steps come
+    first): ``bytes_sent_per_step`` on the wire, ``dense_bytes_per_step`` for the same buffer
+    sent whole, ``uncompressed_bytes_per_step`` of it for the tensors that travel whole;
+    ``density`` = entries sent / entries.
+    """
+
+    numel: int
+    density: float
+    warmup_steps: int
+    bytes_sent_per_step: int
+    dense_bytes_per_step: int
+    uncompressed_bytes_per_step: int
+
+    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer) -> ExchangeStats:
+        """Overwrite ``flat_grad`` with the averaged update; time the phases it runs."""
+        ...
+
+    def attach(self, params, flat_grad: torch.Tensor) -> Reducer:
+        """Start exchanging during backward where the reducer can (dense: bucketed AllReduces);
+        a no-op otherwise. Same result either way. Returns the reducer."""
+        ...
+
+    def detach(self) -> None:
+        """Undo ``attach``."""
+        ...
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this rank's reducer (error-feedback memory)."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None: ...

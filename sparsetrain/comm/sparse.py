@@ -1,0 +1,184 @@
+"""Sparse exchange: error feedback + a compressor from ``sparsetrain.compress``, then one collective.
+
+- ``allreduce``: positions drawn from a seed shared by all ranks, so only the k values are summed.
+- ``allgather``: each rank its own positions; values and positions packed into one byte message,
+  one ``all_gather_into_tensor``, every rank adds all contributions.
+
+Tensors that bypass compression (``scheme.uncompressed``: by default the 1-D ones) sit at the end
+of the flat buffer (``comm.flat.flat_gradients`` orders it so) and travel whole in the same
+collective: appended to the AllReduce values, or to the packed AllGather message.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sparsetrain.comm.protocol import ExchangeStats
+from sparsetrain.comm.rules import check_aggregation
+from sparsetrain.compress import ErrorFeedback, step_seed
+from sparsetrain.timing import PhaseTimer
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """One AllGather into one flat tensor (``all_gather_single`` where torch has it)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def _world(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+class SparseReducer:
+    """Error feedback + compression + one collective + decompression, on the flat buffer.
+
+    Result on every rank: ``flat_grad = (1/W) * sum_r decompress(payload_r)`` (W ranks), identical on
+    all ranks (the same additions in the same rank order). Values are divided by W before they are
+    added, which is exact for W = 2 (and any power of two) so that ratio=1 matches dense there.
+
+    The flat buffer is ``[compressed prefix | uncompressed tail]``: the compressor and the
+    error-feedback memory cover the prefix (``compressor.numel`` entries); the last
+    ``uncompressed_numel`` entries travel whole, after the sparse values in the same message,
+    and never enter the memory. For the first ``warmup_steps`` steps the whole buffer is
+    AllReduced densely and the memory stays empty; compression starts at step ``warmup_steps``.
+    """
+
+    def __init__(
+        self,
+        compressor,
+        *,
+        aggregation: str,
+        world_size: int,
+        rank: int,
+        seed: int,
+        error_feedback: bool = True,
+        uncompressed_numel: int = 0,
+        warmup_steps: int = 0,
+        group=None,
+        device="cpu",
+        dtype=torch.float32,
+        stats_every: int = 1,
+    ):
+        check_aggregation(compressor.name, aggregation)
+        self.compressor = compressor
+        self.aggregation = aggregation
+        self.world_size = int(world_size)
+        self.rank = int(rank)
+        self.seed = int(seed)
+        self.group = group
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.stats_every = int(stats_every)
+        self.warmup_steps = int(warmup_steps)
+        self.compressed_numel = compressor.numel
+        self.uncompressed_numel = int(uncompressed_numel)
+        self.numel = self.compressed_numel + self.uncompressed_numel
+        self.memory = ErrorFeedback(self.compressed_numel, enabled=error_feedback, device=device, dtype=dtype)
+
+        esize = torch.empty((), dtype=dtype).element_size()
+        k, num_positions = compressor.k, compressor.num_positions
+        num_values = k + self.uncompressed_numel  # sparse values, then the whole tensors
+        self.density = num_values / self.numel
+        self.pos_dtype = torch.int32 if compressor.max_position < 2**31 else torch.int64
+        psize = torch.empty((), dtype=self.pos_dtype).element_size()
+        self.dense_bytes_per_step = self.numel * esize
+        self.uncompressed_bytes_per_step = self.uncompressed_numel * esize
+        if aggregation == "allreduce":
+            self._values = torch.empty(num_values, dtype=dtype, device=device)
+            self.bytes_sent_per_step = num_values * esize
+        else:
+            self._values_nbytes = num_values * esize
+            self._positions_start = -(-self._values_nbytes // psize) * psize  # aligned for the int view
+            align = max(esize, psize)  # every rank's message starts aligned for both views
+            self._message_nbytes = -(-(self._positions_start + num_positions * psize) // align) * align
+            self._send = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
+            self._recv = torch.zeros(self.world_size * self._message_nbytes, dtype=torch.uint8, device=device)
+            self._values = self._send[: self._values_nbytes].view(dtype)
+            self._positions_end = self._positions_start + num_positions * psize
+            self._send_positions = self._send[self._positions_start : self._positions_end].view(self.pos_dtype)
+            self.bytes_sent_per_step = self._message_nbytes
+
+    def _step_seed(self, step: int) -> int:
+        rank = None if self.aggregation == "allreduce" else self.rank
+        return step_seed(self.seed, step, rank)
+
+    def _dense_step(self, flat_grad: torch.Tensor, world: int, timer: PhaseTimer) -> ExchangeStats:
+        """Compression warm-up: plain AllReduce of everything; the memory stays untouched."""
+        with timer.phase("exchange"):
+            if world > 1:
+                dist.all_reduce(flat_grad, group=self.group)
+                flat_grad.div_(world)
+        return ExchangeStats(self.dense_bytes_per_step, self.dense_bytes_per_step, 1.0, 0.0, 0.0)
+
+    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer) -> ExchangeStats:
+        world = _world(self.group)
+        if world != self.world_size:
+            raise RuntimeError(
+                f"world_size={self.world_size} but the process group has {world} ranks"
+            )
+        if flat_grad.numel() != self.numel:
+            raise ValueError(f"the flat gradient has {flat_grad.numel()} entries, the reducer {self.numel}")
+        if step < self.warmup_steps:
+            return self._dense_step(flat_grad, world, timer)
+        n_compressed, k = self.compressed_numel, self.compressor.k
+        grad, whole = flat_grad[:n_compressed], flat_grad[n_compressed:]
+        want_stats = self.stats_every > 0 and step % self.stats_every == 0
+        grad_sq = float(torch.dot(grad, grad)) if want_stats and not self.memory.enabled else None
+        comp = self.compressor
+        with timer.phase("compress"):
+            acc = self.memory.accumulate(grad)
+            payload = comp.compress(acc, self._step_seed(step), out=self._values[:k])
+            self.memory.forget(payload, comp)
+            self._values[k:].copy_(whole)
+            if self.aggregation == "allgather":
+                self._send_positions.copy_(payload.positions)
+        stats = self.memory.stats(payload, grad_sq) if want_stats else (None, None)
+
+        with timer.phase("exchange"):
+            if world > 1:
+                if self.aggregation == "allreduce":
+                    dist.all_reduce(self._values, group=self.group)
+                else:
+                    _all_gather_single(self._recv, self._send, group=self.group)
+            elif self.aggregation == "allgather":
+                self._recv[: self._message_nbytes].copy_(self._send)
+
+        with timer.phase("decompress"):
+            grad.zero_()
+            if self.aggregation == "allreduce":
+                self._values.div_(world)
+                comp.decompress_add(self._values[:k], payload.positions, grad, indices=payload.indices)
+                whole.copy_(self._values[k:])
+            else:
+                whole.zero_()
+                size = self._message_nbytes
+                for r in range(world):
+                    msg = self._recv[r * size : (r + 1) * size]
+                    values = msg[: self._values_nbytes].view(self.dtype) / world
+                    if r == self.rank:  # own positions already expanded
+                        comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
+                    else:
+                        positions = msg[self._positions_start : self._positions_end].view(self.pos_dtype)
+                        comp.decompress_add(values[:k], positions, grad)
+                    whole.add_(values[k:])
+        return ExchangeStats(
+            self.bytes_sent_per_step,
+            self.dense_bytes_per_step,
+            density=self.density,
+            compression_error=stats[0],
+            memory_norm=stats[1],
+        )
+
+    def attach(self, params, flat_grad: torch.Tensor) -> SparseReducer:
+        """Nothing to start during backward: compression needs the whole gradient."""
+        return self
+
+    def detach(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"error_feedback": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.memory.load_state_dict(state["error_feedback"])

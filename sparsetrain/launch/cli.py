@@ -1,0 +1,214 @@
+"""Command line: ``python -m sparsetrain.run [overrides]`` and ``python -m sparsetrain.run -m [sweep]``
+(``sparsetrain/run.py`` hands over to ``main`` here).
+
+Hydra composes and type-checks the config; ``validate`` checks values and combinations; then
+this process either *is* a rank (torchrun, SLURM task) or spawns ``world_size`` local ranks.
+A job that fails is marked ``failed`` in its run folder; in a sweep the other jobs go on and the
+sweep ends with a report of the failed jobs and a non-zero exit code.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from sparsetrain.config import CONF_DIR, check_group_overrides, register, validate
+from sparsetrain.errors import CheckpointError, ConfigError, one_line_error, print_error
+from sparsetrain.launch.env import env_rank, launcher_of, under_torchrun
+from sparsetrain.results import (
+    SUMMARY,
+    RunWriter,
+    mark_failed,
+    read_heartbeat,
+    read_summary,
+    replace_error,
+)
+
+register()
+_failed_sweep_jobs: list[str] = []
+_error = print_error
+
+
+def _run_job(cfg: DictConfig) -> dict[str, Any]:
+    from sparsetrain.launch.spawn import spawn_ranks
+
+    hc = HydraConfig.get()
+    run_dir = Path(hc.runtime.output_dir)
+    multirun = hc.mode == RunMode.MULTIRUN
+    kind = launcher_of(os.environ)
+    is_rank0 = kind == "spawn" or env_rank() == 0
+    if multirun and cfg.wandb.group is None:  # a sweep's jobs share one W&B group
+        cfg.wandb.group = Path(hc.sweep.dir).as_posix().replace("/", "_")
+
+    try:
+        validate(cfg)
+        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+    except ConfigError as exc:
+        if is_rank0:
+            mark_failed(run_dir, str(exc), config=OmegaConf.to_container(cfg, resolve=False))
+        return _fail(str(exc), run_dir, multirun, code=2)
+    try:  # a checkpoint here is resumed: it must be readable and from this same configuration
+        from sparsetrain.train.checkpoint import check_resume
+
+        check_resume(run_dir, cfg_dict)
+    except (ConfigError, CheckpointError) as exc:  # the folder's files are left as they are
+        return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
+
+    from sparsetrain.launch.worker import worker_main
+
+    if kind != "spawn":  # torchrun / SLURM: this process is one of the ranks
+        return worker_main(cfg_dict, str(run_dir), launcher=kind)
+    if cfg.world_size == 1:
+        return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
+
+    # Recorded before any rank exists, so a launch that fails early still leaves a summary.
+    RunWriter(run_dir).start(config=cfg_dict, run_dir=str(run_dir), world_size=cfg.world_size)
+    log_dir = run_dir / "ranks"
+
+    def launch():
+        results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
+                              port=cfg.dist.master_port, log_dir=str(log_dir))
+        return results[0]
+
+    return _guarded(launch, run_dir, multirun)
+
+
+def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
+    try:
+        return fn()
+    except KeyboardInterrupt:
+        mark_failed(run_dir, "interrupted (Ctrl-C)")
+        raise
+    except Exception as exc:  # one line for the user; the rank logs hold the traceback
+        msg, root_rank = _describe(exc, run_dir)
+        if root_rank:  # another rank's failure: rank 0's own account is only its symptom
+            replace_error(run_dir, msg)
+            return _fail(msg, run_dir, multirun, code=1, own_summary=False)
+        mark_failed(run_dir, msg)
+        return _fail(msg, run_dir, multirun, code=1)
+
+
+def _describe(exc: Exception, run_dir: Path) -> tuple[str, int | None]:
+    """One line for a failed launch and the rank it blames. Of the ranks torch's elastic agent saw
+    fail, the first (by time, then rank) is the cause; a rank killed by a signal leaves no error
+    file, so its line is ``rank 1 died (SIGKILL) after step N`` with N from rank 0's records."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if not isinstance(exc, ChildFailedError) or not exc.failures:
+        return one_line_error(exc), None
+    rank, failure = min(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    if failure.exitcode < 0 and failure.signal_name() != "<N/A>":  # killed, no word of its own
+        return f"rank {rank} died ({failure.signal_name()}){_after_step(run_dir)}", rank
+    detail = failure.message
+    if isinstance(detail, dict):  # the error file written by the rank's @record wrapper
+        detail = detail.get("message", "")
+    detail = detail if isinstance(detail, str) else ""
+    detail = detail.strip().splitlines()[-1] if detail.strip() else f"exit code {failure.exitcode}"
+    return f"rank {rank} failed: {detail}", rank
+
+
+def _after_step(run_dir: Path) -> str:
+    summary = read_summary(run_dir) or {}
+    step = summary.get("steps") if summary.get("status") == "failed" else None
+    if step is None:
+        step = (read_heartbeat(run_dir) or {}).get("step")
+    return f" after step {step}" if step is not None else ""
+
+
+def _fail(msg: str, run_dir: Path, multirun: bool, code: int, own_summary: bool = True) -> dict[str, Any]:
+    summary = read_summary(run_dir) if own_summary else None
+    if summary and summary.get("error") and summary["error"] != msg:
+        msg = summary["error"]  # the rank's own account is more precise
+    if env_rank() == 0:
+        _error(f"{msg} (run folder: {run_dir})")
+    if multirun:
+        return {"status": "failed", "error": msg, "run_dir": str(run_dir)}
+    sys.exit(code)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
+def hydra_main(cfg: DictConfig) -> Any:
+    result = _run_job(cfg)
+    return result.get("test_accuracy") if isinstance(result, dict) else None
+
+
+class SweepReport(Callback):
+    """After a sweep: list the jobs whose run folder does not say ``completed``, with their logs."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        for summary_path in sorted(sweep_dir.glob("*/" + SUMMARY), key=lambda p: p.parent.name):
+            summary = read_summary(summary_path.parent) or {}
+            if summary.get("status") != "completed":
+                where = summary_path.parent
+                logs = _slurm_logs(sweep_dir, where, summary)
+                hint = f"; logs: {logs}" if logs else ""
+                status = summary.get("status")
+                if status == "running":  # the sweep is over: this job died without a word
+                    state = f"unfinished ({_no_heartbeat(summary_path.parent, summary)})"
+                else:
+                    state = f"{status}: {summary.get('error')}"
+                _failed_sweep_jobs.append(f"{where}: {state}{hint}")
+        if _failed_sweep_jobs:
+            _error(f"{len(_failed_sweep_jobs)} sweep job(s) did not complete:")
+            for line in _failed_sweep_jobs:
+                print(f"  {line}", file=sys.stderr)
+
+
+def _no_heartbeat(run_dir: Path, summary: dict) -> str:
+    beat = read_heartbeat(run_dir) or {}
+    if beat.get("time"):
+        return f"no heartbeat since {beat['time']} (step {beat.get('step')})"
+    return f"no heartbeat since {summary.get('started_at')} (start)"
+
+
+def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:
+    """A SLURM job's log folder: ``.submitit/<job id>/`` where the job id is submitit's
+    (``<array job>_<index>``, saved by Hydra as ``hydra.job.id``), not ``SLURM_JOB_ID``."""
+    if summary.get("slurm_logs"):
+        return str(summary["slurm_logs"])
+    job_id = None
+    hydra_yaml = run_dir / ".hydra" / "hydra.yaml"
+    if hydra_yaml.exists():
+        job_id = OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.job.id")
+    folders = [p for p in sweep_dir.glob(f".submitit/{job_id}") if p.is_dir()] if job_id else []
+    return f"{folders[0]}/ (*_<rank>_log.err/.out)" if folders else None
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    # Let `-m` stand anywhere among the overrides (argparse wants flags before positionals).
+    flags = [a for a in args if a in ("-m", "--multirun")]
+    sys.argv[1:] = args = flags + [a for a in args if a not in flags]
+    try:
+        check_group_overrides([a for a in args if not a.startswith("-")])
+    except ConfigError as exc:
+        _error(str(exc))
+        sys.exit(2)
+    if ("-m" in args or "--multirun" in args) and under_torchrun():
+        _error("-m/--multirun is not allowed under torchrun (every rank would run the whole sweep); "
+               "run the sweep without torchrun, or one torchrun per sweep point")
+        sys.exit(2)
+    if under_torchrun() and env_rank() != 0:
+        # Under torchrun every rank runs this command; rank 0's folder is the run folder (its
+        # path is broadcast to the others), so the other ranks must not make folders of their own.
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null",
+                     "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+    hydra_main()
+    if _failed_sweep_jobs:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    # Run through the importable module so the sweep callback and main() share state.
+    from sparsetrain.launch.cli import main as _main
+
+    _main()

@@ -1,0 +1,75 @@
+"""Which process is which rank: the only module that reads the launchers' environment variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, TORCHELASTIC_RUN_ID, SLURM_*, SUBMITIT_*).
+
+- ``torchrun`` (or any launcher exporting RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, such as
+  scripts/netns_cluster.py): this process is one rank.
+- a SLURM task (``srun`` or Hydra's submitit launcher): this process is one rank; rank, world and
+  master address/port come from submitit's helpers.
+- otherwise ``spawn``: this process starts ``world_size`` local ranks (``launch.spawn``).
+
+Everything past this module gets a ``RankInfo`` instead of reading the environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from sparsetrain.comm.group import RankInfo
+from sparsetrain.errors import ConfigError
+
+
+def launcher_of(env: Mapping[str, str]) -> str:
+    """Which launcher made this process: torchrun, slurm, or none (we spawn ranks ourselves)."""
+    if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
+        return "torchrun"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_JOB_ID" in env:
+        if int(env["SLURM_NTASKS"]) > 1 or env.get("SUBMITIT_EXECUTOR") == "slurm":
+            return "slurm"
+    return "spawn"
+
+
+def env_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's global rank as its launcher set it (0 where none did)."""
+    env = os.environ if env is None else env
+    return int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+
+
+def under_torchrun(env: Mapping[str, str] | None = None) -> bool:
+    """Started by torchrun (its elastic agent), so every rank runs the whole command line."""
+    env = os.environ if env is None else env
+    return "RANK" in env and "TORCHELASTIC_RUN_ID" in env
+
+
+def check_launch_environment(world_size: int, env: Mapping[str, str]) -> None:
+    kind = launcher_of(env)
+    started = {"torchrun": env.get("WORLD_SIZE"), "slurm": env.get("SLURM_NTASKS")}.get(kind)
+    if started is not None and int(started) != world_size:
+        var = "WORLD_SIZE" if kind == "torchrun" else "SLURM_NTASKS"
+        raise ConfigError(
+            f"world_size={world_size} contradicts the launcher: {kind} started {var}={started} "
+            f"ranks; set world_size={started}"
+        )
+
+
+def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
+    """Rank and world of this process; exports MASTER_ADDR/PORT etc. for SLURM tasks."""
+    env = os.environ if env is None else env
+    kind = launcher_of(env)
+    if kind == "slurm":
+        import submitit
+
+        dist_env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        return RankInfo(dist_env.rank, dist_env.world_size, dist_env.local_rank,
+                        dist_env.local_world_size, "slurm", env.get("SLURM_JOB_ID"),
+                        env.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"))
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankInfo(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            "torchrun" if kind == "torchrun" else "spawn",
+            env.get("SLURM_JOB_ID"),
+        )
+    return RankInfo(0, 1, 0, 1, "single", env.get("SLURM_JOB_ID"))
