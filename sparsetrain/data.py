@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sparsetrain.errors import one_line_error
+
 __all__ = [
     "DATASETS",
     "Dataset",
@@ -33,7 +35,7 @@ __all__ = [
     "ShardedLoader",
     "dataset_info",
     "load_dataset",
-    "test_batches",
+    "eval_batches",
     "FASHION_MNIST_SYSTEM_DIR",
 ]
 
@@ -244,7 +246,7 @@ def _load_cifar10(root: Path, download: bool):
         except Exception as e:  # URLError, OSError, md5 failure: all mean "cannot fetch"
             raise DatasetUnavailable(
                 f"CIFAR-10 not found in {folder} and the download failed "
-                f"({type(e).__name__}: {_one_line(e)}); unpack cifar-10-python.tar.gz "
+                f"({one_line_error(e)}); unpack cifar-10-python.tar.gz "
                 "(https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz) into that folder's parent"
             ) from e
     out = []
@@ -252,11 +254,6 @@ def _load_cifar10(root: Path, download: bool):
         x = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2)  # NHWC -> NCHW
         out += [x, torch.as_tensor(ds.targets, dtype=torch.int64)]
     return tuple(out)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:200] + ("..." if len(text) > 200 else "")
 
 
 # --------------------------------------------------------------------------- Fashion-MNIST
@@ -307,7 +304,7 @@ def _load_fashion_mnist(root: Path, download: bool):
         except Exception as e:
             raise DatasetUnavailable(
                 f"Fashion-MNIST not found in {', '.join(map(str, folders))} and the download "
-                f"failed ({type(e).__name__}: {_one_line(e)}); "
+                f"failed ({one_line_error(e)}); "
                 "install it with `apt-get install dataset-fashion-mnist`"
             ) from e
         files = _fashion_folder([root / "FashionMNIST" / "raw"])
@@ -472,7 +469,7 @@ class ShardedLoader:
         return self.batches(0)
 
 
-def test_batches(
+def eval_batches(
     x: torch.Tensor, y: torch.Tensor, batch_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Consecutive evaluation batches, no shuffling or augmentation; the last one may be short."""
@@ -480,4 +477,3 @@ def test_batches(
         yield x[i : i + batch_size], y[i : i + batch_size]
 
 
-test_batches.__test__ = False  # not a pytest test despite the name

@@ -14,9 +14,9 @@ from sparsetrain.data import (
     DatasetUnavailable,
     ShardedLoader,
     dataset_info,
+    eval_batches,
     load_dataset,
     random_crop,
-    test_batches,
 )
 
 
@@ -367,7 +367,7 @@ def test_loader_rejects_bad_arguments():
 
 def test_test_batches_cover_in_order():
     x, y = labelled(21)
-    got = list(test_batches(x, y, 8))
+    got = list(eval_batches(x, y, 8))
     assert [len(yb) for _, yb in got] == [8, 8, 5]
     assert torch.equal(torch.cat([xb for xb, _ in got]), x)
     assert torch.equal(torch.cat([yb for _, yb in got]), y)

@@ -168,8 +168,8 @@ def test_hydra_sweep_with_repo_slurm_launcher(tmp_path):
             f"hydra.sweep.dir={tmp_path / 'sweep'}",
         ],
         cwd=tmp_path,
-        # slurm.yaml's launcher lives in the repository's hydra_plugins/ (sparsetrain.run puts the
-        # repository on sys.path; this stand-alone app needs it on PYTHONPATH).
+        # slurm.yaml's launcher lives in the repository's hydra_plugins/ (installed with the package;
+        # this stand-alone app in another folder also finds it on PYTHONPATH).
         env={**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)},
         capture_output=True,

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from sparsetrain.comm import build_exchange
 from sparsetrain.comm.group import RankInfo, pick_device
-from sparsetrain.data import ShardedLoader, load_dataset, test_batches
+from sparsetrain.data import ShardedLoader, eval_batches, load_dataset
 from sparsetrain.errors import ConfigError, Diverged, Preempted, one_line_error
 from sparsetrain.models import param_groups_for_weight_decay
 from sparsetrain.results import PHASES, Heartbeat, NullWriter, RunWriter, echo
@@ -269,7 +269,7 @@ class Trainer:
         x = self.data.test_x[self.info.rank :: self.info.world_size]
         y = self.data.test_y[self.info.rank :: self.info.world_size]
         with torch.no_grad():
-            for xb, yb in test_batches(x, y, 512):
+            for xb, yb in eval_batches(x, y, 512):
                 xb, yb = xb.to(self.device), yb.to(self.device)
                 out = self.model(xb)
                 sums[0] += F.cross_entropy(out, yb, reduction="sum").double()
