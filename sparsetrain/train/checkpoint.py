@@ -41,6 +41,13 @@ NOT_DEFINING = (
     "data.download",
     "wandb.",
     "dist.",
+    # How the compressor and the model are built: fixed by scheme.name / model.name (and the
+    # scheme's options, keys of their own), which config.validate keeps consistent; absent from
+    # checkpoints written before these nodes existed.
+    "scheme.compressor",
+    "scheme.compressor.",
+    "model._target_",
+    "model._partial_",
 )
 
 
