@@ -177,6 +177,7 @@ def write_results(root: Path) -> Path:
                 "rq4_workers")
     write_sweep(root / "rq5_speed", {"scheme": "none,topk,randk,blockk", "seed": "0,1"}, "rq5_speed",
                 fixed={"aggregation": "allreduce"})
+    write_sweep(root / "stability", {"scheme": "randk,blockk", "scheme.uncompressed": "none,1d"}, "stability")
     return root
 
 
@@ -230,7 +231,7 @@ def test_load_runs_accepts_single_run_and_many_sweeps(results, tmp_path):
     assert one.iloc[0]["experiment"] is None
     both = sa.load_runs(results / "rq1_scope", results / "rq5_speed")
     assert set(both["experiment"]) == {"rq1_scope", "rq5_speed"}
-    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8
+    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4
 
 
 def test_run_without_summary_is_flagged(tmp_path):
@@ -500,7 +501,7 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
 STUDY_NAMES = ("baseline", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
-OTHER_PRESETS = ("stability",)
+OTHER_PRESETS = ("stability", "ablation", "rq2_low", "rq4_global")
 
 
 def _grid(params) -> list[list[str]]:

@@ -19,6 +19,8 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rq5_speed": (("rq5_speed",), ("time_per_phase", "accuracy_vs_bytes")),
     "stability": (("stability",), ("accuracy_vs_epoch",)),
 }
+# Presets that add points to another study's tables.
+STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "ablation": "stability"}
 ALL = (tuple(TABLES), tuple(PLOTS))
 
 
@@ -29,6 +31,7 @@ def study_of(experiment) -> str | None:
     name = experiment.rsplit("/", 1)[-1]
     for prefix in ("paper_", "cpu_"):
         name = name.removeprefix(prefix)
+    name = STUDY_OF_PRESET.get(name, name)
     return name if name in STUDIES else None
 
 
