@@ -479,6 +479,18 @@ def test_cli_all_tables_for_unknown_experiment(tmp_path):
         assert (tmp_path / "o" / f"{name}.md").is_file(), name
 
 
+def test_cli_where_keeps_the_slice_and_dense(results, tmp_path):
+    out = tmp_path / "o"
+    proc = _cli(results / "rq1_scope", "--study", "rq1_scope", "--where", "scope=layerwise",
+                "--where", "scheme=dense,topk", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_csv(out / "rq1_scope.csv")
+    assert set(table["scheme"].dropna()) == {"dense", "topk"}
+    assert set(table["scope"].dropna()) == {"layerwise"}  # dense (no scope) is drawn in that column
+    bad = _cli(results / "rq1_scope", "--where", "colour=red", "--out", out)
+    assert bad.returncode == 2 and "'colour' is not an axis" in bad.stderr
+
+
 def test_cli_exit_codes(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = _cli(tmp_path / "empty", "--out", tmp_path / "o")
