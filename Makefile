@@ -37,14 +37,20 @@ test-full: venv data  ## every test, slow ones too
 lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
+comma := ,
+# $(call study,NAME,FOLDERS): one study's tables and figures from those result folders that exist.
+# $(3): extra arguments, e.g. --where filters.
+study = $(if $(wildcard $(2)),$(ANALYSE) --study $(1) $(wildcard $(2)) --out $(FIGURES)/$(1) $(3),@echo "figures: $(1): no results yet")
+
 figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(FIGURES), benchmarks in place
 	$(PY) -m sparsetrain.analysis --quiet $(RESULTS) --out $(FIGURES)/by_sweep
-	@# Each research question from every sweep that holds its points (dense, other seeds, ...).
-	$(ANALYSE) --study rq1_scope $(RESULTS)/baseline*/ $(RESULTS)/rq1_scope*/ --out $(FIGURES)/rq1_scope
-	$(ANALYSE) --study rq2_scheme $(RESULTS)/baseline*/ $(RESULTS)/rq1_scope*/ $(RESULTS)/rq2_scheme*/ --out $(FIGURES)/rq2_scheme
-	$(ANALYSE) --study rq3_aggregation $(RESULTS)/rq2_scheme*/ $(RESULTS)/rq3_aggregation*/ $(RESULTS)/rq4_workers*/ --out $(FIGURES)/rq3_aggregation
-	$(ANALYSE) --study rq4_workers $(RESULTS)/baseline*/ $(RESULTS)/rq2_scheme*/ $(RESULTS)/rq4_workers*/ --out $(FIGURES)/rq4_workers
-	$(ANALYSE) --study rq5_speed $(RESULTS)/rq5_speed*/ --out $(FIGURES)/rq5_speed
+	@# Each research question from every sweep that holds its points (dense, other presets, ...).
+	$(call study,stability,$(RESULTS)/stability $(RESULTS)/ablation)
+	$(call study,rq1_scope,$(RESULTS)/baseline $(RESULTS)/rq1_scope)
+	$(call study,rq2_scheme,$(RESULTS)/baseline $(RESULTS)/rq1_scope $(RESULTS)/rq2_scheme $(RESULTS)/rq2_low,--where scope=layerwise)
+	$(call study,rq3_aggregation,$(RESULTS)/rq1_scope $(RESULTS)/rq3_aggregation $(RESULTS)/rq4_workers,--where scheme=randk$(comma)blockk --where scope=layerwise)
+	$(call study,rq4_workers,$(RESULTS)/baseline $(RESULTS)/rq1_scope $(RESULTS)/rq4_workers $(RESULTS)/rq4_global)
+	$(call study,rq5_speed,$(RESULTS)/rq5_speed)
 	$(PY) scripts/bench_step.py --report $(RESULTS)/bench/step.json
 	$(PY) scripts/bench_collectives.py --model-only --out $(RESULTS)/bench
 

@@ -177,6 +177,7 @@ def write_results(root: Path) -> Path:
                 "rq4_workers")
     write_sweep(root / "rq5_speed", {"scheme": "none,topk,randk,blockk", "seed": "0,1"}, "rq5_speed",
                 fixed={"aggregation": "allreduce"})
+    write_sweep(root / "stability", {"scheme": "randk,blockk", "scheme.uncompressed": "none,1d"}, "stability")
     return root
 
 
@@ -230,7 +231,7 @@ def test_load_runs_accepts_single_run_and_many_sweeps(results, tmp_path):
     assert one.iloc[0]["experiment"] is None
     both = sa.load_runs(results / "rq1_scope", results / "rq5_speed")
     assert set(both["experiment"]) == {"rq1_scope", "rq5_speed"}
-    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8
+    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4
 
 
 def test_run_without_summary_is_flagged(tmp_path):
@@ -478,6 +479,18 @@ def test_cli_all_tables_for_unknown_experiment(tmp_path):
         assert (tmp_path / "o" / f"{name}.md").is_file(), name
 
 
+def test_cli_where_keeps_the_slice_and_dense(results, tmp_path):
+    out = tmp_path / "o"
+    proc = _cli(results / "rq1_scope", "--study", "rq1_scope", "--where", "scope=layerwise",
+                "--where", "scheme=dense,topk", "--out", out)
+    assert proc.returncode == 0, proc.stderr
+    table = pd.read_csv(out / "rq1_scope.csv")
+    assert set(table["scheme"].dropna()) == {"dense", "topk"}
+    assert set(table["scope"].dropna()) == {"layerwise"}  # dense (no scope) is drawn in that column
+    bad = _cli(results / "rq1_scope", "--where", "colour=red", "--out", out)
+    assert bad.returncode == 2 and "'colour' is not an axis" in bad.stderr
+
+
 def test_cli_exit_codes(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = _cli(tmp_path / "empty", "--out", tmp_path / "o")
@@ -500,7 +513,7 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
 STUDY_NAMES = ("baseline", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
-OTHER_PRESETS = ("stability",)
+OTHER_PRESETS = ("stability", "ablation", "rq2_low", "rq4_global")
 
 
 def _grid(params) -> list[list[str]]:

@@ -74,6 +74,6 @@ def test_every_notebook_runs_on_a_results_tree(tmp_path):
     md = (out / "rq1_scope" / "rq1_scope.md").read_text()
     assert "absent: scheme=blockk, scope=global" in md
     overview = (out / "00_overview" / "status.md").read_text()
-    assert "rq5_speed" in overview and "running: scheme=topk" in overview
+    assert "rq5_speed" in overview and "unfinished: scheme=topk" in overview
     # The overview also tabulates each study it finds.
     assert (out / "00_overview" / "rq3_aggregation" / "rq3_aggregation.md").is_file()

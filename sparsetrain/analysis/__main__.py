@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from .loader import load_runs, not_completed
-from .report import STUDIES, write_report
+from .report import STUDIES, select, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, metavar="SWEEP_DIR", help="sweep or run folders, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="folder for tables (md/csv/tex) and figures (png/pdf)")
     parser.add_argument("--study", choices=sorted(STUDIES), help="make this study's tables and figures from all runs (default: group runs by experiment preset)")
+    parser.add_argument("--where", action="append", default=[], metavar="AXIS=V1,V2",
+                        help="keep runs whose axis takes one of these values (repeatable), e.g. --where scope=layerwise")
     parser.add_argument("--include-failed", action="store_true", help="put runs that did not complete into the numbers")
     parser.add_argument("--strict", action="store_true", help="exit 3 when any run did not complete")
     parser.add_argument("--quiet", action="store_true", help="do not print the tables")
@@ -32,14 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.paths:
         if not path.exists():
             parser.error(f"no such results folder: {path}")
+    where = {}
+    for item in args.where:
+        axis, sep, values = item.partition("=")
+        if not sep or not values:
+            parser.error(f"--where {item!r}: expected AXIS=VALUE[,VALUE...]")
+        where.setdefault(axis, []).extend(values.split(","))
     try:
         written = write_report(*args.paths, out=args.out, include_failed=args.include_failed,
-                               study=args.study, echo=None if args.quiet else print)
+                               study=args.study, echo=None if args.quiet else print, where=where)
+    except ValueError as err:
+        parser.error(str(err))
     except LookupError as err:
         print(f"error: {err} (a run folder holds summary.json or .hydra/config.yaml)", file=sys.stderr)
         return 1
     print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
-    missing = not_completed(load_runs(*args.paths))
+    missing = not_completed(select(load_runs(*args.paths), where))
     if len(missing):
         print(f"warning: {len(missing)} runs did not complete and are named under the tables", file=sys.stderr)
         if args.strict:

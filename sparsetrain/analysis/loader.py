@@ -327,6 +327,9 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
             else:
                 target[leaf] = yaml.safe_load(value)
         row = row_from_summary(None, config)
+        for axis in ("uncompressed", "warmup_steps"):  # unknown unless the sweep set it
+            if f"scheme.{axis}" not in keys:
+                row[axis] = None
         row.update(
             status="absent",
             error="the sweep promised this job but it left no run folder",

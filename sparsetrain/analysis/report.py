@@ -7,7 +7,7 @@ from pathlib import Path
 import pandas as pd
 
 from .figures import PLOTS, save_figure
-from .loader import load_curves, load_runs
+from .loader import AXES, NOT_APPLICABLE, load_curves, load_runs
 from .tables import TABLES, Table, status_table, write_table
 
 # Each study (an experiment preset, a sweep) and the tables and figures that answer it.
@@ -19,6 +19,8 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rq5_speed": (("rq5_speed",), ("time_per_phase", "accuracy_vs_bytes")),
     "stability": (("stability",), ("accuracy_vs_epoch",)),
 }
+# Presets that add points to another study's tables.
+STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "ablation": "stability"}
 ALL = (tuple(TABLES), tuple(PLOTS))
 
 
@@ -29,6 +31,7 @@ def study_of(experiment) -> str | None:
     name = experiment.rsplit("/", 1)[-1]
     for prefix in ("paper_", "cpu_"):
         name = name.removeprefix(prefix)
+    name = STUDY_OF_PRESET.get(name, name)
     return name if name in STUDIES else None
 
 
@@ -68,20 +71,35 @@ def _group_name(row) -> str:
     return study_of(row) or (row if isinstance(row, str) and row else "runs")
 
 
+def select(frame: pd.DataFrame, where: dict[str, list[str]] | None) -> pd.DataFrame:
+    """Rows whose axes take one of the given values (``{"scope": ["layerwise"]}``); dense SGD
+    rows pass the axes it ignores (``-``), and ``dense`` is a scheme name like any other."""
+    if not where or frame.empty:
+        return frame
+    keep = pd.Series(True, index=frame.index)
+    for axis, values in where.items():
+        if axis not in frame:
+            raise ValueError(f"--where {axis}=...: {axis!r} is not an axis; allowed: {', '.join(AXES)}")
+        text = frame[axis].astype(str)
+        keep &= text.isin([str(v) for v in values]) | (text == NOT_APPLICABLE)
+    return frame[keep]
+
+
 def write_report(*paths: str | Path, out: str | Path, include_failed: bool = False,
-                 study: str | None = None, echo=None) -> list[Path]:
+                 study: str | None = None, echo=None, where: dict[str, list[str]] | None = None) -> list[Path]:
     """Tables (md/csv/tex) and figures (png/pdf) for the runs under ``paths``, into ``out``.
 
     Runs are grouped by experiment preset; with one group the files go straight into ``out``,
     with several each group gets ``out/<study>/`` and ``out/status.md`` counts runs by status.
-    ``study`` forces one study's tables and figures on all runs. ``echo`` (e.g. ``print``) gets
+    ``study`` forces one study's tables and figures on all runs; ``where`` keeps the runs whose
+    axes take the given values (``select``). ``echo`` (e.g. ``print``) gets
     every table's Markdown. Raises ``LookupError`` when no runs are found.
     """
     out = Path(out)
-    runs = load_runs(*paths)
+    runs = select(load_runs(*paths), where)
     if runs.empty:
         raise LookupError(f"no runs found under {', '.join(map(str, paths))}")
-    curves = load_curves(*paths, include_failed=include_failed)
+    curves = select(load_curves(*paths, include_failed=include_failed), where)
     if study:
         groups = {study: (runs, curves)}
     else:

@@ -54,7 +54,7 @@ MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warm
 # Stabiliser settings are named only where they differ from the defaults.
 MISSING_DEFAULTS = {"uncompressed": "1d", "warmup_steps": 0}
 # Order of values in rows and columns: the paper's order, not the alphabet's.
-VALUE_ORDER = {"layerwise": 0, "global": 1, "allreduce": 0, "allgather": 1}
+VALUE_ORDER = {"layerwise": 0, "global": 1, "allreduce": 0, "allgather": 1, "none": 0, "1d": 1}
 
 
 @dataclass
