@@ -24,15 +24,17 @@ for preset in "${STUDIES[@]}"; do
     "hydra.sweep.dir=results/$study" > "results/$study.log" 2>&1
   code=$?
   took=$(( $(date +%s) - start ))
-  echo "$study exit=$code seconds=$took finished=$(date -u +%FT%TZ)" >> results/timings.txt
+  line="$study exit=$code seconds=$took finished=$(date -u +%FT%TZ)"
+  echo "$line" >> results/timings.txt
   echo "== $study: exit $code after ${took}s"
   repo=.
   if [ -n "${DEST:-}" ]; then
     repo=$DEST
     mkdir -p "$DEST/results"
-    rsync -a --delete --exclude checkpoint.pt --exclude model.pt --exclude wandb/ --exclude ranks/ \
-      "results/$study" "$DEST/results/"
-    cp results/timings.txt "$DEST/results/timings.txt"
+    rm -rf "${DEST:?}/results/$study"
+    tar -C results --exclude=checkpoint.pt --exclude=model.pt --exclude=wandb --exclude=ranks \
+      -cf - "$study" | tar -C "$DEST/results" -xf -
+    echo "$line" >> "$DEST/results/timings.txt"  # DEST's own list may hold more studies
   fi
   if [ "${COMMIT:-1}" = 1 ]; then
     for attempt in 1 2 3 4 5; do  # another git process may hold the index lock for a moment
