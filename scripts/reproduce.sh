@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the CPU-scale studies of REPRODUCTION.md one after another into results/<study>/ and
 # commit each study's small result files (summary.json, metrics.jsonl, .hydra/) as it completes.
-#   bash scripts/reproduce.sh                       # all studies
+#   bash scripts/reproduce.sh                       # the accuracy studies of REPRODUCTION.md, in order
 #   bash scripts/reproduce.sh rq1_scope rq3_aggregation
 #   COMMIT=0 bash scripts/reproduce.sh baseline     # without git commits
 #   SUFFIX=_s2 EXTRA="seed=2" bash scripts/reproduce.sh rq1_scope   # more seeds, own folder
@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 STUDIES=("$@")
-[ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope rq3_aggregation rq4_workers rq2_scheme rq5_speed)
+[ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope ablation rq2_scheme rq3_aggregation rq4_workers rq4_global rq2_low)
 mkdir -p results
 for preset in "${STUDIES[@]}"; do
   study=$preset${SUFFIX:-}
