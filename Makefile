@@ -8,7 +8,7 @@ RESULTS ?= results
 FIGURES ?= figures
 ANALYSE = $(PY) -m sparsetrain.analysis --quiet
 
-.PHONY: help venv data run test test-full lint figures bench bench-step bench-model gpu-check slurm-up slurm-down clean
+.PHONY: help venv data run test test-full lint figures bench bench-step bench-ddp bench-model gpu-check slurm-up slurm-down clean
 
 help:  ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -59,6 +59,9 @@ bench: venv  ## compressor micro-benchmark (1 thread, 3 rounds) -> results/bench
 
 bench-step: venv  ## 4 ranks on a tc-shaped netns cluster: step time by phase vs bandwidth (root, ~8 min)
 	$(PY) scripts/bench_step.py --out results/bench
+
+bench-ddp: venv  ## 4 ranks on a tc-shaped netns cluster: DDP + sparsetrain hooks vs PowerSGD, fp16, DDP, compute (root)
+	$(PY) scripts/bench_ddp.py --out results/bench
 
 bench-model: venv  ## collective micro-benchmark, alpha-beta fit, model check, break-even map (root, after bench-step)
 	$(PY) scripts/bench_collectives.py --out results/bench

@@ -191,16 +191,22 @@ def rate_str(bits: float) -> str:
     return f"{bits / 1e6:.0f}mbit"
 
 
-def run_rate(a, rate: str, tag: str) -> dict:
+def run_rate(a, rate: str, tag: str, worker: list[str] | None = None) -> dict:
+    """Run the ranks at one rate on a fresh netns cluster; return the JSON rank 0 wrote.
+
+    ``worker``: the command every rank runs, to which ``--json PATH`` is appended (default: this
+    script's worker with ``a``'s options; scripts/bench_ddp.py passes its own)."""
     tmp = Path(tempfile.gettempdir()) / f"st_bench_step_{os.getpid()}_{tag}.json"
     tmp.unlink(missing_ok=True)
+    worker = worker or [
+        sys.executable, str(Path(__file__).resolve()), "--worker",
+        "--batch", str(a.batch), "--steps", str(a.steps),
+        "--warmup", str(a.warmup), "--passes", str(a.passes), "--threads", str(a.threads),
+        "--ratio", str(a.ratio), "--schemes", ",".join(a.schemes)] + ([] if a.skew_phase else ["--no-skew-phase"])
     cmd = [sys.executable, str(NETNS), "--nproc", str(a.nproc), "--rate", rate,
            "--prefix", f"sb{os.getpid() % 10000}{tag}"[:9], "--kill-timeout", "5", *(["--burst", a.burst] if a.burst else []),
            "--master-port", str(29600 + int(tag)),
-           "--", sys.executable, str(Path(__file__).resolve()), "--worker",
-           "--json", str(tmp), "--batch", str(a.batch), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--passes", str(a.passes), "--threads", str(a.threads),
-           "--ratio", str(a.ratio), "--schemes", ",".join(a.schemes)] + ([] if a.skew_phase else ["--no-skew-phase"])
+           "--", *worker, "--json", str(tmp)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     t0 = time.time()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

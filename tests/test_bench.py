@@ -103,3 +103,26 @@ def test_dense_reducer_overlap_matches_plain_allreduce():
     for p in procs:
         p.join(timeout=60)
     assert got == {0: True, 1: True}
+
+
+@pytest.mark.netns
+@requires_netns
+def test_bench_ddp_tiny_end_to_end(tmp_path):
+    """scripts/bench_ddp.py: 2 ranks, one rate, one round, every configuration runs."""
+    before = set(_ours())
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_ddp.py"), "--rates", "paper", "--paper-rate", "2gbit",
+           "--nproc", "2", "--batch", "2", "--rounds", "1", "--steps", "1", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (res,) = json.loads((tmp_path / "ddp.json").read_text())["results"]
+    assert res["meta"]["label"] == "paper" and res["meta"]["powersgd_rank"] == 3
+    configs = res["configs"]
+    assert set(configs) == {"compute", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_blockk", "ddp_randk",
+                            "ddp_topk", "reducer_blockk"}
+    assert all(c["step_ms"] > 0 for c in configs.values())
+    sent = {k: c["bytes_sent_per_step"] for k, c in configs.items()}
+    assert sent["compute"] == 0 and sent["ddp_fp16"] * 2 == sent["ddp"]
+    assert sent["ddp_blockk"] == sent["reducer_blockk"] < sent["ddp"] / 50  # 1% + the 1-D tensors
+    assert 0.8 < sent["ddp_powersgd"] / sent["ddp_blockk"] < 1.2  # matched bytes
+    assert "| ddp_blockk |" in (tmp_path / "ddp.txt").read_text()
+    assert set(_ours()) <= before

@@ -20,10 +20,10 @@ from sparsetrain.compress import ErrorFeedback, step_seed
 from sparsetrain.timing import PhaseTimer
 
 
-def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
     """One AllGather into one flat tensor (``all_gather_single`` where torch has it)."""
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
 
 
 def _world(group) -> int:
@@ -121,47 +121,17 @@ class SparseReducer:
             raise ValueError(f"the flat gradient has {flat_grad.numel()} entries, the reducer {self.numel}")
         if step < self.warmup_steps:
             return self._dense_step(flat_grad, world, timer)
-        n_compressed, k = self.compressed_numel, self.compressor.k
+        n_compressed = self.compressed_numel
         grad, whole = flat_grad[:n_compressed], flat_grad[n_compressed:]
         want_stats = self.stats_every > 0 and step % self.stats_every == 0
         grad_sq = float(torch.dot(grad, grad)) if want_stats and not self.memory.enabled else None
-        comp = self.compressor
         with timer.phase("compress"):
-            acc = self.memory.accumulate(grad)
-            payload = comp.compress(acc, self._step_seed(step), out=self._values[:k])
-            self.memory.forget(payload, comp)
-            self._values[k:].copy_(whole)
-            if self.aggregation == "allgather":
-                self._send_positions.copy_(payload.positions)
+            payload = self.pack(grad, whole, self._step_seed(step))
         stats = self.memory.stats(payload, grad_sq) if want_stats else (None, None)
-
         with timer.phase("exchange"):
-            if world > 1:
-                if self.aggregation == "allreduce":
-                    dist.all_reduce(self._values, group=self.group)
-                else:
-                    _all_gather_single(self._recv, self._send, group=self.group)
-            elif self.aggregation == "allgather":
-                self._recv[: self._message_nbytes].copy_(self._send)
-
+            self.communicate()
         with timer.phase("decompress"):
-            grad.zero_()
-            if self.aggregation == "allreduce":
-                self._values.div_(world)
-                comp.decompress_add(self._values[:k], payload.positions, grad, indices=payload.indices)
-                whole.copy_(self._values[k:])
-            else:
-                whole.zero_()
-                size = self._message_nbytes
-                for r in range(world):
-                    msg = self._recv[r * size : (r + 1) * size]
-                    values = msg[: self._values_nbytes].view(self.dtype) / world
-                    if r == self.rank:  # own positions already expanded
-                        comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
-                    else:
-                        positions = msg[self._positions_start : self._positions_end].view(self.pos_dtype)
-                        comp.decompress_add(values[:k], positions, grad)
-                    whole.add_(values[k:])
+            self.unpack(grad, whole, payload)
         return ExchangeStats(
             self.bytes_sent_per_step,
             self.dense_bytes_per_step,
@@ -169,6 +139,51 @@ class SparseReducer:
             compression_error=stats[0],
             memory_norm=stats[1],
         )
+
+    # --- the three phases of ``reduce``, also driven one bucket at a time by sparsetrain.ddp ---
+    def pack(self, grad: torch.Tensor, whole: torch.Tensor, seed: int):
+        """Error feedback + compression of ``grad`` (the compressed part) into the message, then
+        ``whole`` after the values (and, for AllGather, the positions). Returns the payload."""
+        comp, k = self.compressor, self.compressor.k
+        acc = self.memory.accumulate(grad)
+        payload = comp.compress(acc, seed, out=self._values[:k])
+        self.memory.forget(payload, comp)
+        self._values[k:].copy_(whole)
+        if self.aggregation == "allgather":
+            self._send_positions.copy_(payload.positions)
+        return payload
+
+    def communicate(self, async_op: bool = False):
+        """The one collective over the packed message; its ``Work`` when ``async_op`` (None on
+        one rank, where AllGather's receive buffer is filled locally)."""
+        if self.world_size > 1:
+            if self.aggregation == "allreduce":
+                return dist.all_reduce(self._values, group=self.group, async_op=async_op)
+            return _all_gather_single(self._recv, self._send, group=self.group, async_op=async_op)
+        if self.aggregation == "allgather":
+            self._recv[: self._message_nbytes].copy_(self._send)
+        return None
+
+    def unpack(self, grad: torch.Tensor, whole: torch.Tensor, payload) -> None:
+        """Overwrite ``grad`` and ``whole`` with the average over ranks (after ``communicate``)."""
+        comp, k, world = self.compressor, self.compressor.k, self.world_size
+        grad.zero_()
+        if self.aggregation == "allreduce":
+            self._values.div_(world)
+            comp.decompress_add(self._values[:k], payload.positions, grad, indices=payload.indices)
+            whole.copy_(self._values[k:])
+        else:
+            whole.zero_()
+            size = self._message_nbytes
+            for r in range(world):
+                msg = self._recv[r * size : (r + 1) * size]
+                values = msg[: self._values_nbytes].view(self.dtype) / world
+                if r == self.rank:  # own positions already expanded
+                    comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
+                else:
+                    positions = msg[self._positions_start : self._positions_end].view(self.pos_dtype)
+                    comp.decompress_add(values[:k], positions, grad)
+                whole.add_(values[k:])
 
     def attach(self, params, flat_grad: torch.Tensor) -> SparseReducer:
         """Nothing to start during backward: compression needs the whole gradient."""

@@ -1,0 +1,280 @@
+"""DDP communication hooks: sparsetrain's schemes inside any torch DistributedDataParallel model.
+
+    from sparsetrain.ddp import SparseHookState, sparse_hook
+    state = SparseHookState(ddp_model, "blockk", aggregation="allreduce", ratio=0.01)
+    ddp_model.register_comm_hook(state, sparse_hook)
+
+DDP calls the hook once per gradient bucket as soon as backward has filled it, so compression
+and exchange of early buckets overlap backward of later layers. Per bucket:
+
+- the bucket's parameters are split by the rule of ``scheme.uncompressed`` (``"1d"``: vectors
+  travel whole; ``"none"``; or N: tensors under N entries travel whole);
+- ``scope="layerwise"``: k_i = max(1, round(ratio x numel_i)) per compressed parameter, exactly
+  as the trainer does; ``scope="global"`` is **global within a bucket**: one k over the bucket's
+  compressed entries (not over the model: DDP hands the hook one bucket at a time);
+- error feedback, compression and the one collective are those of
+  ``sparsetrain.comm.SparseReducer`` (one reducer per bucket, its ``pack`` / ``communicate``
+  / ``unpack``): AllReduce sums the k values and the whole tensors in one buffer; AllGather
+  sends values, whole tensors and positions in one packed message. The collective is started
+  asynchronously; the returned future gives the averaged bucket (divided by world size);
+- positions come from ``bucket_seed(seed, step, bucket)``: shared by all ranks for AllReduce,
+  per rank for AllGather;
+- the first ``warmup_steps`` iterations use DDP's plain AllReduce; compression then starts with
+  empty memory. ``state.step`` counts iterations (it advances on the bucket DDP reduces last).
+
+Each bucket issues exactly one collective, from the hook itself (never from a future
+callback), so ranks issue collectives in the same order with any number of buckets, on gloo too.
+
+Bucket rebuilds. DDP rebuilds its buckets once, before the second iteration, in the order the
+gradients arrived (and a fresh DDP after a resume starts again from its initial buckets). The
+memory is kept per bucket index, and each bucket records which parameters it covers (their
+positions in ``module.parameters()``). When a bucket index arrives with other parameters than
+before, every bucket's memory is split back into per-parameter pieces, and each new bucket takes
+its parameters' pieces when it first runs: no memory is lost or misplaced, whatever the new
+layout. (torch's PowerSGD hook instead refuses error feedback before iteration 2.) The same
+re-homing loads a checkpoint into any bucket layout.
+"""
+
+# no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from sparsetrain.compress import Layout, parse_uncompressed, step_seed, uncompressed_flags
+from sparsetrain.comm import SparseReducer, build_reducer, check_combination
+
+
+def bucket_seed(seed: int, step: int, bucket: int, rank: int | None = None) -> int:
+    """Seed of one bucket's positions at one step: ``step_seed(step_seed(seed, bucket), step,
+    rank)``. ``rank=None``: the same on every rank (AllReduce); a rank: its own (AllGather)."""
+    return step_seed(step_seed(seed, bucket), step, rank)
+
+
+class _Bucket:
+    """One DDP bucket as the hook sees it: its parameters, the order the reducer needs
+    (``[compressed | whole]``) and the reducer."""
+
+    def __init__(self, keys, shapes, flags, reducer, buffer: torch.Tensor):
+        self.keys = keys
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.reducer: SparseReducer | None = reducer
+        order = [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
+        self.compressed = [(keys[i], sizes[i]) for i in order if not flags[i]]  # memory layout
+        # copy runs (bucket offset, flat offset, length), adjacent segments merged
+        self.runs: list[list[int]] = []
+        pos = 0
+        for i in order:
+            if self.runs and self.runs[-1][0] + self.runs[-1][2] == offsets[i]:
+                self.runs[-1][2] += sizes[i]
+            else:
+                self.runs.append([offsets[i], pos, sizes[i]])
+            pos += sizes[i]
+        self.identity = len(self.runs) == 1
+        self.flat = None if self.identity or reducer is None else torch.empty_like(buffer)
+
+    def gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """The bucket as ``[compressed | whole]`` (the bucket itself when already so ordered)."""
+        if self.identity:
+            return buf
+        for a, f, n in self.runs:
+            self.flat[f : f + n].copy_(buf[a : a + n])
+        return self.flat
+
+    def scatter(self, flat: torch.Tensor, buf: torch.Tensor) -> None:
+        if not self.identity:
+            for a, f, n in self.runs:
+                buf[a : a + n].copy_(flat[f : f + n])
+
+
+class SparseHookState:
+    """State of ``sparse_hook``: the options of the config and one reducer (with its
+    error-feedback memory) per DDP bucket.
+
+    ``module``: the DDP model (or the module it wraps): its ``parameters()`` order names the
+    parameters in the memory and in checkpoints. ``scheme``: ``none``, ``topk``, ``randk``,
+    ``blockk``; ``scope``: ``layerwise`` or ``global`` (global within a bucket);
+    ``aggregation``: ``allgather`` or ``allreduce`` (not for top-k); ``ratio`` in (0, 1];
+    ``error_feedback``; ``uncompressed``: ``"1d"``, ``"none"`` or N; ``warmup_steps``: dense
+    iterations first; ``seed``; ``block_size``: block-k global; ``process_group``: default WORLD.
+    Invalid values raise ``ValueError`` with the config check's one-line message.
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        scheme: str,
+        scope: str = "layerwise",
+        aggregation: str = "allgather",
+        ratio: float = 0.01,
+        *,
+        error_feedback: bool = True,
+        uncompressed="1d",
+        warmup_steps: int = 0,
+        seed: int = 0,
+        block_size: int = 256,
+        process_group=None,
+    ):
+        check_combination(scheme, scope, aggregation, ratio)
+        if int(warmup_steps) != warmup_steps or warmup_steps < 0:
+            raise ValueError(f"scheme.warmup_steps={warmup_steps} is not allowed; it must be >= 0")
+        self.scheme, self.scope, self.aggregation, self.ratio = scheme, scope, aggregation, float(ratio)
+        self.error_feedback = bool(error_feedback)
+        self.uncompressed = parse_uncompressed(uncompressed)
+        self.warmup_steps = int(warmup_steps)
+        self.seed = int(seed)
+        self.block_size = int(block_size)
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        params = list(module.parameters())
+        self._key = {id(p): i for i, p in enumerate(params)}
+        self._numel = [p.numel() for p in params]
+        self.step = 0
+        self._buckets: dict[int, _Bucket] = {}
+        self._pending: dict[int, torch.Tensor] = {}  # memory of parameters waiting for their bucket
+        self.bytes_sent: dict[int, int] = {}  # per bucket, as sent at its latest call
+        self.dense_bytes: dict[int, int] = {}
+
+    # --- accounting ----------------------------------------------------------------------------
+    @property
+    def bytes_sent_per_step(self) -> int:
+        """Bytes one rank sent in the latest iteration (values, whole tensors, positions)."""
+        return sum(self.bytes_sent.values())
+
+    @property
+    def dense_bytes_per_step(self) -> int:
+        return sum(self.dense_bytes.values())
+
+    # --- buckets and their memory ------------------------------------------------------------------
+    def _keys(self, params) -> tuple[int, ...]:
+        try:
+            return tuple(self._key[id(p)] for p in params)
+        except KeyError:
+            raise ValueError("a DDP bucket holds a parameter that is not in the module given to "
+                             "SparseHookState; pass the DDP model the hook is registered on") from None
+
+    def _dissolve(self) -> None:
+        """Split every bucket's memory into per-parameter pieces (after a rebuild or a load)."""
+        for plan in self._buckets.values():
+            if plan.reducer is None:
+                continue
+            mem, pos = plan.reducer.memory.memory, 0
+            for key, n in plan.compressed:
+                self._pending[key] = mem[pos : pos + n].clone()
+                pos += n
+        self._buckets.clear()
+
+    def _plan(self, bucket, buf: torch.Tensor) -> _Bucket:
+        index = bucket.index()
+        params = bucket.parameters()
+        keys = self._keys(params)
+        plan = self._buckets.get(index)
+        if plan is not None and plan.keys == keys:
+            return plan
+        if plan is not None:  # DDP rebuilt its buckets: re-home all memory by parameter
+            self._dissolve()
+        shapes = [p.shape for p in params]
+        flags = uncompressed_flags(shapes, self.uncompressed)
+        order = [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
+        reducer = build_reducer(
+            self.scheme, self.scope, self.aggregation, self.ratio,
+            Layout.from_sizes(shapes[i].numel() for i in order),
+            world_size=self.world_size, rank=self.rank, seed=self.seed,
+            error_feedback=self.error_feedback, block_size=self.block_size,
+            uncompressed=[flags[i] for i in order], group=self.process_group,
+            device=buf.device, dtype=buf.dtype, stats_every=0,
+        )
+        plan = _Bucket(keys, shapes, flags, reducer if isinstance(reducer, SparseReducer) else None, buf)
+        if plan.reducer is not None:
+            mem, pos = plan.reducer.memory.memory, 0
+            for key, n in plan.compressed:
+                piece = self._pending.pop(key, None)
+                if piece is not None:
+                    if piece.numel() != n:
+                        raise ValueError(f"error-feedback memory of parameter {key} has {piece.numel()} "
+                                         f"entries, the parameter {n}")
+                    mem[pos : pos + n].copy_(piece)
+                pos += n
+        self._buckets[index] = plan
+        return plan
+
+    # --- the hook ---------------------------------------------------------------------------
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        index, step = bucket.index(), self.step
+        if index == 0:  # DDP reduces buckets in index order: a new iteration's accounting
+            self.bytes_sent.clear()
+            self.dense_bytes.clear()
+        if bucket.is_last():  # one iteration = one pass over the buckets (as torch's PowerSGD)
+            self.step += 1
+        self.dense_bytes[index] = buf.numel() * buf.element_size()
+        plan = None
+        if self.scheme != "none" and step >= self.warmup_steps:
+            plan = self._plan(bucket, buf)
+        if plan is None or plan.reducer is None:  # dense: DDP's own AllReduce
+            self.bytes_sent[index] = self.dense_bytes[index]
+            return allreduce_hook(self.process_group, bucket)
+        red = plan.reducer
+        self.bytes_sent[index] = red.bytes_sent_per_step
+        flat = plan.gather(buf)
+        grad, whole = flat[: red.compressed_numel], flat[red.compressed_numel :]
+        rank = None if self.aggregation == "allreduce" else self.rank
+        payload = red.pack(grad, whole, bucket_seed(self.seed, step, index, rank))
+        work = red.communicate(async_op=True)
+
+        def finish(fut=None) -> torch.Tensor:
+            if fut is not None:
+                fut.value()  # raises if the collective failed
+            red.unpack(grad, whole, payload)
+            plan.scatter(flat, buf)
+            return buf
+
+        if work is None:  # one rank: nothing to wait for
+            done = torch.futures.Future()
+            done.set_result(finish())
+            return done
+        return work.get_future().then(finish)
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``step`` and the memory per bucket (``params``: positions in ``module.parameters()``
+        of the compressed parameters it covers, in memory order; ``layout``: all the bucket's
+        parameters), plus memory not yet re-homed.
+
+        Restored, the memory and the step are exact. The positions drawn in the first iteration
+        after a restart are not those of an uninterrupted run for random-k / block-k (and any
+        global scope): a fresh DDP runs that iteration on its initial single bucket, and positions
+        are drawn per bucket. Top-k layer-wise does not depend on the buckets and resumes bit for
+        bit."""
+        buckets = {}
+        for index, plan in self._buckets.items():
+            if plan.reducer is not None:
+                buckets[index] = {"params": [k for k, _ in plan.compressed],
+                                  "memory": plan.reducer.memory.memory.detach().clone(),
+                                  "layout": list(plan.keys)}  # every parameter of the bucket, in order
+        return {"step": self.step, "buckets": buckets,
+                "pending": {k: v.clone() for k, v in self._pending.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore step and memory; each bucket takes its parameters' memory when it next runs,
+        whatever DDP's bucket layout is now."""
+        self._buckets.clear()
+        self._pending = {int(k): v.clone() for k, v in state.get("pending", {}).items()}
+        for entry in state["buckets"].values():
+            mem, pos = entry["memory"], 0
+            for key in map(int, entry["params"]):
+                n = self._numel[key]
+                self._pending[key] = mem[pos : pos + n].clone()
+                pos += n
+            if pos != mem.numel():
+                raise ValueError(f"a saved bucket's memory has {mem.numel()} entries, its parameters {pos}")
+        self.step = int(state["step"])
+
+
+def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, sparse_hook)``."""
+    return state.run(bucket)
+
+
+__all__ = ["SparseHookState", "bucket_seed", "sparse_hook"]
