@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from sparsetrain.compress import Layout, parse_uncompressed, step_seed, uncompressed_flags
 from sparsetrain.comm import SparseReducer, build_reducer, check_combination
+from sparsetrain.compress import Layout, parse_uncompressed, step_seed, uncompressed_flags
 
 
 def bucket_seed(seed: int, step: int, bucket: int, rank: int | None = None) -> int:

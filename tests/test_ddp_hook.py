@@ -13,19 +13,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from test_exchange import COMBOS  # every valid scheme x scope x aggregation
 from torch import nn
 
 from sparsetrain.compress import Layout, get_compressor, uncompressed_flags
 from sparsetrain.ddp import SparseHookState, bucket_seed, sparse_hook
 from sparsetrain.exchange import check_combination
 
-COMBOS = [
-    (scheme, scope, agg)
-    for scheme in ("topk", "randk", "blockk")
-    for scope in ("layerwise", "global")
-    for agg in ("allreduce", "allgather")
-    if not (scheme == "topk" and agg == "allreduce")
-]
 CAP_MB = 0.002  # a few KB: several buckets, most holding conv weights and batch-norm vectors
 SEED, RATIO, BLOCK, STEPS, LR = 5, 0.1, 16, 4, 0.1
 

@@ -112,28 +112,24 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def _run_steps(reducer, rank):
+    """STEPS reductions of this rank's gradients: the outputs and the final memory (sparse)."""
+    outs = []
+    for step in range(STEPS):
+        flat = grad_of(rank, step)
+        reducer.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
+        outs.append(flat.clone())
+    return outs, (reducer.memory.memory.clone() if isinstance(reducer, SparseReducer) else None)
+
+
 def _worker(rank, world, port, path):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = {}
         for scheme, scope, agg in COMBOS + [("none", "layerwise", "allreduce")]:
-            red = build(scheme, scope, agg, rank, world)
-            outs = []
-            for step in range(STEPS):
-                flat = grad_of(rank, step)
-                red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
-                outs.append(flat.clone())
-            mem = red.memory.memory.clone() if isinstance(red, SparseReducer) else None
-            results[(scheme, scope, agg)] = (outs, mem)
-            if scheme == "none":
-                continue
-            red = build_tail(scheme, scope, agg, rank, world)
-            outs = []
-            for step in range(STEPS):
-                flat = grad_of(rank, step)
-                red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
-                outs.append(flat.clone())
-            results[("tail", scheme, scope, agg)] = (outs, red.memory.memory.clone())
+            results[(scheme, scope, agg)] = _run_steps(build(scheme, scope, agg, rank, world), rank)
+            if scheme != "none":
+                results[("tail", scheme, scope, agg)] = _run_steps(build_tail(scheme, scope, agg, rank, world), rank)
         # ratio = 1: every scheme and aggregation equals dense, bit for bit (W = 2)
         for scheme, scope, agg in COMBOS:
             red = build(scheme, scope, agg, rank, world, ratio=1.0)
