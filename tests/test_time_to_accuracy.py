@@ -14,6 +14,7 @@ import pytest
 from test_analysis import fake_times, make_config, write_run
 
 from sparsetrain import analysis as sa
+from sparsetrain.analysis import cluster_check
 from sparsetrain.analysis import time_to_accuracy as tta
 from sparsetrain.costmodel import WIRE_OVERHEAD
 
@@ -150,7 +151,7 @@ def test_bench_check_predicted_step_within_20_percent():
     results/bench numbers, trimmed into tests/data), measured compute + predicted exchange vs
     the measured step, at every rate and for every scheme."""
     data = json.loads((DATA / "bench_check.json").read_text())
-    check = tta.bench_check(data["step"], data["costmodel"])
+    check = cluster_check.bench_check(data["step"], data["costmodel"])
     assert len(check) == 16 and check["within"].all()
     paper = check[(check["rate"] == "paper") & (check["scheme"] == "blockk")].iloc[0]
     assert paper["predicted_step_ms"] == pytest.approx(884.1, abs=0.1)
@@ -179,3 +180,12 @@ def test_loader_wire_bytes_from_summary_or_config(tmp_path):
     assert (row["wire_bytes_per_step"], row["wire_bytes_total"], row["wire_bytes_source"]) == (123, 4567, "summary")
     fig = sa.plot_accuracy_vs_bytes(sa.load_runs(tmp_path))
     assert fig.axes[0].get_xlabel().startswith("wire bytes per step per worker")
+
+
+def test_cluster_check_command(tmp_path, capsys):
+    data = json.loads((DATA / "bench_check.json").read_text())
+    (tmp_path / "step.json").write_text(json.dumps(data["step"]))
+    (tmp_path / "costmodel.json").write_text(json.dumps(data["costmodel"]))
+    assert cluster_check.main([str(tmp_path)]) == 0
+    assert "16/16 within 20%" in capsys.readouterr().out
+    assert cluster_check.main([str(tmp_path), "--tolerance", "0.05"]) == 1  # the skew gap is 1-9%
