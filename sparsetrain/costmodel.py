@@ -47,6 +47,20 @@ def terms(collective: str, world: int) -> tuple[float, float]:
         raise ValueError(f"collective={collective!r}; allowed: {', '.join(_TERMS)}") from None
 
 
+def wire_bytes(collective: str | None, nbytes: float, world: int) -> float:
+    """Bytes one worker sends over its link for one collective of ``nbytes`` per worker, as the
+    ring algorithm moves them: AllReduce ``2(W-1)/W x n`` (reduce-scatter then all-gather of W
+    chunks), AllGather ``(W-1) x n`` (every message passes every worker). 0 for one worker or no
+    collective (``None``). The byte term of :func:`terms`: the same model that times the exchange.
+
+    >>> wire_bytes("allreduce", 1000, 4), wire_bytes("allgather", 1000, 4), wire_bytes("allgather", 1000, 1)
+    (1500.0, 3000.0, 0.0)
+    """
+    if collective is None:
+        return 0.0
+    return float(terms(collective, world)[1] * nbytes)
+
+
 def allreduce_time(nbytes: float, world: int, alpha: float, beta: float) -> float:
     """Ring AllReduce: 2(N-1) alpha + 2(N-1)/N n beta (seconds)."""
     a, b = terms("allreduce", world)
@@ -206,4 +220,5 @@ __all__ = [
     "fit",
     "scheme_costs",
     "terms",
+    "wire_bytes",
 ]

@@ -36,6 +36,17 @@ HEARTBEAT_EVERY_S = 15.0
 HEARTBEAT_STALE_S = 300.0
 
 
+def logged_step(steps_done: int, log_every: int) -> bool:
+    """Whether the trainer logs a step record once ``steps_done`` steps have run: every
+    ``train.log_every`` steps, and after the first. The reducer computes its compression
+    statistics on exactly these steps (``SparseReducer.stats_every``); ``log_every`` <= 0: never.
+
+    >>> [n for n in range(1, 11) if logged_step(n, 4)]
+    [1, 4, 8]
+    """
+    return log_every > 0 and (steps_done % log_every == 0 or steps_done == 1)
+
+
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 

@@ -33,6 +33,7 @@ class PhaseTimer:
         self.warmup_steps = warmup_steps
         self.steps_seen = 0
         self.last: dict[str, float] = {}
+        self.last_untimed_ms = 0.0  # time spent in ``untimed`` blocks during the last step
         self._sum: dict[str, float] = defaultdict(float)
         self._count = 0
 
@@ -51,11 +52,36 @@ class PhaseTimer:
             self.last[name] = self.last.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
 
     @contextmanager
+    def untimed(self):
+        """Work inside a step that is not part of it (statistics for the log): timed apart and
+        left out of the step's time; in no phase. On CUDA the device is synchronised at both
+        ends, like a phase boundary.
+
+        >>> import time
+        >>> timer = PhaseTimer("cpu", warmup_steps=0)
+        >>> with timer.step():
+        ...     with timer.untimed():
+        ...         time.sleep(0.05)
+        >>> timer.last["step"] < 50 <= timer.last_untimed_ms
+        True
+        """
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.last_untimed_ms += (time.perf_counter() - t0) * 1e3
+
+    @contextmanager
     def step(self):
-        """Times one whole step; phases inside it accumulate into ``last``."""
+        """Times one whole step; phases inside it accumulate into ``last``; ``untimed`` blocks
+        are subtracted from the step."""
         self.last = {}
+        self.last_untimed_ms = 0.0
         with self.phase("step"):
             yield
+        self.last["step"] -= self.last_untimed_ms
         self.steps_seen += 1
         if self.steps_seen > self.warmup_steps:
             self._count += 1

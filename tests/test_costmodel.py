@@ -85,3 +85,16 @@ def test_break_even_direction():
     assert be[0][0] < 1  # slow network: block-k wins
     assert be[0][0] < be[0][1]  # the faster the network, the smaller its advantage
     assert all(math.isfinite(v) for row in be for v in row)
+
+
+@pytest.mark.parametrize("world, allreduce, allgather", [(1, 0, 0), (2, 1000, 1000), (4, 1500, 3000)])
+def test_wire_bytes_ring(world, allreduce, allgather):
+    # per rank: ring AllReduce 2(W-1)/W x buffer, ring AllGather (W-1) x message, nothing at W=1
+    from sparsetrain.costmodel import wire_bytes
+
+    assert wire_bytes("allreduce", 1000, world) == allreduce
+    assert wire_bytes("allgather", 1000, world) == allgather
+    assert wire_bytes(None, 1000, world) == 0
+    # the same byte term the model times the exchange with
+    assert allreduce_time(1000, world, 0.0, 1.0) == pytest.approx(allreduce)
+    assert allgather_time(1000, world, 0.0, 1.0) == pytest.approx(allgather)

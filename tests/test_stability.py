@@ -48,6 +48,11 @@ def test_warmup_then_compression_and_whole_vectors_in_the_summary(tmp_path):
     assert s["num_classes"] == 10 and 0.01 < s["density"] < 0.05
     assert math.isfinite(s["test_accuracy"])
     assert s["bytes_sent_total"] == 3 * s["dense_bytes_per_step"] + 3 * s["bytes_sent_per_step"]
+    # wire bytes (ring, per rank): at 2 ranks AllGather moves (2-1) x the message and the warm-up's
+    # dense AllReduce 2(2-1)/2 x the buffer, so both equal the payload here
+    assert s["wire_bytes_per_step"] == s["bytes_sent_per_step"]
+    assert s["wire_bytes_total"] == s["bytes_sent_total"]
+    assert [r["wire_bytes"] for r in steps] == [r["bytes_sent"] for r in steps]
     # recalibration scores the model both ways, so every run measures what it changes
     last = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "epoch"][-1]
     assert 0 <= last["test_accuracy_running_bn"] <= 1

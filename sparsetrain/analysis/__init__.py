@@ -4,6 +4,7 @@
     >>> runs = sa.load_runs("results/rq1_scope")          # one row per run, failed ones flagged
     >>> sa.rq1_scope_table(runs)                           # mean ± std (n) over seeds, missing named
     >>> sa.write_report("results", out="figures")          # every table and figure
+    >>> sa.time_to_accuracy_table(runs, 0.85, [1, 10, 100], [8, 64])  # predicted time to 85%
 
 Imports no torch: everything here reads the files that the trainer's rank 0 writes.
 """
@@ -42,6 +43,7 @@ from .tables import (
     summarize,
     write_table,
 )
+from .time_to_accuracy import plot_time_to_accuracy, time_to_accuracy_table
 from .wandb_runs import load_wandb_runs
 
 __all__ = [
@@ -50,5 +52,5 @@ __all__ = [
     "not_completed", "plot_accuracy_vs_bytes", "plot_accuracy_vs_epoch", "plot_time_per_phase",
     "plot_workers", "resolve_results", "row_from_summary", "rq1_scope_table", "rq2_scheme_table",
     "rq3_aggregation_table", "rq4_workers_table", "rq5_speed_table", "save_figure", "status_table", "study_of",
-    "style", "summarize", "write_report", "write_table",
+    "style", "summarize", "write_report", "write_table", "time_to_accuracy_table", "plot_time_to_accuracy",
 ]

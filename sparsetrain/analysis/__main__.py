@@ -3,6 +3,11 @@
 Prints the tables of the runs under the given sweep or run folders and writes them (Markdown, CSV,
 LaTeX) with the figures (PNG, PDF) into DIR. Exit codes: 0 done, 1 no runs found, 2 bad arguments
 or a folder that does not exist, 3 with --strict when some runs did not complete.
+
+With ``--time-to-accuracy TARGET`` it makes the time-to-accuracy table and figure instead
+(``time_to_accuracy.{md,csv,tex,png,pdf}``; see ``sparsetrain.analysis.time_to_accuracy``):
+``--bandwidth`` (Gbit/s) and ``--workers`` lists, ``--costmodel`` a fitted ``costmodel.json``
+(default: the cost model's default alpha and beta), ``--alpha-us`` the default's latency.
 """
 
 from __future__ import annotations
@@ -29,6 +34,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-failed", action="store_true", help="put runs that did not complete into the numbers")
     parser.add_argument("--strict", action="store_true", help="exit 3 when any run did not complete")
     parser.add_argument("--quiet", action="store_true", help="do not print the tables")
+    parser.add_argument("--time-to-accuracy", type=float, metavar="TARGET",
+                        help="predicted time to reach this test accuracy (a fraction, e.g. 0.85) per scheme, "
+                             "bandwidth and worker count, instead of the study tables")
+    parser.add_argument("--bandwidth", default="1,10,100", metavar="GBIT,...",
+                        help="link bandwidths in Gbit/s for --time-to-accuracy (default 1,10,100)")
+    parser.add_argument("--workers", default="8,64", metavar="N,...",
+                        help="worker counts for --time-to-accuracy (default 8,64)")
+    parser.add_argument("--costmodel", type=Path, metavar="JSON",
+                        help="fitted alpha-beta (scripts/bench_collectives.py's costmodel.json) for "
+                             "--time-to-accuracy; default: the cost model's default alpha and beta")
+    parser.add_argument("--alpha-us", type=float, default=None,
+                        help="per-message latency of the default model in microseconds (default 50)")
     args = parser.parse_args(argv)
 
     for path in args.paths:
@@ -40,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not values:
             parser.error(f"--where {item!r}: expected AXIS=VALUE[,VALUE...]")
         where.setdefault(axis, []).extend(values.split(","))
+    if args.time_to_accuracy is not None:
+        return _time_to_accuracy(parser, args, where)
     try:
         written = write_report(*args.paths, out=args.out, include_failed=args.include_failed,
                                study=args.study, echo=None if args.quiet else print, where=where)
@@ -55,6 +74,56 @@ def main(argv: list[str] | None = None) -> int:
         if args.strict:
             print(f"error: {len(missing)} runs did not complete (--strict)", file=sys.stderr)
             return 3
+    return 0
+
+
+def _numbers(parser, flag: str, text: str, kind=float) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"{flag} {text!r}: expected numbers separated by commas")
+    if not values or any(v <= 0 for v in values):
+        parser.error(f"{flag} {text!r}: expected positive numbers separated by commas")
+    return values
+
+
+def _time_to_accuracy(parser, args, where) -> int:
+    from .figures import save_figure
+    from .tables import write_table
+    from .time_to_accuracy import (
+        default_model,
+        fitted_model,
+        plot_time_to_accuracy,
+        time_to_accuracy_table,
+    )
+
+    target = args.time_to_accuracy
+    if not 0 < target <= 1:
+        parser.error(f"--time-to-accuracy {target:g}: expected a fraction in (0, 1], e.g. 0.85")
+    bandwidths = _numbers(parser, "--bandwidth", args.bandwidth)
+    workers = _numbers(parser, "--workers", args.workers, int)
+    if args.costmodel is not None and args.alpha_us is not None:
+        parser.error("--alpha-us sets the default model's latency; --costmodel brings its own alpha")
+    if args.costmodel is not None:
+        if not args.costmodel.is_file():
+            parser.error(f"no such cost model file: {args.costmodel}")
+        model = fitted_model(args.costmodel)
+    else:
+        model = default_model(1e-6 * args.alpha_us) if args.alpha_us is not None else default_model()
+    try:
+        runs = select(load_runs(*args.paths), where)
+    except ValueError as err:
+        parser.error(str(err))
+    if runs.empty:
+        print(f"error: no runs found under {', '.join(map(str, args.paths))} (a run folder holds "
+              "summary.json or .hydra/config.yaml)", file=sys.stderr)
+        return 1
+    table = time_to_accuracy_table(runs, target, bandwidths, workers, model)
+    written = [*write_table(table, args.out).values()]
+    written += save_figure(plot_time_to_accuracy(table), args.out, "time_to_accuracy").values()
+    if not args.quiet:
+        print(table.to_markdown())
+    print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
     return 0
 
 

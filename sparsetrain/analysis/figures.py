@@ -202,28 +202,36 @@ def _style_keys(frame: pd.DataFrame, axes: list[str]) -> dict:
 
 
 def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
-    """Test accuracy vs bytes each worker sends per step (log scale), colour = scheme."""
+    """Test accuracy vs the bytes each worker puts on its link per step (log scale), colour =
+    scheme. Wire bytes (``wire_bytes_per_step``: ring AllReduce 2(W-1)/W x the buffer, ring
+    AllGather (W-1) x the message), so that AllGather's traffic is not understated next to
+    AllReduce's; payload bytes only where no run has wire bytes (the axis label says which)."""
     with style():
-        done = completed(runs).dropna(subset=["test_accuracy", "bytes_sent_per_step"])
+        metric = "wire_bytes_per_step"
+        if metric not in runs or completed(runs)[metric].isna().all():
+            metric = "bytes_sent_per_step"
+        done = completed(runs).dropna(subset=["test_accuracy", metric])
         fig, axes = _new_figure(width=5.5, height=3.8)
         ax = axes[0, 0]
         if done.empty:
             return _empty(fig, ax, "no completed runs with accuracy and bytes")
         others = varying_axes(done, exclude=("scheme",))
-        data = summarize(done, ["scheme", *others], ["test_accuracy", "bytes_sent_per_step"])
+        data = summarize(done, ["scheme", *others], ["test_accuracy", metric])
         marker_axes = [a for a in others if a != "ratio"]
         markers = _style_keys(data, marker_axes)
         for _, row in data.iterrows():
             key = tuple(str(row[a]) for a in marker_axes)
-            ax.errorbar(row["bytes_sent_per_step_mean"], row["test_accuracy_mean"] * 100,
+            ax.errorbar(row[f"{metric}_mean"], row["test_accuracy_mean"] * 100,
                         yerr=0.0 if math.isnan(row["test_accuracy_std"]) else row["test_accuracy_std"] * 100,
                         fmt=MARKERS[markers[key] % len(MARKERS)], color=SCHEME_COLORS.get(row["scheme"]),
                         capsize=3, markersize=6)
             if "ratio" in others and row["scheme"] != DENSE:
-                ax.annotate(f"{row['ratio']:g}", (row["bytes_sent_per_step_mean"], row["test_accuracy_mean"] * 100),
+                ax.annotate(f"{row['ratio']:g}", (row[f"{metric}_mean"], row["test_accuracy_mean"] * 100),
                             textcoords="offset points", xytext=(5, 3), fontsize=7)
         ax.set_xscale("log")
-        ax.set_xlabel("bytes sent per step per worker (log)")
+        ax.set_xlabel("wire bytes per step per worker (ring: AllReduce 2(W-1)/W x buffer, "
+                      "AllGather (W-1) x message; log)" if metric == "wire_bytes_per_step"
+                      else "payload bytes per step per worker (no wire bytes in these runs; log)")
         ax.set_ylabel(LABELS["test_accuracy"])
         handles = [Line2D([], [], color=SCHEME_COLORS.get(s), marker="o", linestyle="", label=SCHEME_NAMES.get(s, s))
                    for s in _scheme_sort(data["scheme"].unique())]

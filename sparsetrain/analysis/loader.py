@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from sparsetrain.costmodel import wire_bytes  # no torch
 from sparsetrain.results import (  # stdlib only, no torch
     DID_NOT_TRAIN,
     HEARTBEAT_STALE_S,
@@ -210,6 +211,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
     if summary.get("world_size") is not None:
         row["world_size"] = summary["world_size"]
     sent, dense = row["bytes_sent_per_step"], row["dense_bytes_per_step"]
+    row.update(_wire_fields(summary, row))
     row["bytes_fraction"] = sent / dense if dense and not math.isnan(dense) else math.nan
     row["compression"] = dense / sent if sent and not math.isnan(sent) else math.nan
     times = summary.get("time_ms") or {}
@@ -219,6 +221,46 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
             value = 0.0
         row[f"time_{phase}_ms"] = value
     return row
+
+
+def collective_of(row: dict) -> str | None:
+    """The collective that carries a run's exchange after warm-up: dense SGD AllReduces, a sparse
+    scheme uses its aggregation (None when unknown)."""
+    if row.get("scheme") == DENSE:
+        return "allreduce"
+    aggregation = row.get("aggregation")
+    return aggregation if aggregation in ("allreduce", "allgather") else None
+
+
+def _wire_fields(summary: dict, row: dict) -> dict:
+    """``wire_bytes_per_step`` / ``wire_bytes_total`` (per rank, ring model: what crosses the
+    link) from the summary, or, for run folders written before the trainer logged them, computed
+    from the config's aggregation and world size and the payload bytes with the same model
+    (``costmodel.wire_bytes``); ``wire_bytes_source`` says which (``summary``, ``computed``, or
+    ``unknown`` when neither works: the fields are then NaN)."""
+    per_step = _num(summary.get("wire_bytes_per_step"))
+    total = _num(summary.get("wire_bytes_total"))
+    source = "summary"
+    world, steps = _num(row.get("world_size")), row["steps"]
+    collective = collective_of(row)
+    if math.isnan(per_step):
+        source = "computed"
+        sent = row["bytes_sent_per_step"]
+        if collective is None or math.isnan(world) or math.isnan(sent):
+            source, per_step = "unknown", math.nan
+        else:
+            per_step = float(round(wire_bytes(collective, sent, int(world))))
+    if math.isnan(total) and not math.isnan(per_step) and not math.isnan(steps):
+        # warm-up steps (dense, AllReduce of the whole buffer) first, then the scheme's steps
+        warm = min(int(_num(summary.get("compression_start_step")) if summary.get("compression_start_step") else 0),
+                   int(steps))
+        dense = row["dense_bytes_per_step"]
+        dense_wire = round(wire_bytes("allreduce", dense, int(world))) if warm and not math.isnan(dense) else 0
+        total = warm * dense_wire + (int(steps) - warm) * per_step
+        source = "computed" if source == "summary" else source
+    mean = total / steps if steps and not math.isnan(total) else math.nan
+    return {"wire_bytes_per_step": per_step, "wire_bytes_total": total, "wire_bytes_mean_per_step": mean,
+            "wire_bytes_source": source}
 
 
 def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:

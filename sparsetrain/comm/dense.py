@@ -27,6 +27,7 @@ class DenseReducer:
         self.bytes_sent_per_step = self.dense_bytes_per_step
         self.uncompressed_bytes_per_step = self.dense_bytes_per_step  # everything goes whole
         self.density = 1.0
+        self.collective = "allreduce"
         self.warmup_steps = 0
         self._buckets: list[tuple[int, int]] = []
         self._flat: torch.Tensor | None = None

@@ -18,13 +18,17 @@ from sparsetrain.timing import PhaseTimer
 
 @dataclass
 class ExchangeStats:
-    """What one step sent. Byte counts are per worker, as put on the wire."""
+    """What one step sent. Byte counts are per worker: the payload handed to the collective
+    (``costmodel.wire_bytes(collective, bytes_sent, world)`` is what crosses the link).
+    ``compression_error`` and ``memory_norm`` are None on steps without statistics (the trainer
+    asks for them on logged steps only: ``SparseReducer.stats_every``)."""
 
     bytes_sent: int
     dense_bytes: int
     density: float = 1.0
     compression_error: float | None = None  # ||acc - sent|| / ||acc||
     memory_norm: float | None = None  # ||error-feedback memory|| after the step
+    collective: str | None = "allreduce"  # what carried it: allreduce | allgather | None (nothing)
 
 
 @runtime_checkable
@@ -34,10 +38,12 @@ class Reducer(Protocol):
     Sizes are per step and per worker once compression runs (``warmup_steps`` dense steps come
     first): ``bytes_sent_per_step`` on the wire, ``dense_bytes_per_step`` for the same buffer
     sent whole, ``uncompressed_bytes_per_step`` of it for the tensors that travel whole;
-    ``density`` = entries sent / entries.
+    ``density`` = entries sent / entries; ``collective`` the one that carries them
+    (``allreduce`` or ``allgather``; warm-up steps use ``allreduce``).
     """
 
     numel: int
+    collective: str
     density: float
     warmup_steps: int
     bytes_sent_per_step: int

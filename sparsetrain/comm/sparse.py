@@ -17,6 +17,7 @@ import torch.distributed as dist
 from sparsetrain.comm.protocol import ExchangeStats
 from sparsetrain.comm.rules import check_aggregation
 from sparsetrain.compress import ErrorFeedback, step_seed
+from sparsetrain.results import logged_step
 from sparsetrain.timing import PhaseTimer
 
 
@@ -63,6 +64,7 @@ class SparseReducer:
         check_aggregation(compressor.name, aggregation)
         self.compressor = compressor
         self.aggregation = aggregation
+        self.collective = aggregation  # after warm-up; warm-up steps AllReduce densely
         self.world_size = int(world_size)
         self.rank = int(rank)
         self.seed = int(seed)
@@ -99,6 +101,12 @@ class SparseReducer:
             self._send_positions = self._send[self._positions_start : self._positions_end].view(self.pos_dtype)
             self.bytes_sent_per_step = self._message_nbytes
 
+    def wants_stats(self, step: int) -> bool:
+        """Compression statistics at (0-based) ``step``: when the trainer logs it, i.e. after
+        step 1 and every ``stats_every`` steps (``results.logged_step``; the trainer passes
+        ``stats_every = train.log_every``); ``stats_every`` 1: every step, 0: never."""
+        return logged_step(step + 1, self.stats_every)
+
     def _step_seed(self, step: int) -> int:
         rank = None if self.aggregation == "allreduce" else self.rank
         return step_seed(self.seed, step, rank)
@@ -109,7 +117,7 @@ class SparseReducer:
             if world > 1:
                 dist.all_reduce(flat_grad, group=self.group)
                 flat_grad.div_(world)
-        return ExchangeStats(self.dense_bytes_per_step, self.dense_bytes_per_step, 1.0, 0.0, 0.0)
+        return ExchangeStats(self.dense_bytes_per_step, self.dense_bytes_per_step, 1.0, 0.0, 0.0, "allreduce")
 
     def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer) -> ExchangeStats:
         world = _world(self.group)
@@ -123,11 +131,17 @@ class SparseReducer:
             return self._dense_step(flat_grad, world, timer)
         n_compressed = self.compressed_numel
         grad, whole = flat_grad[:n_compressed], flat_grad[n_compressed:]
-        want_stats = self.stats_every > 0 and step % self.stats_every == 0
-        grad_sq = float(torch.dot(grad, grad)) if want_stats and not self.memory.enabled else None
+        want_stats = self.wants_stats(step)
+        grad_sq = None
+        if want_stats and not self.memory.enabled:
+            with timer.untimed():
+                grad_sq = float(torch.dot(grad, grad))
         with timer.phase("compress"):
             payload = self.pack(grad, whole, self._step_seed(step))
-        stats = self.memory.stats(payload, grad_sq) if want_stats else (None, None)
+        stats = (None, None)
+        if want_stats:  # a host sync on CUDA: logged steps only, left out of the step's time
+            with timer.untimed():
+                stats = self.memory.stats(payload, grad_sq)
         with timer.phase("exchange"):
             self.communicate()
         with timer.phase("decompress"):
@@ -138,6 +152,7 @@ class SparseReducer:
             density=self.density,
             compression_error=stats[0],
             memory_norm=stats[1],
+            collective=self.aggregation,
         )
 
     # --- the three phases of ``reduce``, also driven one bucket at a time by sparsetrain.ddp ---

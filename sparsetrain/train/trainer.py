@@ -27,10 +27,11 @@ from omegaconf import OmegaConf
 
 from sparsetrain.comm import build_exchange
 from sparsetrain.comm.group import RankInfo, pick_device
+from sparsetrain.costmodel import wire_bytes
 from sparsetrain.data import ShardedLoader, eval_batches, load_dataset
 from sparsetrain.errors import ConfigError, Diverged, Preempted, one_line_error
 from sparsetrain.models import param_groups_for_weight_decay
-from sparsetrain.results import PHASES, Heartbeat, NullWriter, RunWriter, echo
+from sparsetrain.results import PHASES, Heartbeat, NullWriter, RunWriter, echo, logged_step
 from sparsetrain.timing import PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
@@ -86,6 +87,7 @@ class Trainer:
             block_size=cfg.scheme.block_size,
             warmup_steps=cfg.scheme.warmup_steps,
             compressor=compressor,
+            stats_every=cfg.train.log_every,  # compression statistics on logged steps only
         )
         if cfg.dist.overlap:
             self.reducer.attach(self.params, self.flat_grad)
@@ -128,6 +130,7 @@ class Trainer:
         self.nonfinite = torch.tensor([math.inf, 0.0], dtype=torch.float64, device=self.device)
         self.elapsed_s = 0.0
         self.bytes_sent_total = 0  # per rank, warm-up steps included
+        self.wire_bytes_total = 0  # per rank, as the ring collectives move them (costmodel.wire_bytes)
         self.memory_norm_max = 0.0  # rank 0's error-feedback memory norm, largest logged
         self._stop_requested = False
         if info.world_size > 1:  # robust to seeding differences: start from rank 0's weights
@@ -155,6 +158,7 @@ class Trainer:
             "epoch_stats": self.epoch_stats.cpu(),
             "elapsed_s": self.elapsed_s,
             "bytes_sent_total": self.bytes_sent_total,
+            "wire_bytes_total": self.wire_bytes_total,
             "memory_norm_max": self.memory_norm_max,
             "timer": self.timer.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -172,6 +176,7 @@ class Trainer:
         self.epoch_stats = state["epoch_stats"].to(self.device, copy=True)
         self.elapsed_s = state["elapsed_s"]
         self.bytes_sent_total = state.get("bytes_sent_total", 0)
+        self.wire_bytes_total = state.get("wire_bytes_total", 0)
         self.memory_norm_max = state.get("memory_norm_max", 0.0)
         self.timer.load_state_dict(state["timer"])
         torch.set_rng_state(state["torch_rng"])
@@ -293,6 +298,7 @@ class Trainer:
             self.nonfinite = torch.where(first_bad, here, self.nonfinite)
         self.epoch_stats += batch
         self.bytes_sent_total += stats.bytes_sent  # a Python int: no device sync
+        self.wire_bytes_total += self._wire_bytes(stats.collective, stats.bytes_sent)
         self.step += 1
         return loss, stats, result.lr
 
@@ -307,6 +313,7 @@ class Trainer:
             "train_loss": loss.item(),
             "time_ms": dict(self.timer.last),
             "bytes_sent": stats.bytes_sent,
+            "wire_bytes": self._wire_bytes(stats.collective, stats.bytes_sent),
             "density": stats.density,
             "compression_error": stats.compression_error,
             "memory_norm": stats.memory_norm,
@@ -375,6 +382,7 @@ class Trainer:
             num_parameters=self.num_parameters,
             num_classes=self.data.num_classes,
             bytes_sent_per_step=self.reducer.bytes_sent_per_step,
+            wire_bytes_per_step=self._wire_bytes(self.reducer.collective, self.reducer.bytes_sent_per_step),
             dense_bytes_per_step=self.reducer.dense_bytes_per_step,
             **self._exchange_fields(),
             resumed_from_step=self.step if resumed else None,
@@ -422,7 +430,7 @@ class Trainer:
                 self.batch_in_epoch += 1
                 if bar is not None:
                     bar.update(1)
-                if self.step % cfg.train.log_every == 0 or self.step == 1:
+                if logged_step(self.step, cfg.train.log_every):  # the reducer's stats steps too
                     self._log_step(loss, stats, lr)
                     # Every rank checks at the same steps, so all stop together.
                     if self._stop_agreed():
@@ -439,6 +447,10 @@ class Trainer:
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
+
+    def _wire_bytes(self, collective: str | None, nbytes: int) -> int:
+        """Bytes this rank puts on its link for ``nbytes`` through ``collective`` (ring model)."""
+        return round(wire_bytes(collective, nbytes, self.info.world_size))
 
     def _exchange_fields(self) -> dict:
         """What the exchange sends once compression runs, and when it started."""
@@ -469,6 +481,7 @@ class Trainer:
             "peak_memory_mb": peak_mb,
             "peak_memory_of": "cuda_max_allocated" if on_cuda else "process_max_rss",
             "bytes_sent_total": self.bytes_sent_total,
+            "wire_bytes_total": self.wire_bytes_total,
             "memory_norm_max": self.memory_norm_max if self.cfg.scheme.name != "none" else None,
             "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": self.elapsed_s,

@@ -1,0 +1,301 @@
+"""Time to accuracy: a run's measured compute, the exchange the alpha-beta model predicts for a
+chosen bandwidth and worker count, and the run's own test-accuracy curve.
+
+For each completed run that trained (runs that did not are listed, never ranked):
+
+- **predicted step** = the run's measured phases (``data + forward + backward + compress +
+  decompress + optimizer``, mean ms per step from ``summary.json``) + the exchange that
+  ``costmodel`` predicts for the run's payload (``bytes_sent_per_step``) through its collective
+  (dense: AllReduce; sparse: its aggregation) at ``workers`` and ``bandwidth``. AllGather's
+  decompress grows with the workers (one payload each: ``decompress x workers / run's workers``,
+  as ``costmodel.CostModel.step_ms`` models it). Warm-up steps (``scheme.warmup_steps``) are
+  predicted as dense steps: compute + an AllReduce of the whole buffer.
+- **steps to target**: the first step where the test accuracy reaches the target, linearly
+  interpolated between consecutive evaluations (the epoch records of ``metrics.jsonl``; a record
+  that repeats the previous evaluation, written at an epoch without one, is skipped). A run
+  whose last evaluation is below the target has not reached it: "not reached", never
+  extrapolated. Reached at the first evaluation: that evaluation's step (an upper bound).
+- **time to target** = warm-up steps x predicted warm-up step + the remaining steps x predicted
+  step.
+
+The alpha-beta parameters are either the cost model's defaults (``DEFAULT_ALPHA_S`` per message,
+``beta = 1.062 x 8 / B``: TCP/IP framing on a link of B bit/s, no per-byte CPU floor) or a fit
+from ``scripts/bench_collectives.py`` (``costmodel.json``: alpha and the CPU floor of that
+cluster); the table says which. Assumptions, stated under every table: the steps to target are the
+run's own, measured at its worker count and global batch; at another worker count they are
+assumed unchanged (how the number of steps to an accuracy moves with the global batch is not
+modelled); the compute phases are the run's own, on its hardware; the exchange is not overlapped
+with backward (a dense run with ``dist.overlap=true`` measured part of its exchange inside
+``backward``, which then counts twice: its prediction is an upper bound).
+
+No torch: plain files and the cost model's floats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from matplotlib.lines import Line2D
+
+from sparsetrain.costmodel import Collective, CostModel, SchemeCost
+
+from .figures import LINESTYLES, MARKERS, SCHEME_COLORS, _empty, _label, _new_figure, style
+from .loader import REPLICATE, _read_metrics, collective_of, completed, not_completed
+from .tables import LABELS, Table, _constant_note, _display_axis, sort_rows, varying_axes
+
+#: assumed per-message latency of the default model (s): a small message between two hosts over
+#: datacenter Ethernet with TCP; pass ``alpha_s`` or a fitted ``costmodel.json`` to change it
+DEFAULT_ALPHA_S = 50e-6
+COLLECTIVES = ("allreduce", "allgather")
+#: the measured phases that stay when only the network changes
+COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
+
+
+@dataclass
+class ExchangeModel:
+    """The alpha-beta collectives used for prediction, and where their numbers come from."""
+
+    collectives: dict[str, Collective]
+    source: str
+
+    def time_ms(self, collective: str, nbytes: float, workers: int, rate_bits: float) -> float:
+        return 1e3 * self.collectives[collective].at_rate(rate_bits).time(nbytes, workers)
+
+
+def default_model(alpha_s: float = DEFAULT_ALPHA_S) -> ExchangeModel:
+    """Ring collectives with ``alpha_s`` per message and the wire alone per byte (no CPU floor)."""
+    cols = {name: Collective(name, alpha_s, 0.0, None, floor_beta=0.0) for name in COLLECTIVES}
+    return ExchangeModel(cols, f"cost model defaults: alpha {alpha_s * 1e6:g} us per message (assumed), "
+                               "beta = 1.062 x 8 / bandwidth (TCP/IP framing), no CPU floor")
+
+
+def fitted_model(path: str | Path) -> ExchangeModel:
+    """The collectives fitted by ``scripts/bench_collectives.py`` (``costmodel.json``): alpha and
+    the per-byte CPU floor of that cluster kept, the wire term set by the chosen bandwidth."""
+    data = json.loads(Path(path).read_text())
+    cols = {name: Collective(**data["collectives"][name]) for name in COLLECTIVES}
+    parts = [f"{name} alpha {c.alpha * 1e6:.1f} us, CPU floor {c.cpu_beta * 1e9:.2f} ns/B" for name, c in cols.items()]
+    return ExchangeModel(cols, f"fitted alpha-beta from {path} ({'; '.join(parts)})")
+
+
+# --- one run ------------------------------------------------------------------------------------
+
+
+def accuracy_curve(run_dir: str | Path) -> list[tuple[float, float]]:
+    """``(step, test_accuracy)`` of each evaluation in the run's ``metrics.jsonl``, in order.
+    Epoch records of epochs without an evaluation repeat the last one (same accuracy and loss):
+    they are skipped so that interpolation runs between real evaluations."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    curve, last = [], None
+    for record in _read_metrics(path):
+        if record.get("kind") != "epoch" or record.get("test_accuracy") is None or record.get("step") is None:
+            continue
+        key = (record["test_accuracy"], record.get("test_loss"))
+        if key == last:
+            continue
+        last = key
+        curve.append((float(record["step"]), float(record["test_accuracy"])))
+    return curve
+
+
+def steps_to_target(curve: list[tuple[float, float]], target: float) -> float:
+    """First step where the curve reaches ``target``, linear between evaluations; NaN when it
+    never does (no extrapolation past the last evaluation)."""
+    previous = None
+    for step, acc in curve:
+        if acc >= target:
+            if previous is None:
+                return step
+            (s0, a0) = previous
+            return s0 + (target - a0) / (acc - a0) * (step - s0)
+        previous = (step, acc)
+    return math.nan
+
+
+def _ms(row, phase: str) -> float:
+    value = row.get(f"time_{phase}_ms", math.nan)
+    return math.nan if value is None else float(value)
+
+
+def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeModel) -> tuple[float, float]:
+    """``(compressing step, warm-up step)`` in ms for a loader row at ``workers`` and ``rate_bits``:
+    measured compute phases + predicted exchange (``costmodel.CostModel.step_ms``)."""
+    collective = collective_of(row)
+    world_ref = int(row["world_size"])
+    compute = sum(_ms(row, p) for p in COMPUTE_PHASES)
+    decompress = _ms(row, "decompress")
+    schemes = {
+        "run": SchemeCost("run", collective, float(row["bytes_sent_per_step"]), _ms(row, "compress"), decompress,
+                          decompress / world_ref if collective == "allgather" else 0.0, world_ref),
+        "warmup": SchemeCost("warmup", "allreduce", float(row["dense_bytes_per_step"]), 0.0, 0.0, 0.0, world_ref),
+    }
+    if collective is None:
+        return math.nan, math.nan
+    cm = CostModel({c: model.collectives[c] for c in COLLECTIVES}, compute_ms=compute, schemes=schemes)
+    return cm.step_ms("run", workers, rate_bits), cm.step_ms("warmup", workers, rate_bits)
+
+
+def time_to_target_s(steps: float, warmup_steps: int, step_ms: float, warmup_step_ms: float) -> float:
+    """Warm-up steps at the dense step time, the rest at the scheme's (seconds; NaN if not reached)."""
+    if math.isnan(steps):
+        return math.nan
+    warm = min(float(warmup_steps), steps)
+    return (warm * warmup_step_ms + (steps - warm) * step_ms) / 1e3
+
+
+def _warmup(row) -> int:
+    value = row.get("warmup_steps")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, model: ExchangeModel) -> pd.DataFrame:
+    """One row per (completed run, bandwidth, workers): predicted step ms, steps and seconds to
+    ``target`` (NaN: not reached), with the run's axes."""
+    rows = []
+    for _, run in completed(runs).iterrows():
+        run = run.to_dict()
+        steps = steps_to_target(accuracy_curve(run["run_dir"]), target) if isinstance(run.get("run_dir"), str) else math.nan
+        for gbit in bandwidths_gbit:
+            for w in workers:
+                step_ms, warm_ms = predict_step_ms(run, int(w), float(gbit) * 1e9, model)
+                rows.append({**run, "bandwidth_gbit": float(gbit), "workers": int(w),
+                             "predicted_step_ms": step_ms, "predicted_warmup_step_ms": warm_ms,
+                             "steps_to_target": steps, "reached": float(not math.isnan(steps)),
+                             "time_to_target_s": time_to_target_s(steps, _warmup(run), step_ms, warm_ms)})
+    return pd.DataFrame(rows)
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+def _mean_std(values: pd.Series, digits: str) -> str:
+    values = values.dropna()
+    if values.empty:
+        return "not reached"
+    text = format(values.mean(), digits)
+    if len(values) > 1:
+        text += f" ± {format(values.std(ddof=1), digits)}"
+    return text
+
+
+def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=(1, 10, 100), workers=(8, 64),
+                           model: ExchangeModel | None = None) -> Table:
+    """Configuration (scheme + the axes that vary) x bandwidth x workers: predicted step ms,
+    steps to ``target`` and time to ``target`` (mean ± std over the seeds that reached it, and
+    how many of the seeds did). Runs that did not complete or did not train are listed under it."""
+    model = model or default_model()
+    done = completed(runs)
+    missing = not_completed(runs).reset_index(drop=True)
+    title = f"Time to {target * 100:g}% test accuracy: measured compute + predicted exchange"
+    notes = [
+        f"Exchange: {model.source}.",
+        "Predicted step = the run's measured data + forward + backward + compress + decompress + "
+        "optimizer (ms/step) + the predicted exchange of its payload through its collective; "
+        "AllGather's decompress scales with workers; warm-up steps as dense steps.",
+        "Steps to target: linear between the run's evaluations, not extrapolated; measured at the "
+        "run's own workers and global batch and assumed unchanged at other worker counts. "
+        "Mean ± std over the seeds that reached the target; reached = seeds that did / seeds.",
+    ]
+    if done.empty:
+        return Table("time_to_accuracy", title, pd.DataFrame(), pd.DataFrame(), missing, notes)
+    by = ["scheme", *[a for a in varying_axes(done) if a != "scheme"]]
+    notes = _constant_note(done, by) + notes
+    data = predict_runs(done, target, bandwidths_gbit, workers, model)
+    keys = [*by, "bandwidth_gbit", "workers"]
+    for column in by:
+        data[column] = data[column].astype(object).where(data[column].notna(), "-")
+    per_seed = data.groupby([*keys, REPLICATE], dropna=False, sort=False)[
+        ["predicted_step_ms", "steps_to_target", "time_to_target_s", "reached"]].mean().reset_index()
+    groups = per_seed.groupby(keys, dropna=False, sort=False)
+    out_rows, display = [], []
+    for key, group in groups:
+        entry = dict(zip(keys, key, strict=True))
+        reached = int((group["reached"] > 0).sum())
+        n = len(group)
+        times = group.loc[group["reached"] > 0, "time_to_target_s"]
+        steps = group.loc[group["reached"] > 0, "steps_to_target"]
+        out_rows.append({**entry, "predicted_step_ms_mean": group["predicted_step_ms"].mean(),
+                         "predicted_step_ms_std": group["predicted_step_ms"].std(ddof=1),
+                         "steps_to_target_mean": steps.mean() if reached else math.nan,
+                         "steps_to_target_std": steps.std(ddof=1) if reached > 1 else math.nan,
+                         "time_to_target_s_mean": times.mean() if reached else math.nan,
+                         "time_to_target_s_std": times.std(ddof=1) if reached > 1 else math.nan,
+                         "reached": reached, "n": n})
+    data_out = sort_rows(pd.DataFrame(out_rows), keys)
+    for _, row in data_out.iterrows():
+        mask = (per_seed[keys] == row[keys]).all(axis=1)
+        group = per_seed[mask]
+        hit = group[group["reached"] > 0]
+        entry = {LABELS.get(a, a): _display_axis(a, row[a]) for a in by}
+        entry["bandwidth (Gbit/s)"] = f"{row['bandwidth_gbit']:g}"
+        entry["workers"] = int(row["workers"])
+        entry["predicted step (ms)"] = _mean_std(group["predicted_step_ms"], ".1f")
+        entry["steps to target"] = _mean_std(hit["steps_to_target"], ".0f")
+        entry["time to target (s)"] = _mean_std(hit["time_to_target_s"], ".3g")
+        entry["reached"] = f"{int(row['reached'])}/{int(row['n'])}"
+        display.append(entry)
+    return Table("time_to_accuracy", title, pd.DataFrame(display), data_out, missing, notes)
+
+
+def plot_time_to_accuracy(table: Table) -> object:
+    """Time to target vs bandwidth (log-log), one line per configuration, one panel per worker
+    count; error bars ±1 std over the seeds that reached it; configurations that never reach it
+    are named in the legend."""
+    with style():
+        data = table.data
+        if data.empty:
+            fig, axes = _new_figure()
+            return _empty(fig, axes[0, 0], "no completed runs")
+        workers = sorted(data["workers"].unique())
+        fig, axes = _new_figure(ncols=len(workers), width=4.4, height=3.4)
+        config_axes = [c for c in data.columns if c not in ("bandwidth_gbit", "workers") and not c.endswith(
+            ("_mean", "_std")) and c not in ("reached", "n")]
+        others = [a for a in config_axes if a != "scheme"]
+        configs = data[config_axes].drop_duplicates()
+        configs = sort_rows(configs, config_axes)
+        styles = {tuple(str(v) for v in row[others]): i for i, (_, row) in enumerate(
+            configs[others].drop_duplicates().iterrows())} if others else {(): 0}
+        legend: dict[str, object] = {}
+        for ax, w in zip(axes[0], workers, strict=True):
+            panel = data[data["workers"] == w]
+            for _, config in configs.iterrows():
+                mask = (panel[config_axes] == config[config_axes]).all(axis=1)
+                lines = panel[mask].sort_values("bandwidth_gbit")
+                index = styles[tuple(str(config[a]) for a in others)]
+                label = ", ".join(_label(a, config[a]) for a in config_axes if config[a] != "-")
+                color = SCHEME_COLORS.get(config["scheme"])
+                ok = lines.dropna(subset=["time_to_target_s_mean"])
+                if ok.empty:
+                    legend.setdefault(f"{label} (not reached)",
+                                      Line2D([], [], color=color, linestyle="", marker="x"))
+                    continue
+                legend[label] = ax.errorbar(ok["bandwidth_gbit"], ok["time_to_target_s_mean"],
+                            yerr=ok["time_to_target_s_std"].fillna(0.0), color=color, capsize=3,
+                            linestyle=LINESTYLES[index % len(LINESTYLES)], marker=MARKERS[index % len(MARKERS)],
+                            label=label)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ticks = sorted(data["bandwidth_gbit"].unique())
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.set_xlabel("bandwidth per link (Gbit/s)")
+            ax.set_ylabel("predicted time to target (s)")
+            ax.set_title(f"{w} workers")
+        fig.legend(list(legend.values()), list(legend), loc="outside lower center", ncols=2)
+        fig.suptitle(table.title, fontsize=10)
+        return fig
+
+
+__all__ = [
+    "COMPUTE_PHASES", "DEFAULT_ALPHA_S", "ExchangeModel", "accuracy_curve", "default_model",
+    "fitted_model", "plot_time_to_accuracy", "predict_runs", "predict_step_ms", "steps_to_target",
+    "time_to_accuracy_table", "time_to_target_s",
+]
