@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,7 +69,8 @@ def test_bench_step_cleans_up_when_a_rank_fails(tmp_path):
            "--override", "ratio=2", "--out", str(tmp_path), "--rate-timeout", "120"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode != 0
-    assert "netcluster exited" in p.stderr and "ratio" in p.stderr, p.stderr[-3000:]
+    # the workers' own error, not only torchrun's summary
+    assert "netcluster exited" in p.stderr and "ConfigError: ratio" in p.stderr, p.stderr[-3000:]
     assert set(_ours()) <= before
 
 
@@ -140,5 +142,5 @@ def test_bench_ddp_tiny_end_to_end(tmp_path):
     assert sent["compute"] == 0 and sent["ddp_fp16"] * 2 == sent["ddp"]
     assert sent["ddp_blockk"] == sent["reducer_blockk"] < sent["ddp"] / 50  # 1% + the 1-D tensors
     assert 0.8 < sent["ddp_powersgd"] / sent["ddp_blockk"] < 1.2  # matched bytes
-    assert "| ddp_blockk |" in (tmp_path / "ddp.txt").read_text()
+    assert re.search(r"^\| ddp_blockk +\|", (tmp_path / "ddp.txt").read_text(), re.M)
     assert set(_ours()) <= before

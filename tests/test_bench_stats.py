@@ -192,3 +192,11 @@ def test_rows_are_built_from_the_studies_config():
     assert (ar.scheme.name, ar.aggregation.name) == ("randk", "allreduce")
     with pytest.raises(ConfigError):  # refused as the CLI refuses it
         harness.study_config(["experiment=cpu_scale", "scheme=topk", "aggregation=allreduce"], 1)
+
+
+def test_worker_errors_names_the_ranks_own_exception():
+    out = ("[r0] [rank0]: sparsetrain.errors.ConfigError: ratio=2.0 is not allowed\n"
+           "[r1] torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+           "[r1] [rank1]: sparsetrain.errors.ConfigError: ratio=2.0 is not allowed\n[r1] exitcode  : 1\n")
+    assert harness.worker_errors(out) == ": sparsetrain.errors.ConfigError: ratio=2.0 is not allowed"
+    assert harness.worker_errors("[r0] all fine\n") == ""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -78,11 +79,22 @@ def run_on_cluster(worker: list[str], *, nproc: int, rate: str, tag: str, name: 
             p.kill()
         raise
     if p.returncode != 0 or not tmp.exists():
-        raise RuntimeError(f"rate {rate}: netcluster exited {p.returncode}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+        raise RuntimeError(f"rate {rate}: netcluster exited {p.returncode}{worker_errors(stdout)}\n"
+                           f"{stdout[-3000:]}\n{stderr[-3000:]}")
     res = json.loads(tmp.read_text())
     tmp.unlink()
     res["meta"]["wall_s"] = time.time() - t0
     return res
+
+
+def worker_errors(output: str, limit: int = 4) -> str:
+    """The workers' own exception lines in netcluster's output (torchrun's summaries aside)."""
+    seen = []
+    for line in output.splitlines():
+        text = re.sub(r"^(\[[^\]]*\]:? )+", "", line).strip()  # "[r0] [rank0]: " prefixes
+        if re.match(r"^[\w.]+(Error|Exception): ", text) and "ChildFailedError" not in text and text not in seen:
+            seen.append(text)
+    return (": " + " | ".join(seen[:limit])) if seen else ""
 
 
 def stop_on_signals() -> None:
