@@ -26,7 +26,7 @@ data:  ## make Fashion-MNIST available offline (Debian package when apt and root
 	@bash scripts/get_data.sh
 
 run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 ranks, Fashion-MNIST
-	$(PY) scripts/compare.py
+	$(PY) -m sparsetrain.benchmarks.compare
 
 test: venv data  ## fast test suite (under ~10 minutes on 2 cores)
 	$(PY) -m pytest -m "not slow" -q
@@ -54,20 +54,20 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	$(call study,rq3_aggregation,$(RESULTS)/rq1_scope $(RESULTS)/rq3_aggregation $(RESULTS)/rq4_workers,--where scheme=randk$(comma)blockk --where scope=layerwise)
 	$(call study,rq4_workers,$(RESULTS)/baseline $(RESULTS)/rq1_scope $(RESULTS)/rq4_workers $(RESULTS)/rq4_global)
 	$(call study,rq5_speed,$(RESULTS)/rq5_speed)
-	$(PY) scripts/bench_step.py --report $(RESULTS)/bench/step.json
-	$(PY) scripts/bench_collectives.py --model-only --out $(RESULTS)/bench
+	$(PY) -m sparsetrain.benchmarks.step --report $(RESULTS)/bench/step.json --out $(RESULTS)/bench
+	$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/bench
 
 bench: venv  ## compressor micro-benchmark (1 thread, 3 rounds) -> results/bench/compress.json
-	$(PY) scripts/bench_compress.py --threads 1 --json results/bench/compress.json
+	$(PY) -m sparsetrain.benchmarks.compress --threads 1 --json results/bench/compress.json
 
-bench-step: venv  ## 4 ranks on a tc-shaped netns cluster: step time by phase vs bandwidth (root, ~8 min)
-	$(PY) scripts/bench_step.py --out results/bench
+bench-step: venv  ## 4 ranks on a netcluster: step time of every studied scheme vs bandwidth, 9 interleaved rounds, medians + 95% intervals (root; ~40 min on 2 cores)
+	$(PY) -m sparsetrain.benchmarks.step --out results/bench
 
 bench-ddp: venv  ## 4 ranks on a tc-shaped netns cluster: DDP + sparsetrain hooks vs PowerSGD, fp16, DDP, compute (root)
-	$(PY) scripts/bench_ddp.py --out results/bench
+	$(PY) -m sparsetrain.benchmarks.ddp --out results/bench
 
 bench-model: venv  ## collective micro-benchmark, alpha-beta fit, model check, break-even map (root, after bench-step)
-	$(PY) scripts/bench_collectives.py --out results/bench
+	$(PY) -m sparsetrain.benchmarks.collectives --out results/bench
 
 gpu-check: venv  ## the CUDA path on one GPU (<5 min): cuda tests, compressor + step-time benchmarks -> results/bench/gpu_*
 	PY=$(PY) OUT=$(RESULTS)/bench bash scripts/gpu_check.sh

@@ -42,9 +42,9 @@ stage() {  # stage NAME FILE TIMEOUT CMD...: run CMD, tee its output under the h
 
 stage "cuda tests" "$OUT/gpu_tests.txt" 200 "$PY" -m pytest -m cuda -rs -q -p no:cacheprovider tests/
 stage "compressor benchmark" "$OUT/gpu_compress.txt" 120 \
-    "$PY" scripts/bench_compress.py --device cuda --repeats 15 --rounds 3 --json "$OUT/gpu_compress.json"
+    "$PY" -m sparsetrain.benchmarks.compress --device cuda --repeats 15 --rounds 3 --json "$OUT/gpu_compress.json"
 stage "step-time table" "$OUT/gpu_step_log.txt" 120 \
-    "$PY" scripts/bench_step_device.py --device cuda --out "$OUT"
+    "$PY" -m sparsetrain.benchmarks.step_device --device cuda --out "$OUT"
 
 {
     echo "$HEAD"

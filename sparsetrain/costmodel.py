@@ -11,7 +11,7 @@ of ``n`` bytes per worker:
 (1538 bytes on the wire per 1448 of payload: 1.062) and ``cpu`` the per-byte cost the hosts need
 at infinite bandwidth (copies, the reduction, the kernel's TCP stack; pipelined with sending, so
 the slower of the two sets the pace): on a CPU box it bounds the collective at high rates. :func:`fit` finds alpha and beta per collective from a
-micro-benchmark (``scripts/bench_collectives.py``); :meth:`Collective.at_rate` re-targets the fitted
+micro-benchmark (``python -m sparsetrain.benchmarks.collectives``); :meth:`Collective.at_rate` re-targets the fitted
 model to another bandwidth by keeping ``alpha`` and ``cpu`` (``floor_beta``, e.g. the beta fitted on
 the fastest link measured) and replacing the wire term.
 

@@ -1,10 +1,12 @@
-"""scripts/bench_step.py end to end on a tiny cluster (marker netns: root + ip netns + tc)."""
+"""The step and DDP benchmarks end to end on a tiny netcluster (one torchrun node per namespace;
+marker netns: root + ip netns + tc), through the old scripts/*.py command lines."""
 
 from __future__ import annotations
 
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,20 +28,34 @@ def _ours() -> list[str]:
 def test_bench_step_tiny_end_to_end(tmp_path):
     before = set(_ours())
     cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--rates", "2gbit,paper",
-           "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "1",
+           "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "2",
            "--schemes", "compute,dense,blockk,ddp", "--out", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "step.json").read_text())
+    assert doc["schema"] == 2
     labels = [r["meta"]["label"] for r in doc["results"]]
     assert labels == ["2gbit", "paper"]
     for r in doc["results"]:
-        assert set(r["schemes"]) == {"compute", "dense", "blockk", "ddp"}
-        assert r["schemes"]["dense"]["phases_ms"]["exchange"] > 0
-        assert "exchange" not in r["schemes"]["compute"]["phases_ms"]
-        assert all(v > 0 for v in r["schemes"]["blockk"]["peak_rss_mb_per_rank"])
+        s = r["schemes"]
+        # "blockk" = both aggregations the studies train it with
+        assert set(s) == {"compute", "dense", "blockk_ag", "blockk_ar", "ddp"}
+        assert r["meta"]["rounds"] == 2 and r["meta"]["preset"] == "cpu_scale"
+        assert s["dense"]["phases_ms"]["exchange"] > 0
+        assert "exchange" not in s["compute"]["phases_ms"] and s["compute"]["bytes_sent_per_step"] == 0
+        assert all(v > 0 for v in s["blockk_ag"]["peak_rss_mb_per_rank"])
+        for row in s.values():
+            assert len(row["round_ms"]) == 2 and row["ci_low_ms"] <= row["step_ms"] <= row["ci_high_ms"]
+        for agg in ("ag", "ar"):
+            o = s[f"blockk_{agg}"]["options"]
+            assert o["aggregation"] == {"ag": "allgather", "ar": "allreduce"}[agg]
+            assert o["uncompressed"] == "1d" and o["error_feedback"] and o["model"] == "resnet18"
+        # AllGather sends its own positions too: more bytes than the shared-seed AllReduce
+        assert s["blockk_ag"]["bytes_sent_per_step"] > s["blockk_ar"]["bytes_sent_per_step"]
+    assert "compute_flat" in doc["noise_check"]
     rows = list(csv.DictReader(open(tmp_path / "step.csv")))
-    assert len(rows) == 8 and (tmp_path / "step_vs_bandwidth.png").exists()
+    assert len(rows) == 10 and (tmp_path / "step_vs_bandwidth.png").exists()
+    assert "noise check" in (tmp_path / "step.txt").read_text()
     assert set(_ours()) <= before  # every namespace and link of the run is gone
 
 
@@ -47,12 +63,14 @@ def test_bench_step_tiny_end_to_end(tmp_path):
 @requires_netns
 def test_bench_step_cleans_up_when_a_rank_fails(tmp_path):
     before = set(_ours())
-    # an unknown scheme makes every rank fail inside its namespace
+    # an invalid ratio makes every rank fail inside its namespace (the config check in the worker)
     cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--rates", "1gbit", "--nproc", "2",
-           "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "1", "--schemes", "nosuch",
-           "--out", str(tmp_path), "--rate-timeout", "120"]
+           "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "1", "--schemes", "compute",
+           "--override", "ratio=2", "--out", str(tmp_path), "--rate-timeout", "120"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode != 0
+    # the workers' own error, not only torchrun's summary
+    assert "netcluster exited" in p.stderr and "ConfigError: ratio" in p.stderr, p.stderr[-3000:]
     assert set(_ours()) <= before
 
 
@@ -124,5 +142,5 @@ def test_bench_ddp_tiny_end_to_end(tmp_path):
     assert sent["compute"] == 0 and sent["ddp_fp16"] * 2 == sent["ddp"]
     assert sent["ddp_blockk"] == sent["reducer_blockk"] < sent["ddp"] / 50  # 1% + the 1-D tensors
     assert 0.8 < sent["ddp_powersgd"] / sent["ddp_blockk"] < 1.2  # matched bytes
-    assert "| ddp_blockk |" in (tmp_path / "ddp.txt").read_text()
+    assert re.search(r"^\| ddp_blockk +\|", (tmp_path / "ddp.txt").read_text(), re.M)
     assert set(_ours()) <= before

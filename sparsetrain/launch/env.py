@@ -2,7 +2,7 @@
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, TORCHELASTIC_RUN_ID, SLURM_*, SUBMITIT_*).
 
 - ``torchrun`` (or any launcher exporting RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, such as
-  scripts/netns_cluster.py): this process is one rank.
+  launch/netcluster.py, which runs torchrun in each namespace): this process is one rank.
 - a SLURM task (``srun`` or Hydra's submitit launcher): this process is one rank; rank, world and
   master address/port come from submitit's helpers.
 - otherwise ``spawn``: this process starts ``world_size`` local ranks (``launch.spawn``).

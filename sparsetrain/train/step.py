@@ -1,6 +1,6 @@
 """One training step: data, forward, backward, exchange, optimizer, each timed as a phase.
 
-The trainer and every benchmark (scripts/bench_step.py, scripts/bench_step_device.py,
+The trainer and every benchmark (sparsetrain/benchmarks/: step, ddp, step_device;
 tests/test_bench.py) run this same step, so a benchmark times exactly what training does.
 
 The gradients live in one flat buffer (``comm.flat``): backward writes into it, the reducer
@@ -37,7 +37,7 @@ class TrainStep:
 
     ``lr``: ``i -> learning rate``, set on every parameter group before the optimizer steps
     (None: leave the optimizer's). ``before_exchange``: called between backward and exchange
-    (bench_step.py times the wait for the slowest rank there, as its own phase).
+    (benchmarks/step.py times the wait for the slowest rank there, as its own phase).
     """
 
     def __init__(

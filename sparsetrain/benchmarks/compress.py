@@ -1,0 +1,260 @@
+"""Compressor benchmark: ms and "gradient copies" for every scheme x scope, with error feedback.
+
+Measures, on the ResNet-18 (CIFAR) gradient (11,173,962 floats, real tensor shapes):
+  compress+EF  = memory += grad; choose k entries; gather values; zero them in memory
+  decompress   = out.zero_(); expand positions; out[idx] += values
+"copies" = the median over repeats of (time of the call / time of one gradient copy timed right
+before it), so that load changes on a shared machine cancel out; next to references measured in
+the same run: one ``out.copy_(g)`` (the unit), an EF add,
+``torch.topk(g.abs(), k)``, ``torch.randperm(n)[:k]`` and numpy ``choice(n, k, replace=False)``.
+
+    python -m sparsetrain.benchmarks.compress --threads 1 --repeats 7 --rounds 3 --ratio 0.01 --json bench.json
+    python -m sparsetrain.benchmarks.compress --device cuda --repeats 20 --json results/bench/gpu_compress.json
+
+``--device``: ``cpu``, ``cuda`` (one GPU; timed with CUDA events, the device synchronised before
+each timed call) or ``auto`` (the CPU, then the GPU when there is one). Goals: compress + EF <=
+5 copies for top-k, <= 2 for random-k and block-k; top-k >= 12x ``torch.topk`` on the CPU, >= 5x
+on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from sparsetrain.compress import ErrorFeedback, Layout, get_compressor, step_seed
+
+
+def resnet18_shapes() -> list[tuple[int, ...]]:
+    """Parameter shapes of the CIFAR ResNet-18 (from sparsetrain.models when it is there)."""
+    try:
+        from sparsetrain.models import build_model
+
+        return [tuple(p.shape) for p in build_model("resnet18", 3, 10).parameters()]
+    except Exception:  # noqa: BLE001  (fall back to the hard-coded list)
+        pass
+    shapes = [(64, 3, 3, 3), (64,), (64,)]
+    cin = 64
+    for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+        for j in range(2):
+            s = stride if j == 0 else 1
+            shapes += [(width, cin, 3, 3), (width,), (width,), (width, width, 3, 3), (width,), (width,)]
+            if s != 1 or cin != width:
+                shapes += [(width, cin, 1, 1), (width,), (width,)]
+            cin = width
+    return shapes + [(10, 512), (10,)]
+
+
+def clock(device: torch.device):
+    """``ms(fn)``: milliseconds one call of ``fn`` takes. On CUDA between two events recorded
+    around it, after a synchronize (nothing queued before it counts), read after the end event
+    completed; on the CPU wall-clock."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+        def ms(fn):
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        return ms
+
+    def ms(fn):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    return ms
+
+
+def timeit(fn, repeats: int, device: torch.device) -> float:
+    """Median milliseconds over ``repeats`` calls after one warm-up call."""
+    ms = clock(device)
+    ms(fn)
+    return statistics.median(ms(fn) for _ in range(repeats))
+
+
+def timeit_ratio(fn, ref, repeats: int, device: torch.device) -> tuple[float, float]:
+    """(median ms of fn, median of fn/ref per repeat): ``ref`` (one copy) is timed right before
+    each call of ``fn``, so that load changes on a shared machine cancel out of the ratio."""
+    clk = clock(device)
+    clk(fn)
+    ms, ratios = [], []
+    for _ in range(repeats):
+        t_ref = clk(ref)
+        t_fn = clk(fn)
+        ms.append(t_fn)
+        ratios.append(t_fn / t_ref)
+    return statistics.median(ms), statistics.median(ratios)
+
+
+def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int) -> dict:
+    shapes = resnet18_shapes()
+    layout = Layout.from_sizes([int(np.prod(s)) for s in shapes])
+    n = layout.total
+    k = max(1, round(ratio * n))
+    gen = torch.Generator(device=device).manual_seed(0)
+    g = torch.randn(n, generator=gen, device=device)
+    out = torch.empty_like(g)
+    out2 = torch.empty_like(g)
+    mem = torch.zeros_like(g)
+    copy_ms = timeit(lambda: out.copy_(g), repeats, device)
+    ref = {
+        "copy": copy_ms,
+        "ef_add": timeit(lambda: mem.add_(g), repeats, device),
+        "torch.topk(g.abs(),k)": timeit(lambda: torch.topk(g.abs(), k), max(3, repeats // 2), device),
+        "torch.randperm(n)[:k]": timeit(lambda: torch.randperm(n, device=device)[:k], max(3, repeats // 2), device),
+    }
+    if device.type == "cpu":
+        legacy = np.random.RandomState(0)  # np.random.choice, as in the PowerSGD code
+        ref["np.random.choice(replace=False)"] = timeit(lambda: legacy.choice(n, k, replace=False), 3, device)
+        rng = np.random.default_rng(0)  # numpy's newer Generator: O(k) for k << n
+        ref["np Generator.choice(replace=False)"] = timeit(lambda: rng.choice(n, k, replace=False), 3, device)
+    # references: ratios to a copy timed right before each call, too
+    ref_cp = {}
+    for name, fn, r in (("copy", lambda: out.copy_(g), repeats), ("ef_add", lambda: mem.add_(g), repeats),
+                        ("torch.topk(g.abs(),k)", lambda: torch.topk(g.abs(), k), max(3, repeats // 2))):
+        ref_cp[name] = timeit_ratio(fn, lambda: out2.copy_(g), r, device)[1]
+    rows = []
+    for scheme in ("none", "topk", "randk", "blockk"):
+        for scope in ("layerwise", "global"):
+            opts = {"block_size": block_size} if scheme == "blockk" else {}
+            comp = get_compressor(scheme)(ratio, layout, scope, device=device, **opts)
+            ef = ErrorFeedback(n, device=device)
+            values = torch.empty(comp.k, device=device)
+            step = [0]
+
+            def compress_ef(ef=ef, comp=comp, values=values, step=step):
+                step[0] += 1
+                return ef.step(g, comp, seed=step_seed(0, step[0]), out=values)
+
+            def copy_once():
+                out2.copy_(g)
+
+            c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
+            payload = compress_ef()
+
+            def decompress(comp=comp, payload=payload):
+                out.zero_()
+                comp.decompress_add(payload.values, payload.positions, out)
+
+            d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
+            rows.append({"scheme": scheme, "scope": scope, "k": comp.k,
+                         "compress_ef_ms": c_ms, "compress_ef_copies": c_cp,
+                         "decompress_ms": d_ms, "decompress_copies": d_cp})
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
+            "references_ms": ref,
+            "references_copies": {a: ref_cp.get(a, b / copy_ms) for a, b in ref.items()},
+            "schemes": rows}
+
+
+GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None}  # max copies, compress + EF
+SPEEDUP_GOAL = {"cpu": 12.0, "cuda": 5.0}  # top-k compress + EF vs torch.topk(g.abs(), k)
+
+
+def goals(res: dict) -> dict:
+    """The issue's goals, checked on one run's rows (ratios measured side by side)."""
+    by = {(r["scheme"], r["scope"]): r for r in res["schemes"]}
+    out = {}
+    for (scheme, scope), r in by.items():
+        lim = GOALS.get(scheme)
+        if lim is not None:
+            out[f"{scheme}/{scope} compress+EF <= {lim:g} copies"] = r["compress_ef_copies"] <= lim
+            out[f"{scheme}/{scope} decompress <= 2 copies"] = r["decompress_copies"] <= 2.0
+    for scheme in ("topk", "randk", "blockk"):
+        lw, gl = by.get((scheme, "layerwise")), by.get((scheme, "global"))
+        if lw and gl:
+            ratio = lw["compress_ef_copies"] / gl["compress_ef_copies"]  # load-cancelled ratios
+            out[f"{scheme} layerwise/global = {ratio:.2f} <= 1.5"] = ratio <= 1.5
+    topk = res["references_copies"].get("torch.topk(g.abs(),k)")
+    want = SPEEDUP_GOAL[torch.device(res["device"]).type]
+    for scope in ("layerwise", "global"):
+        r = by.get(("topk", scope))
+        if r and topk:
+            speedup = topk / r["compress_ef_copies"]
+            out[f"topk/{scope} speed-up over torch.topk = {speedup:.1f}x >= {want:g}"] = speedup >= want
+    return out
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Median of every number over whole-benchmark rounds (a shared machine's load comes and goes
+    on the scale of a round); the rounds themselves are kept under ``rounds``."""
+    if len(rounds) == 1:
+        return rounds[0]
+    res = dict(rounds[0])
+    for key in ("references_ms", "references_copies"):
+        res[key] = {a: statistics.median(r[key][a] for r in rounds) for a in rounds[0][key]}
+    rows = []
+    for i, row in enumerate(rounds[0]["schemes"]):
+        rows.append({f: (statistics.median(r["schemes"][i][f] for r in rounds) if isinstance(v, float) else v)
+                     for f, v in row.items()})
+    res["schemes"] = rows
+    res["rounds"] = rounds
+    return res
+
+
+def print_table(res: dict) -> None:
+    print(f"\n== {res['device']} ({res.get('device_name', '?')}): n={res['numel']:,} ({res['tensors']} tensors), "
+          f"k={res['k']:,} ==")
+    print(f"{'reference':<36}{'ms':>10}{'copies':>10}")
+    for name, ms in res["references_ms"].items():
+        print(f"{name:<36}{ms:>10.2f}{res['references_copies'][name]:>10.1f}")
+    print(f"\n{'scheme':<8}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
+    for r in res["schemes"]:
+        print(f"{r['scheme']:<8}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
+              f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
+    print("\ngoals:")
+    for name, ok in res.get("goals", {}).items():
+        print(f"  {'met ' if ok else 'MISS'}  {name}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=3, help="whole-benchmark rounds; medians reported")
+    ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--json", default=None, help="write results here")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: the CPU, then the GPU when there is one")
+    ap.add_argument("--no-cuda", action="store_true", help="same as --device cpu")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.no_cuda:
+        args.device = "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_compress.py: --device cuda: no CUDA GPU here (torch.cuda.is_available() is False)",
+              file=sys.stderr)
+        return 2
+    devices = [torch.device("cpu")] if args.device in ("auto", "cpu") else []
+    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    results = {"threads": args.threads, "repeats": args.repeats, "rounds": args.rounds, "ratio": args.ratio,
+               "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+               "runs": []}
+    for dev in devices:
+        rounds = [bench_device(dev, args.ratio, args.repeats, args.block_size) for _ in range(args.rounds)]
+        res = merge_rounds(rounds)
+        res["goals"] = goals(res)
+        print_table(res)
+        results["runs"].append(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""DDP communication hooks on the bandwidth-limited cluster: sparsetrain's hooks vs torch's.
+
+    sudo .venv/bin/python -m sparsetrain.benchmarks.ddp --out results/bench     # make bench-ddp
+
+4 ranks (default) on a netcluster (one torchrun node per tc-shaped network namespace, through
+``harness.run_on_cluster``), ResNet-18 (CIFAR variant) shapes, synthetic data, batch 8 per rank, one
+thread per rank. Configurations:
+
+  compute         forward + backward + optimizer, no exchange (the floor)
+  ddp             torch DDP, its own AllReduce (25 MB buckets, overlapped with backward)
+  ddp_fp16        DDP + torch's fp16_compress_hook
+  ddp_powersgd    DDP + torch's PowerSGD hook (error feedback, warm start) at the rank whose
+                  bytes come closest to the block-k hook's (1% + the whole 1-D tensors), in one
+                  DDP bucket: with several, PowerSGD on gloo fails (it starts its second AllReduce
+                  from a future callback, so ranks can issue collectives in different orders:
+                  "Received data size doesn't match expected size"); so it does not overlap
+                  backward here
+  ddp_blockk      DDP + sparsetrain.ddp hook: block-random-k 1%, layer-wise, AllReduce
+  ddp_randk       DDP + sparsetrain.ddp hook: random-k 1%, layer-wise, AllReduce
+  ddp_topk        DDP + sparsetrain.ddp hook: top-k 1%, layer-wise, AllGather
+  reducer_blockk  sparsetrain's own reducer (build_exchange, block-k 1%, layer-wise, AllReduce)
+                  after backward, as the trainer runs it
+
+Every configuration is rebuilt and timed with the trainer's step (``train.step.TrainStep``;
+DDP's own ``.grad`` tensors, or sparsetrain's reducer after backward) once per round, in a
+rotated round-robin order (``stats.round_order``), for --rounds rounds (>= 5); a round's value is
+the median of its timed steps (each step's time is the slowest rank's; ranks start every step
+together after a barrier). Reported per configuration: the median over rounds and a
+distribution-free confidence interval for it (``stats.median_interval``: order statistics of the
+round values; with 6 or more rounds at least 95%, its exact level is printed): the same
+machinery as ``sparsetrain.benchmarks.step`` (``harness.timed_steps``, ``harness.summarize``).
+
+"paper" as a rate is computed as the step benchmark does (``harness.paper_rate``: where dense
+spends about 27% of its step in exchange), from a short run of the step benchmark's own worker
+(dense only) at --calibrate; --paper-rate skips that run.
+
+    sudo .venv/bin/python -m sparsetrain.benchmarks.ddp                    # paper-like, 250mbit, 4gbit
+    sudo .venv/bin/python -m sparsetrain.benchmarks.ddp --rates paper --rounds 5 --steps 3 --out /tmp/b
+
+Writes <out>/ddp.json and <out>/ddp.txt. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from sparsetrain.benchmarks import harness
+from sparsetrain.benchmarks.stats import median_interval, round_order  # noqa: F401  (re-exported)
+from sparsetrain.benchmarks.tables import grid, num
+
+CONFIGS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_blockk", "ddp_randk", "ddp_topk",
+           "reducer_blockk")
+HOOKS = {"ddp_blockk": ("blockk", "allreduce"), "ddp_randk": ("randk", "allreduce"),
+         "ddp_topk": ("topk", "allgather")}
+
+
+# ------------------------------------------------------------------------------------ sizes
+def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Entries torch's PowerSGD hook sends per step: rank x (n + m) for each tensor viewed as an
+    n x m matrix (n = shape[0]) that it compresses, the others (1-D ones, small ones) whole; the
+    same test as torch's ``_should_compress``."""
+    total = 0
+    for shape in shapes:
+        n = shape[0]
+        numel = math.prod(shape)
+        m = numel // n
+        r = min(n, m, rank)
+        total += r * (n + m) if (n + m) * r * min_compression_rate < numel else numel
+    return total
+
+
+def hook_numel(shapes, ratio: float) -> int:
+    """Entries the layer-wise block-k / random-k hook sends: k_i per n-D tensor, 1-D whole."""
+    from sparsetrain.compress import k_for
+
+    return sum(math.prod(s) if len(s) <= 1 else k_for(ratio, math.prod(s)) for s in shapes)
+
+
+def matched_powersgd_rank(shapes, ratio: float) -> int:
+    target = hook_numel(shapes, ratio)
+    return min(range(1, 65), key=lambda r: abs(powersgd_numel(shapes, r) - target))
+
+
+# ------------------------------------------------------------------------------------ worker
+def worker(a) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sparsetrain.comm import build_exchange
+    from sparsetrain.ddp import SparseHookState, sparse_hook
+    from sparsetrain.models import build_model, param_groups_for_weight_decay
+    from sparsetrain.timing import PhaseTimer
+    from sparsetrain.train.step import TrainStep
+
+    rank, world = harness.init_worker(a.threads)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(a.batch, 3, 32, 32, generator=gen)
+    y = torch.randint(0, 10, (a.batch,), generator=gen)
+    shapes = [tuple(p.shape) for p in build_model("resnet18", 3, 10).parameters()]
+    numel = sum(math.prod(s) for s in shapes)
+    psgd_rank = matched_powersgd_rank(shapes, a.ratio)
+
+    def run_config(name: str, steps: int) -> tuple[list[float], dict, int]:
+        gc.collect()
+        torch.manual_seed(0)
+        model = build_model("resnet18", 3, 10)
+        net, flat, reducer, sent, hook_state = model, None, None, 4 * numel, None
+        if name == "compute":
+            sent = 0
+        elif name == "reducer_blockk":
+            flat, _, reducer = build_exchange(model.parameters(), "blockk", "layerwise", "allreduce",
+                                              a.ratio, world_size=world, rank=rank, seed=0, stats_every=0)
+            sent = reducer.bytes_sent_per_step
+        elif name.startswith("ddp"):
+            # PowerSGD in one bucket: it starts its second AllReduce from a future callback, so with
+            # several buckets gloo ranks can issue collectives in different orders (size mismatch)
+            net = DDP(model, bucket_cap_mb=a.powersgd_bucket_mb) if name == "ddp_powersgd" else DDP(model)
+            if name == "ddp_fp16":
+                net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                sent = 2 * numel
+            elif name == "ddp_powersgd":
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=psgd_rank, start_powerSGD_iter=2,
+                    use_error_feedback=True, warm_start=True)
+                net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                sent = 4 * powersgd_numel(shapes, psgd_rank)
+            elif name in HOOKS:
+                scheme, agg = HOOKS[name]
+                hook_state = SparseHookState(net, scheme, "layerwise", agg, a.ratio, seed=0)
+                net.register_comm_hook(hook_state, sparse_hook)
+        elif name != "ddp":
+            raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
+        opt = torch.optim.SGD(param_groups_for_weight_decay(model, 1e-4), lr=0.01, momentum=0.9,
+                              nesterov=True)
+        timer = PhaseTimer("cpu", warmup_steps=a.warmup)
+        # warm-up >= 2: DDP rebuilds its buckets after iteration 0, PowerSGD compresses from 2 on
+        run_step = TrainStep(net, opt, reducer, flat, timer, "cpu")
+        batches = ((x.clone(), y.clone()) for _ in itertools.count())
+        times = harness.timed_steps(run_step, batches, a.warmup, steps)
+        if hook_state is not None:
+            sent = hook_state.bytes_sent_per_step
+        dist.barrier()
+        phases = timer.means()
+        del net, model, opt, reducer, flat, run_step
+        return times, phases, sent
+
+    run_config("ddp", 1)  # warm the process (allocator, gloo pairs); not recorded
+    out = {c: {"rounds": [], "phases": []} for c in a.configs}
+    sent_by = {}
+    for r in range(a.rounds):
+        for name in round_order(a.configs, r):  # rotated: no configuration always first
+            times, phases, sent = run_config(name, a.steps)
+            out[name]["rounds"].append(times)
+            out[name]["phases"].append(phases)
+            sent_by[name] = sent
+    allr = harness.gather(out)
+    if rank == 0:
+        summary = harness.summarize(allr, a.configs, a.rounds)
+        for c in a.configs:
+            summary[c]["bytes_sent_per_step"] = sent_by[c]
+        meta = {"world_size": world, "batch_per_rank": a.batch, "threads_per_rank": a.threads,
+                "ratio": a.ratio, "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
+                "numel": numel, "powersgd_rank": psgd_rank, **harness.link(),
+                "torch": torch.__version__}
+        Path(a.json).write_text(json.dumps({"meta": meta, "configs": summary}, indent=2))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------ driver
+def table(res: dict) -> str:
+    m, s = res["meta"], res["configs"]
+    comp, ddp = s.get("compute", {}).get("step_ms"), s.get("ddp", {}).get("step_ms")
+    head = (f"\n== {m['rate']} ({m['label']}), {m['world_size']} ranks, batch {m['batch_per_rank']}/rank, "
+            f"{m['rounds']} rounds x {m['steps']} steps, PowerSGD rank {m['powersgd_rank']} ==")
+    rows = [[name, num(r["step_ms"]), f"{num(r['ci_low_ms'])}-{num(r['ci_high_ms'])}", num(r["ci_level"], 3),
+             num(r["step_ms"] / comp if comp else None, 3), num(r["step_ms"] / ddp if ddp else None, 3),
+             num(r["bytes_sent_per_step"] / 1e6, 3)] for name, r in s.items()]
+    return head + "\n" + grid(["configuration", "step ms (median)", "interval", "level", "x compute",
+                               "x ddp", "MB sent/step"], rows)
+
+
+def goals(res: dict) -> dict:
+    s, g = res["configs"], {}
+    if {"ddp_blockk", "compute"} <= s.keys():
+        g["ddp_blockk/compute"] = s["ddp_blockk"]["step_ms"] / s["compute"]["step_ms"]
+        g["ddp_blockk/compute<=1.05"] = g["ddp_blockk/compute"] <= 1.05
+    if {"ddp_blockk", "ddp_powersgd"} <= s.keys():
+        g["ddp_blockk/ddp_powersgd"] = s["ddp_blockk"]["step_ms"] / s["ddp_powersgd"]["step_ms"]
+        g["ddp_blockk<ddp_powersgd"] = g["ddp_blockk/ddp_powersgd"] < 1.0
+        g["bytes ddp_blockk/ddp_powersgd"] = (s["ddp_blockk"]["bytes_sent_per_step"]
+                                              / s["ddp_powersgd"]["bytes_sent_per_step"])
+    return g
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sparsetrain.benchmarks.ddp", description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--rates", default="paper,250mbit,4gbit",
+                    help="comma list of tc rates; 'paper' = the step benchmark's paper-like rate")
+    ap.add_argument("--calibrate", default="1gbit", help="rate of the short step-benchmark run that sets 'paper'")
+    ap.add_argument("--paper-rate", default=None, help="use this rate for 'paper' (no calibration run)")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--burst", default=None, help="tbf burst (default: netcluster's rule)")
+    ap.add_argument("--batch", type=int, default=8, help="images per rank per step")
+    ap.add_argument("--rounds", type=int, default=6, help="round-robin rounds (>= 5 for figures)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration per round")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration per round (>= 2)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--powersgd-bucket-mb", type=float, default=1000.0,
+                    help="DDP bucket size for ddp_powersgd (default: one bucket; with several, torch's "
+                         "PowerSGD hook on gloo fails with a collective size mismatch)")
+    ap.add_argument("--out", default=str(harness.REPO / "results" / "bench"))
+    ap.add_argument("--rate-timeout", type=float, default=3600)
+    a = ap.parse_args(argv)
+    a.configs = [c for c in a.configs.split(",") if c]
+    if a.worker:
+        worker(a)
+        return 0
+    if a.warmup < 2:
+        raise SystemExit("--warmup must be >= 2 (DDP rebuilds its buckets after iteration 0; PowerSGD starts at 2)")
+    if not harness.need_root("sparsetrain.benchmarks.ddp"):
+        return 2
+    harness.stop_on_signals()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    worker_cmd = [sys.executable, "-m", "sparsetrain.benchmarks.ddp", "--worker", "--batch", str(a.batch),
+                  "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup", str(a.warmup),
+                  "--threads", str(a.threads), "--ratio", str(a.ratio), "--configs", ",".join(a.configs),
+                  "--powersgd-bucket-mb", str(a.powersgd_bucket_mb)]
+    results, paper = [], a.paper_rate
+    for i, label in enumerate(r.strip() for r in a.rates.split(",") if r.strip()):
+        rate = label
+        if label == "paper":
+            if paper is None:  # the step benchmark's own worker, dense only, as it calibrates
+                cal = [sys.executable, "-m", "sparsetrain.benchmarks.step", "--worker", "--batch",
+                       str(a.batch), "--rounds", "1", "--steps", "3", "--warmup", "1", "--threads",
+                       str(a.threads), "--ratio", str(a.ratio), "--schemes", "dense"]
+                paper = harness.rate_str(harness.paper_rate(harness.run_on_cluster(
+                    cal, nproc=a.nproc, rate=a.calibrate, tag="9", name="ddp", burst=a.burst,
+                    timeout=a.rate_timeout)))
+                print(f"[bench_ddp] paper-like rate: {paper} (calibrated at {a.calibrate})", flush=True)
+            rate = paper
+        t0 = time.time()
+        res = harness.run_on_cluster(worker_cmd, nproc=a.nproc, rate=rate, tag=str(i), name="ddp",
+                                     burst=a.burst, timeout=a.rate_timeout)
+        res["meta"]["label"] = label
+        res["meta"]["wall_s"] = time.time() - t0
+        results.append(res)
+        print(table(res), flush=True)
+        print(f"[bench_ddp] {rate}: {time.time() - t0:.0f} s; goals {goals(res)}", flush=True)
+        doc = {"results": results, "goals": {r["meta"]["label"]: goals(r) for r in results}}
+        (out / "ddp.json").write_text(json.dumps(doc, indent=2))
+        (out / "ddp.txt").write_text("\n".join(table(r) + f"\ngoals: {goals(r)}" for r in results) + "\n")
+    print(f"[bench_ddp] wrote {out}/ddp.json, ddp.txt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
