@@ -179,10 +179,11 @@ def test_report_of_a_new_file_flags_and_checks_flatness(tmp_path):
 def test_rows_are_built_from_the_studies_config():
     from sparsetrain.compress import BlockRandomK
     from sparsetrain.errors import ConfigError
+    from sparsetrain.train.components import exchange_from_config
 
     cfg = harness.study_config(["experiment=cpu_scale", "model=resnet20", *step.ROWS["blockk_ag"]], 1)
     model = harness.model_from_config(cfg)
-    flat, params, red = harness.exchange_from_config(cfg, model, 1, 0)
+    flat, params, red = exchange_from_config(cfg, model, world_size=1, rank=0)
     ones = sum(p.numel() for p in params if p.dim() <= 1)
     assert isinstance(red.compressor, BlockRandomK) and red.aggregation == "allgather"
     assert red.uncompressed_numel == ones > 0  # scheme.uncompressed=1d: the 1-D tensors whole

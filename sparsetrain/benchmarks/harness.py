@@ -3,7 +3,7 @@
 Driver side (root namespace, no torch): run a worker command on a fresh netcluster at one rate
 (``run_on_cluster``), the paper-like rate, signals. Worker side (one rank per namespace, started
 by torchrun): the rows built from the studies' own config (``study_config``,
-``exchange_from_config``: the trainer's build, key for key), the timing loop over
+``train.components``: the trainer's own build), the timing loop over
 ``train.step.TrainStep`` (``timed_steps``), interleaved rounds (``stats.round_order``) and their
 summary (``summarize``: the slowest rank per step, a round's median, the median over rounds with
 its 95% interval).
@@ -171,37 +171,6 @@ def model_from_config(cfg, in_channels: int = 3, num_classes: int = 10):
 
     torch.manual_seed(cfg.seed)
     return instantiate(cfg.model)(in_channels=in_channels, num_classes=num_classes)
-
-
-def exchange_from_config(cfg, model, world: int, rank: int, device="cpu"):
-    """The flat buffer and reducer exactly as ``train.Trainer`` builds them from ``cfg`` (scheme,
-    scope, aggregation, ratio, ``scheme.uncompressed``, error feedback, block size, warm-up
-    steps, seed, the scheme's compressor node, ``dist.overlap``), without compression
-    statistics (a benchmark step is never a logged step). Returns ``(flat, params, reducer)``."""
-    from hydra.utils import instantiate
-
-    from sparsetrain.comm import build_exchange
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    compressor = instantiate(cfg.scheme.compressor) if cfg.scheme.get("compressor") else None
-    flat, params, reducer = build_exchange(
-        params, cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
-        uncompressed=cfg.scheme.uncompressed, device=device, world_size=world, rank=rank,
-        seed=cfg.seed, error_feedback=cfg.scheme.error_feedback, block_size=cfg.scheme.block_size,
-        warmup_steps=cfg.scheme.warmup_steps, compressor=compressor, stats_every=0)
-    if cfg.dist.overlap:
-        reducer.attach(params, flat)
-    return flat, params, reducer
-
-
-def optimizer_from_config(cfg, model):
-    """The trainer's optimizer (SGD, its momentum / Nesterov / weight decay groups)."""
-    import torch
-
-    from sparsetrain.models import param_groups_for_weight_decay
-
-    return torch.optim.SGD(param_groups_for_weight_decay(model, cfg.optim.weight_decay),
-                           lr=cfg.optim.lr, momentum=cfg.optim.momentum, nesterov=cfg.optim.nesterov)
 
 
 def row_options(cfg) -> dict:

@@ -95,6 +95,7 @@ def worker(a) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from sparsetrain.timing import PhaseTimer
+    from sparsetrain.train.components import exchange_from_config, optimizer_from_config
     from sparsetrain.train.step import TrainStep
 
     rank, world = harness.init_worker(a.threads)
@@ -122,12 +123,12 @@ def worker(a) -> None:
             sent = 4 * numel
         else:
             net = model
-            flat, _, reducer = harness.exchange_from_config(cfg, model, world, rank)
+            flat, _, reducer = exchange_from_config(cfg, model, world_size=world, rank=rank)
             sent = reducer.bytes_sent_per_step
             if name == "compute":
                 reducer.detach() if hasattr(reducer, "detach") else None
                 reducer, sent = None, 0
-        opt = harness.optimizer_from_config(cfg, model)
+        opt = optimizer_from_config(cfg, model)
         timer = PhaseTimer("cpu", warmup_steps=warmup)
         run_step = TrainStep(net, opt, reducer, flat, timer, "cpu",
                              before_exchange=skew if a.skew_phase and reducer is not None else None)

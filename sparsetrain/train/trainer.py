@@ -25,16 +25,15 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from sparsetrain.comm import build_exchange
 from sparsetrain.comm.group import RankInfo, pick_device
 from sparsetrain.costmodel import wire_bytes
 from sparsetrain.data import ShardedLoader, eval_batches, load_dataset
 from sparsetrain.errors import ConfigError, Diverged, Preempted, one_line_error
-from sparsetrain.models import param_groups_for_weight_decay
 from sparsetrain.results import PHASES, Heartbeat, NullWriter, RunWriter, echo, logged_step
 from sparsetrain.timing import PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
+from sparsetrain.train.components import exchange_from_config, optimizer_from_config
 from sparsetrain.train.schedule import lr_at
 from sparsetrain.train.signals import StopSignals
 from sparsetrain.train.step import TrainStep
@@ -66,37 +65,15 @@ class Trainer:
         # conf/model/<name>.yaml: the model's class or builder, given the data's shape here
         self.model = instantiate(cfg.model)(in_channels=data.in_channels, num_classes=data.num_classes)
         self.model = self.model.to(self.device)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.num_parameters = sum(p.numel() for p in params)
         # One flat gradient buffer, each .grad a view into it; tensors that bypass compression
         # (scheme.uncompressed) sit at its end. conf/scheme/<name>.yaml's ``compressor`` node is
         # the scheme's class with its options, built once the buffer's layout is known.
-        compressor = instantiate(cfg.scheme.compressor) if cfg.scheme.get("compressor") else None
-        self.flat_grad, self.params, self.reducer = build_exchange(
-            params,
-            cfg.scheme.name,
-            cfg.scope.name,
-            cfg.aggregation.name,
-            cfg.ratio,
-            uncompressed=cfg.scheme.uncompressed,
-            device=self.device,
-            world_size=info.world_size,
-            rank=info.rank,
-            seed=cfg.seed,
-            error_feedback=cfg.scheme.error_feedback,
-            block_size=cfg.scheme.block_size,
-            warmup_steps=cfg.scheme.warmup_steps,
-            compressor=compressor,
+        self.flat_grad, self.params, self.reducer = exchange_from_config(
+            cfg, self.model, world_size=info.world_size, rank=info.rank, device=self.device,
             stats_every=cfg.train.log_every,  # compression statistics on logged steps only
         )
-        if cfg.dist.overlap:
-            self.reducer.attach(self.params, self.flat_grad)
-        self.optimizer = torch.optim.SGD(
-            param_groups_for_weight_decay(self.model, cfg.optim.weight_decay),
-            lr=cfg.optim.lr,
-            momentum=cfg.optim.momentum,
-            nesterov=cfg.optim.nesterov,
-        )
+        self.num_parameters = self.flat_grad.numel()
+        self.optimizer = optimizer_from_config(cfg, self.model)
         self.loader = ShardedLoader(
             data.train_x,
             data.train_y,
