@@ -42,16 +42,25 @@ class PhaseTimer:
             torch.cuda.synchronize(self.device)
 
     @contextmanager
-    def phase(self, name: str):
+    def _clock(self, add):
+        """Milliseconds between two synchronised boundaries, handed to ``add``."""
         self._sync()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             self._sync()
-            self.last[name] = self.last.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+            add((time.perf_counter() - t0) * 1e3)
 
-    @contextmanager
+    def _add_phase(self, name: str, ms: float) -> None:
+        self.last[name] = self.last.get(name, 0.0) + ms
+
+    def _add_untimed(self, ms: float) -> None:
+        self.last_untimed_ms += ms
+
+    def phase(self, name: str):
+        return self._clock(lambda ms: self._add_phase(name, ms))
+
     def untimed(self):
         """Work inside a step that is not part of it (statistics for the log): timed apart and
         left out of the step's time; in no phase. On CUDA the device is synchronised at both
@@ -65,13 +74,7 @@ class PhaseTimer:
         >>> timer.last["step"] < 50 <= timer.last_untimed_ms
         True
         """
-        self._sync()
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._sync()
-            self.last_untimed_ms += (time.perf_counter() - t0) * 1e3
+        return self._clock(self._add_untimed)
 
     @contextmanager
     def step(self):

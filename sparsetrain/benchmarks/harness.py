@@ -233,3 +233,16 @@ def summarize(allr: list[dict], names: list[str], rounds: int) -> dict:
             out[c]["x_compute"] = ratio.median
             out[c]["x_compute_ci"] = [ratio.low, ratio.high]
     return out
+
+
+def bandwidth_axis(ax, results: list[dict]) -> None:
+    """The x axis of a step-time-vs-bandwidth figure: log scale with a tick per measured rate,
+    the paper-like rate dotted. ``results``: one dict per rate with ``meta.rate_bits``/``label``."""
+    rates = sorted({r["meta"]["rate_bits"] / 1e9 for r in results})
+    for r in results:
+        if r["meta"]["label"] == "paper":
+            ax.axvline(r["meta"]["rate_bits"] / 1e9, color="grey", ls=":", lw=1)
+    ax.set_xscale("log")
+    ax.set_xticks(rates, [f"{t:.3g}" for t in rates])
+    ax.minorticks_off()
+    ax.set_xlabel("link bandwidth per rank, each way (Gbit/s, tc tbf; no added latency)")

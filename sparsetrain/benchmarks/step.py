@@ -314,14 +314,7 @@ def write_outputs(results: list[dict], out: Path) -> None:
                 err = [[y - p[1]["ci_low_ms"] for y, p in zip(ys, pts)],
                        [p[1]["ci_high_ms"] - y for y, p in zip(ys, pts)]]
                 ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name)
-        for r in srt:
-            if r["meta"]["label"] == "paper":
-                ax.axvline(r["meta"]["rate_bits"] / 1e9, color="grey", ls=":", lw=1)
-        ax.set_xscale("log")
-        ticks = sorted({r["meta"]["rate_bits"] / 1e9 for r in srt})
-        ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("link bandwidth per rank, each way (Gbit/s, tc tbf; no added latency)")
+        harness.bandwidth_axis(ax, srt)
         ax.set_ylabel("time per step (ms): median over rounds, 95% interval")
         m = results[0]["meta"]
         ax.set_title(f"ResNet-18, {m['world_size']} ranks, batch {m['batch_per_rank']}/rank, "

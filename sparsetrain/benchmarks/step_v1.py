@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from sparsetrain.benchmarks import harness
+
 SCHEMES = ("compute", "dense", "dense_ovl", "topk", "randk", "blockk", "ddp")
 
 
@@ -94,14 +96,7 @@ def write_outputs(results: list[dict], out: Path) -> None:
             pts = [(r["meta"]["rate_bits"] / 1e9, r["schemes"][name]["step_ms"]) for r in srt if name in r["schemes"]]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=name)
-        for r in srt:
-            if r["meta"]["label"] == "paper":
-                ax.axvline(r["meta"]["rate_bits"] / 1e9, color="grey", ls=":", lw=1)
-        ax.set_xscale("log")
-        ticks = sorted({r["meta"]["rate_bits"] / 1e9 for r in srt})
-        ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("link bandwidth per rank, each way (Gbit/s, tc tbf; no added latency)")
+        harness.bandwidth_axis(ax, srt)
         ax.set_ylabel("time per step (ms)")
         m = results[0]["meta"]
         ax.set_title(f"ResNet-18, {m['world_size']} ranks, batch {m['batch_per_rank']}/rank, 1% kept (dotted: paper-like)")
