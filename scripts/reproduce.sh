@@ -8,17 +8,42 @@
 #   DEST=/path/to/checkout bash scripts/reproduce.sh  # run here (e.g. a git worktree, so edits
 #                                                   # to the checkout cannot touch running jobs),
 #                                                   # copy results to DEST and commit them there
+#   RESUME=1 bash scripts/reproduce.sh rq1_scope    # rerun into the existing folder: completed jobs
+#                                                   # are skipped, interrupted ones resume from
+#                                                   # their checkpoint (a study spread over sessions)
+#   PARTIAL=1 DEST=... bash scripts/reproduce.sh rq1_scope  # copy the completed jobs of a study
+#                                                   # still running to DEST and commit them there
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 STUDIES=("$@")
 [ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope ablation rq2_scheme rq3_aggregation rq4_workers rq4_global rq2_low)
 mkdir -p results
+if [ "${PARTIAL:-0}" = 1 ]; then
+  for study in "${STUDIES[@]}"; do
+    study=$study${SUFFIX:-}
+    repo=${DEST:-.}
+    done_jobs=$(grep -l '"status": "completed"' results/"$study"/*/summary.json 2>/dev/null | xargs -r -n1 dirname)
+    [ -n "$done_jobs" ] || { echo "== $study: no completed job yet"; continue; }
+    mkdir -p "$repo/results/$study"
+    cp results/"$study"/multirun.yaml "$repo/results/$study/"
+    # shellcheck disable=SC2086  # one folder per job
+    tar --exclude=checkpoint.pt --exclude=model.pt --exclude=wandb --exclude=ranks -cf - $done_jobs |
+      tar -C "$repo" -xf -
+    n=$(echo "$done_jobs" | wc -l)
+    echo "== $study: $n completed jobs copied to $repo"
+    if [ "${COMMIT:-1}" = 1 ]; then
+      (cd "$repo" && git add "results/$study" &&
+        git commit -q -m "results: $study, partial ($n completed jobs; RESUME=1 runs the rest)" -- "results/$study")
+    fi
+  done
+  exit 0
+fi
 for preset in "${STUDIES[@]}"; do
   study=$preset${SUFFIX:-}
   start=$(date +%s)
   echo "== $study: started $(date -u +%FT%TZ)"
-  rm -rf "results/$study"
+  [ "${RESUME:-0}" = 1 ] || rm -rf "results/$study"
   # shellcheck disable=SC2086  # EXTRA holds several overrides
   $PY -m sparsetrain.run -m "experiment=$preset" wandb.mode=disabled ${EXTRA:-} \
     "hydra.sweep.dir=results/$study" > "results/$study.log" 2>&1
@@ -31,7 +56,7 @@ for preset in "${STUDIES[@]}"; do
   if [ -n "${DEST:-}" ]; then
     repo=$DEST
     mkdir -p "$DEST/results"
-    rm -rf "${DEST:?}/results/$study"
+    [ "${RESUME:-0}" = 1 ] || rm -rf "${DEST:?}/results/$study"
     tar -C results --exclude=checkpoint.pt --exclude=model.pt --exclude=wandb --exclude=ranks \
       -cf - "$study" | tar -C "$DEST/results" -xf -
     echo "$line" >> "$DEST/results/timings.txt"  # DEST's own list may hold more studies

@@ -83,3 +83,20 @@ def test_wandb_offline_run_files_hold_metrics_and_no_key(tmp_path):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
     assert re.search(r"offline", str(files[0]))
+
+
+def test_rerun_of_a_completed_run_skips_it_and_a_changed_one_is_refused(tmp_path):
+    """Rerunning a sweep into its folder (a study interrupted between sessions) runs only what
+    did not complete; a completed run of other settings is never overwritten."""
+    run = tmp_path / "run"
+    args = (*TINY, "world_size=1", "train.max_steps=2", f"hydra.run.dir={run}")
+    assert run_cli(*args).returncode == 0
+    before = (run / "summary.json").read_text()
+    again = run_cli(*args)
+    assert again.returncode == 0 and "already completed" in again.stdout, again.stderr[-2000:]
+    assert (run / "summary.json").read_text() == before
+    changed = run_cli(*args, "seed=1")
+    assert changed.returncode == 2
+    errors = [line for line in changed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds a completed run of a different configuration: seed=0 there, 1 now" in errors[0]
+    assert (run / "summary.json").read_text() == before

@@ -61,6 +61,17 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         check_resume(run_dir, cfg_dict)
     except (ConfigError, CheckpointError) as exc:  # the folder's files are left as they are
         return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
+    if kind == "spawn":  # rerunning a sweep into its folder: finished jobs are not run again
+        from sparsetrain.train.checkpoint import completed_run
+
+        try:
+            done = completed_run(run_dir, cfg_dict)
+        except ConfigError as exc:
+            return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
+        if done is not None:
+            print(f"{run_dir}: already completed (test_accuracy {done.get('test_accuracy')}); "
+                  "not run again (delete the folder to rerun)", flush=True)
+            return done
 
     from sparsetrain.launch.worker import worker_main
 

@@ -15,6 +15,7 @@ Imports no Hydra and nothing from the trainer, so the CLI can check a folder bef
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -161,3 +162,29 @@ def check_resume(run_dir: str | Path, config: dict) -> None:
         return
     state = load(path, mmap=True)
     check_same_run(state.get("config"), config, path)
+
+
+def completed_run(run_dir: str | Path, config: dict) -> dict | None:
+    """The summary of a run that already completed in ``run_dir`` with this configuration (so a
+    rerun of the same command or sweep skips it and goes on with the rest), else None. A
+    completed run of another configuration (train.max_steps included: the checkpoint is gone,
+    the run cannot be extended) raises ConfigError rather than being overwritten."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "completed" or not isinstance(summary.get("config"), dict):
+        return None
+    saved = summary["config"]
+    diffs = config_differences(saved, config)
+    cap = (saved.get("train", {}).get("max_steps"), config.get("train", {}).get("max_steps"))
+    if cap[0] != cap[1]:
+        diffs.append(("train.max_steps", *cap))
+    if diffs:
+        shown = "; ".join(f"{k}={_show(old)} there, {_show(new)} now" for k, old, new in diffs[:6])
+        raise ConfigError(
+            f"{run_dir} holds a completed run of a different configuration: {shown}; choose "
+            "another folder (hydra.run.dir=..., hydra.sweep.dir=...) or delete that one to rerun"
+        )
+    return summary
