@@ -41,7 +41,13 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from sparsetrain.comm import SparseReducer, build_reducer, check_combination
-from sparsetrain.compress import Layout, parse_uncompressed, step_seed, uncompressed_flags
+from sparsetrain.compress import (
+    Layout,
+    compressed_first,
+    parse_uncompressed,
+    step_seed,
+    uncompressed_flags,
+)
 
 
 def bucket_seed(seed: int, step: int, bucket: int, rank: int | None = None) -> int:
@@ -59,7 +65,7 @@ class _Bucket:
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.reducer: SparseReducer | None = reducer
-        order = [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
+        order = compressed_first(flags)
         self.compressed = [(keys[i], sizes[i]) for i in order if not flags[i]]  # memory layout
         # copy runs (bucket offset, flat offset, length), adjacent segments merged
         self.runs: list[list[int]] = []
@@ -157,13 +163,20 @@ class SparseHookState:
     def _dissolve(self) -> None:
         """Split every bucket's memory into per-parameter pieces (after a rebuild or a load)."""
         for plan in self._buckets.values():
-            if plan.reducer is None:
-                continue
-            mem, pos = plan.reducer.memory.memory, 0
-            for key, n in plan.compressed:
-                self._pending[key] = mem[pos : pos + n].clone()
-                pos += n
+            if plan.reducer is not None:
+                self._park([key for key, _ in plan.compressed], plan.reducer.memory.memory)
         self._buckets.clear()
+
+    def _park(self, keys, memory: torch.Tensor) -> int:
+        """Cut a bucket's memory (its compressed parameters ``keys``, in memory order) into
+        per-parameter pieces that wait for the bucket that next holds them. Returns the entries
+        used."""
+        pos = 0
+        for key in keys:
+            n = self._numel[key]
+            self._pending[key] = memory[pos : pos + n].clone()
+            pos += n
+        return pos
 
     def _plan(self, bucket, buf: torch.Tensor) -> _Bucket:
         index = bucket.index()
@@ -176,7 +189,7 @@ class SparseHookState:
             self._dissolve()
         shapes = [p.shape for p in params]
         flags = uncompressed_flags(shapes, self.uncompressed)
-        order = [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
+        order = compressed_first(flags)
         reducer = build_reducer(
             self.scheme, self.scope, self.aggregation, self.ratio,
             Layout.from_sizes(shapes[i].numel() for i in order),
@@ -262,13 +275,10 @@ class SparseHookState:
         self._buckets.clear()
         self._pending = {int(k): v.clone() for k, v in state.get("pending", {}).items()}
         for entry in state["buckets"].values():
-            mem, pos = entry["memory"], 0
-            for key in map(int, entry["params"]):
-                n = self._numel[key]
-                self._pending[key] = mem[pos : pos + n].clone()
-                pos += n
-            if pos != mem.numel():
-                raise ValueError(f"a saved bucket's memory has {mem.numel()} entries, its parameters {pos}")
+            mem = entry["memory"]
+            used = self._park([int(key) for key in entry["params"]], mem)
+            if used != mem.numel():
+                raise ValueError(f"a saved bucket's memory has {mem.numel()} entries, its parameters {used}")
         self.step = int(state["step"])
 
 

@@ -52,8 +52,8 @@ def build_reducer(
     flags = [False] * len(layout) if uncompressed is None else [bool(f) for f in uncompressed]
     if len(flags) != len(layout):
         raise ValueError(f"{len(flags)} uncompressed flags for a layout of {len(layout)} segments")
-    n_compressed = flags.index(True) if True in flags else len(flags)
-    if any(flags[:n_compressed]) or not all(flags[n_compressed:]):
+    n_compressed = flags.index(True) if True in flags else len(flags)  # segments before the first whole one
+    if not all(flags[n_compressed:]):
         raise ValueError("uncompressed segments must come last in the flat buffer (see flat_gradients)")
     if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
         return DenseReducer(layout.total, esize, group=group)

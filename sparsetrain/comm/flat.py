@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsetrain.compress import as_layout
+from sparsetrain.compress import as_layout, compressed_first
 
 
 def flat_gradients(params, uncompressed=None, *, device=None, dtype=torch.float32):
@@ -20,7 +20,7 @@ def flat_gradients(params, uncompressed=None, *, device=None, dtype=torch.float3
     flags = [False] * len(params) if uncompressed is None else [bool(f) for f in uncompressed]
     if len(flags) != len(params):
         raise ValueError(f"{len(flags)} uncompressed flags for {len(params)} parameters")
-    order = [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
+    order = compressed_first(flags)
     params = [params[i] for i in order]
     flags = [flags[i] for i in order]
     device = device if device is not None else (params[0].device if params else "cpu")

@@ -28,6 +28,7 @@ from sparsetrain.compress.layout import (
     UNCOMPRESSED_RULES,
     Layout,
     as_layout,
+    compressed_first,
     parse_uncompressed,
     uncompressed_flags,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "UNCOMPRESSED_RULES",
     "as_layout",
     "available",
+    "compressed_first",
     "compressor_factory",
     "get_compressor",
     "parse_uncompressed",

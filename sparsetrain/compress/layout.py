@@ -119,3 +119,13 @@ def uncompressed_flags(shapes: Sequence[Sequence[int]], rule) -> list[bool]:
         else:
             flags.append(numel < rule)
     return flags
+
+
+def compressed_first(flags: Sequence[bool]) -> list[int]:
+    """Indices that put the compressed tensors first and the whole ones last, each group in its
+    own order: the layout of a flat buffer (or a DDP bucket) that the sparse reducer sends.
+
+    >>> compressed_first([False, True, False, True])
+    [0, 2, 1, 3]
+    """
+    return [i for i, f in enumerate(flags) if not f] + [i for i, f in enumerate(flags) if f]
