@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,23 @@ def run_cli(*overrides: str, cwd: Path | None = None, env: dict | None = None, t
         text=True,
         timeout=timeout,
     )
+
+
+def wait_until(cond, proc: subprocess.Popen, what: str, timeout: float = 300, poll: float = 0.05) -> None:
+    """Poll ``cond()`` until it holds; fail if ``proc`` ends first or ``timeout`` passes (then
+    ``proc`` is killed). A file being replaced while read counts as 'not yet'."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the process ended before {what}: {proc.communicate()[1][-3000:]}")
+        try:
+            if cond():
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(poll)
+    proc.kill()
+    pytest.fail(f"no {what} after {timeout} s")
 
 
 def read_json(path: Path) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ROOT, TINY, read_json, read_jsonl, run_cli
+from conftest import ROOT, TINY, read_json, read_jsonl, run_cli, wait_until
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
@@ -43,20 +43,6 @@ def _start(*args: str, cwd: Path = ROOT, cmd: list[str] | None = None) -> subpro
     return subprocess.Popen([*(cmd or [sys.executable, "-m"]), "sparsetrain.run", *args], cwd=cwd,
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-
-
-def _wait(cond, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before {what}: {proc.communicate()[1][-3000:]}")
-        try:
-            if cond():
-                return
-        except (OSError, ValueError, KeyError):  # a file being replaced
-            pass
-        time.sleep(0.05)
-    pytest.fail(f"no {what} after {timeout} s")
 
 
 def _steps(run: Path) -> int:
@@ -79,7 +65,7 @@ def test_killed_rank_is_named_as_the_cause(tmp_path):
     proc = _start(*TINY, "world_size=2", "train.epochs=50", "train.log_every=1",
                   f"hydra.run.dir={run}", cwd=tmp_path)
     try:
-        _wait(lambda: _steps(run) >= 2, proc, "two steps")
+        wait_until(lambda: _steps(run) >= 2, proc, "two steps")
         ranks = sorted((p for p in psutil.Process(proc.pid).children(recursive=True)
                         if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.pid)
         assert len(ranks) == 2, ranks
@@ -118,7 +104,7 @@ def _interrupted_run(run: Path, *args: str) -> dict:
     """Start a run, SIGTERM it after its first epoch checkpoint: a folder to resume."""
     proc = _start(*args, f"hydra.run.dir={run}")
     try:
-        _wait(lambda: (run / "checkpoint.pt").exists() and _steps(run) >= 14, proc, "checkpoint")
+        wait_until(lambda: (run / "checkpoint.pt").exists() and _steps(run) >= 14, proc, "checkpoint")
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
     finally:
@@ -206,7 +192,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_no_space(small_disk):
     run = small_disk / "run"
     proc = _start(*RESUME, "scheme=randk", "data.train_size=960", f"hydra.run.dir={run}")
     try:  # 30 steps per epoch: stop the run right after its first checkpoint
-        _wait(lambda: (run / "checkpoint.pt").exists(), proc, "first checkpoint")
+        wait_until(lambda: (run / "checkpoint.pt").exists(), proc, "first checkpoint")
         os.killpg(proc.pid, signal.SIGSTOP)
         epochs = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "epoch"]
         assert epochs == [30], epochs  # still in epoch 2: its checkpoint is yet to be written
@@ -252,7 +238,7 @@ def test_rank0_killed_under_torchrun_is_unfinished_not_running(tmp_path):
     proc = _start(*TINY, "world_size=2", "train.epochs=50", "train.log_every=1",
                   f"hydra.run.dir={run}", cwd=tmp_path, cmd=[*TORCHRUN, "-m"])
     try:
-        _wait(lambda: read_json(run / "heartbeat.json")["step"] >= 2, proc, "a heartbeat at step 2")
+        wait_until(lambda: read_json(run / "heartbeat.json")["step"] >= 2, proc, "a heartbeat at step 2")
         beat = read_json(run / "heartbeat.json")
         os.kill(beat["pid"], signal.SIGKILL)  # rank 0: nobody is left to write its summary
         proc.communicate(timeout=120)

@@ -11,11 +11,10 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, read_json, read_jsonl
+from conftest import ROOT, TINY, read_json, read_jsonl, wait_until
 from test_slurm_cluster import _PROBLEM
 
 pytestmark = [pytest.mark.slurm,
@@ -43,21 +42,6 @@ def _start_sweep(*overrides: str, sweep: Path) -> subprocess.Popen:
                              f"hydra.sweep.dir={sweep}"],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-
-
-def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"sweep ended before {what}: {proc.communicate()[1][-3000:]}")
-        try:
-            if cond():
-                return
-        except (OSError, ValueError, KeyError):  # a file being replaced
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    pytest.fail(f"no {what} after {timeout} s")
 
 
 def _steps(run: Path) -> int:
@@ -125,7 +109,7 @@ def test_cancelled_job_is_failed_and_reported_with_logs(tmp_path):
     proc = _start_sweep("scheme=randk", "world_size=2", "train.max_steps=100000",
                         "train.epochs=1000", "train.log_every=1", sweep=sweep)
     try:
-        _wait_for(lambda: _steps(run) >= 1, proc, "training step")
+        wait_until(lambda: _steps(run) >= 1, proc, "training step", timeout=120, poll=0.5)
         job_id = read_json(run / "summary.json")["slurm_job_id"]
         subprocess.run(["scancel", job_id], check=True, timeout=30)
         _, err = proc.communicate(timeout=120)
@@ -150,11 +134,11 @@ def test_preempted_job_requeues_and_resumes_at_the_step(tmp_path):
     proc = _start_sweep("scheme=randk", "world_size=2", "train.epochs=3", "train.log_every=1",
                         sweep=sweep)
     try:
-        _wait_for(lambda: _steps(run) >= 5, proc, "a step past the first epoch checkpoint")
+        wait_until(lambda: _steps(run) >= 5, proc, "a step past the first epoch checkpoint", timeout=120, poll=0.5)
         job_id = read_json(run / "summary.json")["slurm_job_id"]
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         # SLURM holds a requeued job back for a while (BeginTime); let it start again now.
-        _wait_for(lambda: _squeue_state(job_id) == "PENDING", proc, "requeue", timeout=60)
+        wait_until(lambda: _squeue_state(job_id) == "PENDING", proc, "requeue", timeout=60, poll=0.5)
         stopped = read_json(run / "summary.json")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
         _, err = proc.communicate(timeout=180)
