@@ -36,6 +36,9 @@ class SchemeConfig:
     # (tensors with fewer than N entries).
     uncompressed: str = "1d"
     warmup_steps: int = 0  # dense exchange for the first N steps, then compression (memory empty)
+    # scheme=powersgd: the matrix rank (None: the rank whose bytes come closest to the layer-wise
+    # sparse schemes' at `ratio`); other schemes ignore it
+    rank: int | None = None
 
 
 @dataclass
@@ -110,6 +113,12 @@ class DistConfig:
     # Dense only: start bucketed AllReduces during backward, as DDP does. Part of the exchange
     # then hides inside the backward phase; false times it as a phase of its own (the paper's view).
     overlap: bool = True
+    # Train through torch DistributedDataParallel: the exchange runs in a DDP communication hook
+    # during backward, overlapped with it (sparsetrain.train.ddp_exchange): the scheme as
+    # sparsetrain.ddp.sparse_hook (scope=global: global within a bucket), dense SGD as DDP's own
+    # AllReduce, scheme=powersgd / fp16 as torch's hooks.
+    ddp: bool = False
+    bucket_cap_mb: float = 25.0  # DDP's bucket size (PowerSGD on gloo: one bucket, see ddp_exchange)
 
 
 @dataclass
@@ -170,7 +179,7 @@ def check_group_overrides(overrides: list[str]) -> None:
 def validate(cfg: Any, env: dict | None = None) -> None:
     """Semantic checks on a composed config, all of them: the one place that says which values
     and combinations run. Raises ConfigError with one line (key, value, what is allowed)."""
-    from sparsetrain.comm.rules import check_combination  # scheme x scope x aggregation x ratio
+    from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES, check_combination
     from sparsetrain.compress import parse_uncompressed
     from sparsetrain.launch.env import check_launch_environment
 
@@ -178,7 +187,10 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     if cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size} is not allowed; it must be an integer >= 1")
     try:
-        check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+        if cfg.scheme.name in TORCH_HOOK_SCHEMES:  # no scope or aggregation of ours; ratio: matching
+            check_combination("none", cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+        else:
+            check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     _check_compressor_node(cfg.scheme)
@@ -203,6 +215,9 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         positive["train.max_steps"] = cfg.train.max_steps
     if cfg.dist.ranks_per_node is not None:
         positive["dist.ranks_per_node"] = cfg.dist.ranks_per_node
+    if cfg.scheme.get("rank") is not None:
+        positive["scheme.rank"] = cfg.scheme.rank
+    positive["dist.bucket_cap_mb"] = cfg.dist.bucket_cap_mb
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
@@ -210,6 +225,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
                        "train.bn_recalibrate": cfg.train.bn_recalibrate}.items():
         if value < 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be >= 0")
+    _check_ddp(cfg)
     try:
         parse_uncompressed(cfg.scheme.uncompressed)
     except ValueError as exc:
@@ -220,6 +236,18 @@ def validate(cfg: Any, env: dict | None = None) -> None:
             "allowed without one: offline, disabled"
         )
     check_launch_environment(cfg.world_size, env)
+
+
+def _check_ddp(cfg: Any) -> None:
+    """``dist.ddp`` needs a process group; torch's hooks (scheme=powersgd, fp16) need DDP."""
+    from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES
+
+    if cfg.dist.ddp and cfg.world_size < 2:
+        raise ConfigError(f"dist.ddp=true is not allowed with world_size={cfg.world_size}: DDP needs "
+                          "a process group; use world_size >= 2 or dist.ddp=false")
+    if cfg.scheme.name in TORCH_HOOK_SCHEMES and not cfg.dist.ddp:
+        raise ConfigError(f"scheme={cfg.scheme.name} is not allowed with dist.ddp=false: it is torch's "
+                          "DDP communication hook; add dist.ddp=true")
 
 
 def _check_compressor_node(scheme: Any) -> None:

@@ -36,6 +36,9 @@ re-homing loads a checkpoint into any bucket layout.
 """
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
+import math
+import time
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -44,6 +47,7 @@ from sparsetrain.comm import SparseReducer, build_reducer, check_combination
 from sparsetrain.compress import (
     Layout,
     compressed_first,
+    k_for,
     parse_uncompressed,
     step_seed,
     uncompressed_flags,
@@ -102,7 +106,9 @@ class SparseHookState:
     ``blockk``; ``scope``: ``layerwise`` or ``global`` (global within a bucket);
     ``aggregation``: ``allgather`` or ``allreduce`` (not for top-k); ``ratio`` in (0, 1];
     ``error_feedback``; ``uncompressed``: ``"1d"``, ``"none"`` or N; ``warmup_steps``: dense
-    iterations first; ``seed``; ``block_size``: block-k global; ``process_group``: default WORLD.
+    iterations first; ``seed``; ``block_size``: block-k global; ``compressor``: what
+    ``scheme.compressor`` instantiates to (default: the scheme's own class);
+    ``process_group``: default WORLD.
     Invalid values raise ``ValueError`` with the config check's one-line message.
     """
 
@@ -119,6 +125,7 @@ class SparseHookState:
         warmup_steps: int = 0,
         seed: int = 0,
         block_size: int = 256,
+        compressor=None,
         process_group=None,
     ):
         check_combination(scheme, scope, aggregation, ratio)
@@ -130,6 +137,7 @@ class SparseHookState:
         self.warmup_steps = int(warmup_steps)
         self.seed = int(seed)
         self.block_size = int(block_size)
+        self.compressor = compressor
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
@@ -141,6 +149,7 @@ class SparseHookState:
         self._pending: dict[int, torch.Tensor] = {}  # memory of parameters waiting for their bucket
         self.bytes_sent: dict[int, int] = {}  # per bucket, as sent at its latest call
         self.dense_bytes: dict[int, int] = {}
+        self.decompress_ms: list[float] = []  # this iteration's unpack times (collective callbacks)
 
     # --- accounting ----------------------------------------------------------------------------
     @property
@@ -196,7 +205,7 @@ class SparseHookState:
             world_size=self.world_size, rank=self.rank, seed=self.seed,
             error_feedback=self.error_feedback, block_size=self.block_size,
             uncompressed=[flags[i] for i in order], group=self.process_group,
-            device=buf.device, dtype=buf.dtype, stats_every=0,
+            device=buf.device, dtype=buf.dtype, stats_every=0, compressor=self.compressor,
         )
         plan = _Bucket(keys, shapes, flags, reducer if isinstance(reducer, SparseReducer) else None, buf)
         if plan.reducer is not None:
@@ -219,6 +228,7 @@ class SparseHookState:
         if index == 0:  # DDP reduces buckets in index order: a new iteration's accounting
             self.bytes_sent.clear()
             self.dense_bytes.clear()
+            self.decompress_ms.clear()
         if bucket.is_last():  # one iteration = one pass over the buckets (as torch's PowerSGD)
             self.step += 1
         self.dense_bytes[index] = buf.numel() * buf.element_size()
@@ -239,8 +249,10 @@ class SparseHookState:
         def finish(fut=None) -> torch.Tensor:
             if fut is not None:
                 fut.value()  # raises if the collective failed
+            t0 = time.perf_counter()
             red.unpack(grad, whole, payload)
             plan.scatter(flat, buf)
+            self.decompress_ms.append((time.perf_counter() - t0) * 1e3)  # list.append: thread-safe
             return buf
 
         if work is None:  # one rank: nothing to wait for
@@ -249,17 +261,49 @@ class SparseHookState:
             return done
         return work.get_future().then(finish)
 
+    # --- what the trainer reads --------------------------------------------------------------
+    def plan(self, bucket: dist.GradBucket) -> None:
+        """Build ``bucket``'s reducer (and hand it its parameters' memory) without exchanging:
+        the trainer calls it while DDP settles its buckets, so sizes are known before step 0."""
+        if self.scheme != "none":
+            self._plan(bucket, bucket.buffer())
+
+    def sizes(self) -> dict:
+        """Per step once compression runs, over the buckets planned so far: ``bytes_sent``,
+        ``dense_bytes``, ``uncompressed_bytes`` (tensors that travel whole) and ``density``
+        (entries sent / entries)."""
+        out = {"bytes_sent": 0, "dense_bytes": 0, "uncompressed_bytes": 0, "sent_entries": 0.0, "numel": 0}
+        for plan in self._buckets.values():
+            red = plan.reducer
+            if red is None:
+                continue
+            out["bytes_sent"] += red.bytes_sent_per_step
+            out["dense_bytes"] += red.dense_bytes_per_step
+            out["uncompressed_bytes"] += red.uncompressed_bytes_per_step
+            out["sent_entries"] += red.density * red.numel
+            out["numel"] += red.numel
+        numel = out.pop("numel")
+        out["density"] = out.pop("sent_entries") / numel if numel else 1.0
+        return out
+
+    def memory_norm(self) -> float:
+        """||error-feedback memory|| over every bucket (and memory waiting for its bucket)."""
+        sq = sum(float(plan.reducer.memory.memory.double().pow(2).sum())
+                 for plan in self._buckets.values() if plan.reducer is not None)
+        sq += sum(float(piece.double().pow(2).sum()) for piece in self._pending.values())
+        return math.sqrt(sq)
+
     # --- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """``step`` and the memory per bucket (``params``: positions in ``module.parameters()``
         of the compressed parameters it covers, in memory order; ``layout``: all the bucket's
         parameters), plus memory not yet re-homed.
 
-        Restored, the memory and the step are exact. The positions drawn in the first iteration
-        after a restart are not those of an uninterrupted run for random-k / block-k (and any
-        global scope): a fresh DDP runs that iteration on its initial single bucket, and positions
-        are drawn per bucket. Top-k layer-wise does not depend on the buckets and resumes bit for
-        bit."""
+        Restored, the memory and the step are exact. Positions are drawn per bucket, so a resumed
+        run draws those of an uninterrupted one only once DDP has its rebuilt buckets back: a
+        fresh DDP runs its first iteration on one initial bucket. The trainer therefore lets DDP
+        settle its buckets (two bypassed iterations, ``train.ddp_exchange``) before every run's
+        first step, fresh or resumed, and resumes bit for bit."""
         buckets = {}
         for index, plan in self._buckets.items():
             if plan.reducer is not None:
@@ -282,9 +326,37 @@ class SparseHookState:
         self.step = int(state["step"])
 
 
+# ------------------------------------------------------------------------- bytes of other hooks
+def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
+    """Entries torch's PowerSGD hook sends per step: rank x (n + m) for each tensor viewed as an
+    n x m matrix (n = shape[0]) that it compresses, the others (1-D ones, small ones) whole; the
+    same test as torch's ``_should_compress``."""
+    total = 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        n = shape[0] if len(shape) else 1
+        m = numel // n
+        r = min(n, m, rank)
+        total += r * (n + m) if (n + m) * r * min_compression_rate < numel else numel
+    return total
+
+
+def hook_numel(shapes, ratio: float) -> int:
+    """Entries the layer-wise hook sends with the default rule (1-D tensors whole): k_i per
+    n-D tensor."""
+    return sum(math.prod(s) if len(s) <= 1 else k_for(ratio, math.prod(s)) for s in shapes)
+
+
+def matched_powersgd_rank(shapes, ratio: float) -> int:
+    """The PowerSGD rank (1-64) whose bytes come closest to the layer-wise hook's at ``ratio``."""
+    target = hook_numel(shapes, ratio)
+    return min(range(1, 65), key=lambda r: abs(powersgd_numel(shapes, r) - target))
+
+
 def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The DDP communication hook: ``ddp_model.register_comm_hook(state, sparse_hook)``."""
     return state.run(bucket)
 
 
-__all__ = ["SparseHookState", "bucket_seed", "sparse_hook"]
+__all__ = ["SparseHookState", "bucket_seed", "hook_numel", "matched_powersgd_rank", "powersgd_numel",
+           "sparse_hook"]

@@ -247,6 +247,10 @@ class NullWriter:
     def finish(self, status: str, error: str | None = None, **fields: Any) -> None: ...
 
 
+# Schemes that are torch's own DDP communication hooks (PowerSGD, fp16 compression): they run only
+# through DDP (dist.ddp=true) and have no scope or aggregation of sparsetrain's.
+TORCH_HOOK_SCHEMES = ("powersgd", "fp16")
+
 # A run "did not train" when its final training loss is no better than a uniform guess over the
 # classes (ln C, 2.30 for 10 classes): such a run diverged or never left the start, and its
 # accuracy says nothing about the scheme. Tables list it apart and never rank it.

@@ -61,6 +61,22 @@ class PhaseTimer:
     def phase(self, name: str):
         return self._clock(lambda ms: self._add_phase(name, ms))
 
+    def move(self, source: str, target: str, ms: float) -> None:
+        """Reassign ``ms`` of the current step from phase ``source`` to ``target`` (at most what
+        ``source`` holds): the DDP path splits its backward phase into the compression and the
+        exchange that ran inside it. The step's total is unchanged.
+
+        >>> timer = PhaseTimer("cpu", warmup_steps=0)
+        >>> with timer.step():
+        ...     timer.last["backward"] = 10.0
+        ...     timer.move("backward", "exchange", 4.0)
+        >>> timer.last["backward"], timer.last["exchange"]
+        (6.0, 4.0)
+        """
+        ms = max(0.0, min(ms, self.last.get(source, 0.0)))
+        self.last[source] = self.last.get(source, 0.0) - ms
+        self._add_phase(target, ms)
+
     def untimed(self):
         """Work inside a step that is not part of it (statistics for the log): timed apart and
         left out of the step's time; in no phase. On CUDA the device is synchronised at both

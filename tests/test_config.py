@@ -47,6 +47,11 @@ def test_schema_rejects_typos_and_types(override):
         (["scheme=topk", "aggregation=allreduce"], "aggregation='allreduce'"),
         (["wandb.mode=loud"], "wandb.mode='loud'"),
         (["train.batch_size=0"], "train.batch_size=0"),
+        (["dist.ddp=true", "world_size=1"], "dist.ddp=true is not allowed with world_size=1"),
+        (["scheme=powersgd"], "scheme=powersgd is not allowed with dist.ddp=false"),
+        (["scheme=fp16"], "scheme=fp16 is not allowed with dist.ddp=false"),
+        (["scheme=powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
+        (["dist.ddp=true", "dist.bucket_cap_mb=0"], "dist.bucket_cap_mb=0.0"),
     ],
 )
 def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
@@ -57,7 +62,7 @@ def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
 
 
 def test_unknown_group_option_is_one_line():
-    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: blockk, none, randk, topk"):
+    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: blockk, fp16, none, powersgd, randk, topk"):
         check_group_overrides(["scheme=topk,nope"])
     check_group_overrides(["scheme=topk,randk", "ratio=0.1", "hydra.run.dir=x"])
 

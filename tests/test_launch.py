@@ -81,9 +81,21 @@ RESUME = (*TINY, "world_size=2", "train.epochs=2", "train.log_every=1", "train.s
           "data.train_size=384")  # 6 steps per epoch, 12 in all
 
 
-@pytest.mark.parametrize("scheme", ["none", "blockk"])
-def test_sigterm_then_resume_is_bit_exact(scheme, tmp_path):
-    args = (*RESUME, f"scheme={scheme}")
+# The DDP path (dist.ddp) too: several buckets (a small cap), so DDP rebuilds them, and positions
+# drawn per bucket must come out the same after the restart; torch's PowerSGD hook with its state.
+RESUMED_CONFIGS = {
+    "dense": ("scheme=none",),
+    "blockk": ("scheme=blockk",),
+    "ddp-randk-global": ("scheme=randk", "scope=global", "dist.ddp=true", "dist.bucket_cap_mb=0.05"),
+    "ddp-blockk-allreduce": ("scheme=blockk", "aggregation=allreduce", "dist.ddp=true",
+                             "dist.bucket_cap_mb=0.05", "scheme.warmup_steps=3"),
+    "ddp-powersgd": ("scheme=powersgd", "dist.ddp=true"),
+}
+
+
+@pytest.mark.parametrize("config", list(RESUMED_CONFIGS))
+def test_sigterm_then_resume_is_bit_exact(config, tmp_path):
+    args = (*RESUME, *RESUMED_CONFIGS[config])
     straight = run_cli(*args, f"hydra.run.dir={tmp_path / 'straight'}")
     assert straight.returncode == 0, straight.stderr[-3000:]
 

@@ -25,6 +25,7 @@ from sparsetrain.results import (  # stdlib only, no torch
     DID_NOT_TRAIN,
     HEARTBEAT_STALE_S,
     PHASES,
+    TORCH_HOOK_SCHEMES,
     unfinished_reason,
     untrained_reason,
 )
@@ -43,6 +44,7 @@ AXES = (
     "block_size",
     "uncompressed",
     "warmup_steps",
+    "exchange",
     "model",
     "data",
     "epochs_planned",
@@ -149,6 +151,14 @@ def _axes_from_config(cfg: dict) -> dict:
         "lr": _get(cfg, "optim", "lr"),
         "train_size": _get(cfg, "data", "train_size"),
     }
+    # Where the exchange ran: the trainer's own reducer after backward, or a DDP hook (dist.ddp).
+    row["exchange"] = "ddp hook" if _get(cfg, "dist", "ddp") else "trainer"
+    if scheme in TORCH_HOOK_SCHEMES:  # torch's hooks: no scope, aggregation, ... of sparsetrain's
+        for axis in DENSE_IRRELEVANT:
+            row[axis] = NOT_APPLICABLE
+        if scheme == "fp16":
+            row["ratio"] = 1.0  # every entry, in half the bytes
+        return row  # powersgd keeps its ratio: its rank is matched to that ratio's bytes
     if scheme in ("none", DENSE):
         # Dense SGD sends everything: its scope, aggregation and ratio knobs do nothing.
         row["scheme"] = DENSE

@@ -18,6 +18,7 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "rq4_workers": (("rq4_workers",), ("accuracy_vs_epoch", "workers")),
     "rq5_speed": (("rq5_speed",), ("time_per_phase", "accuracy_vs_bytes")),
     "stability": (("stability",), ("accuracy_vs_epoch",)),
+    "ddp_hooks": (("ddp_hooks",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
 }
 # Presets that add points to another study's tables.
 STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "ablation": "stability"}

@@ -45,8 +45,9 @@ LABELS = {
     "memory_norm_max": "max memory norm",
     "bytes_mean_per_step": "bytes/step/worker (run mean)",
 }
-SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3}
-SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k"}
+SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "fp16": 5}
+SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
+                "powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)"}
 PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn"}
 # The grid coordinates that name a missing run.
 MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warmup_steps", "world_size",
@@ -54,7 +55,8 @@ MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warm
 # Stabiliser settings are named only where they differ from the defaults.
 MISSING_DEFAULTS = {"uncompressed": "1d", "warmup_steps": 0}
 # Order of values in rows and columns: the paper's order, not the alphabet's.
-VALUE_ORDER = {"layerwise": 0, "global": 1, "allreduce": 0, "allgather": 1, "none": 0, "1d": 1}
+VALUE_ORDER = {"layerwise": 0, "global": 1, "allreduce": 0, "allgather": 1, "none": 0, "1d": 1,
+               "trainer": 0, "ddp hook": 1}
 
 
 @dataclass
@@ -385,6 +387,16 @@ def rq4_workers_table(runs: pd.DataFrame, include_failed: bool = False) -> Table
     )
 
 
+def ddp_hooks_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
+    """DDP hooks: test accuracy, final train loss, bytes and time per step per scheme (torch's
+    PowerSGD and fp16 hooks are schemes here) and exchange path (trainer or DDP hook)."""
+    return pivot_table(
+        "ddp_hooks", "DDP hooks: test accuracy, train loss, bytes and time per step", runs,
+        ["scheme"], None, "test_accuracy", include_failed,
+        extra_metrics=["train_loss", "bytes_sent_per_step", "time_step_ms"],
+    )
+
+
 def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     """RQ5: mean time per phase, time per step and speed-up over dense of the same setting."""
     done = runs if include_failed else completed(runs)
@@ -481,4 +493,5 @@ TABLES = {
     "rq4_workers": rq4_workers_table,
     "rq5_speed": rq5_speed_table,
     "stability": stability_table,
+    "ddp_hooks": ddp_hooks_table,
 }

@@ -54,38 +54,12 @@ from pathlib import Path
 from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.stats import median_interval, round_order  # noqa: F401  (re-exported)
 from sparsetrain.benchmarks.tables import grid, num
+from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
 
 CONFIGS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_blockk", "ddp_randk", "ddp_topk",
            "reducer_blockk")
 HOOKS = {"ddp_blockk": ("blockk", "allreduce"), "ddp_randk": ("randk", "allreduce"),
          "ddp_topk": ("topk", "allgather")}
-
-
-# ------------------------------------------------------------------------------------ sizes
-def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
-    """Entries torch's PowerSGD hook sends per step: rank x (n + m) for each tensor viewed as an
-    n x m matrix (n = shape[0]) that it compresses, the others (1-D ones, small ones) whole; the
-    same test as torch's ``_should_compress``."""
-    total = 0
-    for shape in shapes:
-        n = shape[0]
-        numel = math.prod(shape)
-        m = numel // n
-        r = min(n, m, rank)
-        total += r * (n + m) if (n + m) * r * min_compression_rate < numel else numel
-    return total
-
-
-def hook_numel(shapes, ratio: float) -> int:
-    """Entries the layer-wise block-k / random-k hook sends: k_i per n-D tensor, 1-D whole."""
-    from sparsetrain.compress import k_for
-
-    return sum(math.prod(s) if len(s) <= 1 else k_for(ratio, math.prod(s)) for s in shapes)
-
-
-def matched_powersgd_rank(shapes, ratio: float) -> int:
-    target = hook_numel(shapes, ratio)
-    return min(range(1, 65), key=lambda r: abs(powersgd_numel(shapes, r) - target))
 
 
 # ------------------------------------------------------------------------------------ worker

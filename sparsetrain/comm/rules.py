@@ -7,6 +7,7 @@ they are built.
 from __future__ import annotations
 
 from sparsetrain.compress import SCOPES, get_compressor
+from sparsetrain.results import TORCH_HOOK_SCHEMES  # noqa: F401  (the analysis reads it without torch)
 
 AGGREGATIONS = ("allreduce", "allgather")
 

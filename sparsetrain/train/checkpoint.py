@@ -52,7 +52,16 @@ NOT_DEFINING = (
 )
 
 
+# Communication plumbing that does change the run: the DDP path (state format) and its buckets
+# (positions are drawn per bucket).
+DEFINING = ("dist.ddp", "dist.bucket_cap_mb")
+# Keys added after studies had started: the value a checkpoint without them ran with.
+ADDED_LATER = {"dist.ddp": False, "dist.bucket_cap_mb": 25.0, "scheme.rank": None}
+
+
 def _not_defining(key: str) -> bool:
+    if key in DEFINING:
+        return False
     return any(key == k or (k.endswith(".") and key.startswith(k)) for k in NOT_DEFINING)
 
 
@@ -75,8 +84,9 @@ def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]
     for key in sorted(set(a) | set(b)):
         if _not_defining(key):
             continue
-        if a.get(key, _ABSENT) != b.get(key, _ABSENT):
-            out.append((key, a.get(key, _ABSENT), b.get(key, _ABSENT)))
+        old, new = (c.get(key, ADDED_LATER.get(key, _ABSENT)) for c in (a, b))
+        if old != new:
+            out.append((key, old, new))
     return out
 
 

@@ -34,6 +34,7 @@ from sparsetrain.timing import PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
 from sparsetrain.train.components import exchange_from_config, optimizer_from_config
+from sparsetrain.train.ddp_exchange import DDPExchange
 from sparsetrain.train.schedule import lr_at
 from sparsetrain.train.signals import StopSignals
 from sparsetrain.train.step import TrainStep
@@ -68,11 +69,19 @@ class Trainer:
         # One flat gradient buffer, each .grad a view into it; tensors that bypass compression
         # (scheme.uncompressed) sit at its end. conf/scheme/<name>.yaml's ``compressor`` node is
         # the scheme's class with its options, built once the buffer's layout is known.
-        self.flat_grad, self.params, self.reducer = exchange_from_config(
-            cfg, self.model, world_size=info.world_size, rank=info.rank, device=self.device,
-            stats_every=cfg.train.log_every,  # compression statistics on logged steps only
-        )
-        self.num_parameters = self.flat_grad.numel()
+        # dist.ddp: the model in torch DDP, the exchange in a communication hook during backward
+        # (train.ddp_exchange); the step then runs the DDP model and keeps per-parameter .grad.
+        net = self.model
+        if cfg.dist.ddp:
+            self.reducer = DDPExchange(cfg, self.model, world_size=info.world_size, rank=info.rank,
+                                       device=self.device, stats_every=cfg.train.log_every)
+            self.flat_grad, self.params, net = None, list(self.model.parameters()), self.reducer.net
+        else:
+            self.flat_grad, self.params, self.reducer = exchange_from_config(
+                cfg, self.model, world_size=info.world_size, rank=info.rank, device=self.device,
+                stats_every=cfg.train.log_every,  # compression statistics on logged steps only
+            )
+        self.num_parameters = self.reducer.numel
         self.optimizer = optimizer_from_config(cfg, self.model)
         self.loader = ShardedLoader(
             data.train_x,
@@ -93,7 +102,7 @@ class Trainer:
             )
         self.timer = PhaseTimer(self.device, cfg.train.timing_warmup)
         schedule = partial(lr_at, steps_per_epoch=len(self.loader), cfg=cfg, world_size=info.world_size)
-        self.run_step = TrainStep(self.model, self.optimizer, self.reducer, self.flat_grad,
+        self.run_step = TrainStep(net, self.optimizer, self.reducer, self.flat_grad,
                                   self.timer, self.device, lr=schedule)
         self.step = 0
         self.epoch = 0  # epochs completed
@@ -348,6 +357,9 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         resumed = self.maybe_resume()
+        if isinstance(self.reducer, DDPExchange):  # the same DDP buckets for every step, resumed or not
+            inputs, _ = next(iter(self.loader.batches(self.epoch)))  # seeded order: no global RNG drawn
+            self.reducer.settle(inputs.to(self.device))
         config = OmegaConf.to_container(cfg, resolve=True)
         self.writer.open_metrics(keep_records=self.records_logged if resumed else None)
         self.writer.start(
@@ -429,6 +441,9 @@ class Trainer:
         """Bytes this rank puts on its link for ``nbytes`` through ``collective`` (ring model)."""
         return round(wire_bytes(collective, nbytes, self.info.world_size))
 
+    def _compresses(self) -> bool:
+        return self.cfg.scheme.name != "none"
+
     def _exchange_fields(self) -> dict:
         """What the exchange sends once compression runs, and when it started."""
         red = self.reducer
@@ -436,7 +451,7 @@ class Trainer:
             "density": red.density,  # entries sent / entries, uncompressed tensors included
             "uncompressed_bytes_per_step": red.uncompressed_bytes_per_step,
             "uncompressed_share": red.uncompressed_bytes_per_step / red.bytes_sent_per_step,
-            "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
+            "compression_start_step": red.warmup_steps if self._compresses() else None,
         }
 
     def _summary_fields(self) -> dict:
@@ -459,7 +474,7 @@ class Trainer:
             "peak_memory_of": "cuda_max_allocated" if on_cuda else "process_max_rss",
             "bytes_sent_total": self.bytes_sent_total,
             "wire_bytes_total": self.wire_bytes_total,
-            "memory_norm_max": self.memory_norm_max if self.cfg.scheme.name != "none" else None,
+            "memory_norm_max": self.memory_norm_max if self._compresses() else None,
             "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": self.elapsed_s,
         }

@@ -1,0 +1,229 @@
+"""Training through torch DDP (``dist.ddp=true``): the model wrapped in DistributedDataParallel,
+the exchange done by a communication hook during backward. The hook by scheme:
+
+  topk, randk, blockk  ``sparsetrain.ddp.sparse_hook`` with the configured scope (global: within a
+                       bucket), aggregation, ratio, error feedback, ``scheme.uncompressed``,
+                       warm-up and seed
+  none                 DDP's own AllReduce (through the same hook, so it is timed the same way)
+  powersgd             torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
+                       by default, the rank whose bytes come closest to the layer-wise sparse
+                       hook's at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``)
+  fp16                 torch's fp16 compression hook
+
+``DDPExchange`` stands where the trainer keeps its reducer (the ``comm.Reducer`` surface): the
+exchange has already happened when the train step calls ``reduce``, which only accounts for it:
+
+- phases: the host time spent inside the hook calls is ``compress`` (compression and launching
+  the collectives; on CUDA, host time); what backward waited after the last bucket was handed to
+  the hook is the exchange not hidden by backward: ``exchange`` (less ``decompress``, the
+  unpacking measured in the collectives' callbacks, as far as it fell into that wait); both are
+  moved out of ``backward``, so the phases still add up to the step;
+- bytes and density per step as the hook sent them; the memory norm on logged steps.
+
+Buckets are settled before the first step (``settle``): DDP runs its first iteration on one
+initial bucket and rebuilds its buckets before the second, in the order gradients arrived. Two
+untimed forward/backward passes with the hook bypassed (no collective, no step counted, the
+batch-norm buffers restored) let that happen, so every step of every run, fresh or resumed,
+sees the same buckets, and a resumed run draws the same positions per bucket: bit-identical.
+PowerSGD on gloo runs in one bucket: it starts its second AllReduce from a future callback, and
+with several buckets gloo ranks can then issue collectives in different orders.
+"""
+
+# no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
+import inspect
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from sparsetrain.comm import ExchangeStats
+from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
+from sparsetrain.results import logged_step
+from sparsetrain.timing import PhaseTimer
+
+ONE_BUCKET_MB = 1 << 20  # a bucket cap no model reaches: every parameter in one bucket
+
+
+class _TimedHook:
+    """Wraps a DDP hook and its state: the host time inside the hook calls and the moment the
+    last bucket was handed over, per iteration; ``bypass``: return the bucket untouched."""
+
+    def __init__(self, hook, state, on_bypass=None):
+        self.hook, self.state, self.on_bypass = hook, state, on_bypass
+        self.bypass = False
+        self.hook_ms = 0.0
+        self.handoff: float | None = None
+
+    def take(self) -> tuple[float, float | None]:
+        out = (self.hook_ms, self.handoff)
+        self.hook_ms, self.handoff = 0.0, None
+        return out
+
+
+def _timed_hook(timed: _TimedHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    if timed.bypass:
+        if timed.on_bypass is not None:
+            timed.on_bypass(bucket)
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+    t0 = time.perf_counter()
+    fut = timed.hook(timed.state, bucket)
+    t1 = time.perf_counter()
+    timed.hook_ms += (t1 - t0) * 1e3
+    if bucket.is_last():  # DDP launches buckets in index order: the last one ends the handoff
+        timed.handoff = t1
+    return fut
+
+
+class DDPExchange:
+    """The model in DDP with the configured hook, seen by the trainer as its reducer.
+
+    ``net`` is the DDP model the train step runs; ``module`` the model inside it (evaluation,
+    checkpoints). Sizes (``bytes_sent_per_step``, ``density``, ...) are exact once ``settle`` ran.
+    """
+
+    def __init__(self, cfg: Any, model: torch.nn.Module, *, world_size: int, rank: int,
+                 device: torch.device, stats_every: int = 0):
+        self.module = model
+        scheme = cfg.scheme
+        self.stats_every = int(stats_every)
+        self.world_size = world_size
+        params = [p for p in model.parameters() if p.requires_grad]
+        shapes = [tuple(p.shape) for p in params]
+        self.numel = sum(p.numel() for p in params)
+        esize = params[0].element_size()
+        self.dense_bytes_per_step = self.numel * esize
+        self.uncompressed_bytes_per_step = 0
+        self.density = 1.0
+        self.collective = "allreduce"
+        self.warmup_steps = 0
+        self.compresses = scheme.name != "none"
+        bucket_cap_mb = cfg.dist.bucket_cap_mb
+        if scheme.name == "powersgd" and dist.get_backend() == "gloo":
+            bucket_cap_mb = ONE_BUCKET_MB
+        kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+        # No buffer broadcast before each forward: each rank keeps its own batch-norm statistics,
+        # as the trainer's own path does (evaluation uses rank 0's); one collective less per step.
+        # (torch >= 2.14 renamed the switch; it still syncs once at construction, as before.)
+        no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
+                   inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
+        kwargs[no_sync] = False
+        self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
+        self.state: Any = None
+        on_bypass = None
+        if scheme.name == "powersgd":
+            self.powersgd_rank = scheme.get("rank") or matched_powersgd_rank(shapes, cfg.ratio)
+            # torch needs >= 2 plain iterations with error feedback / warm start (bucket rebuild)
+            self.warmup_steps = max(2, int(scheme.warmup_steps))
+            self.state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=self.powersgd_rank,
+                start_powerSGD_iter=self.warmup_steps, use_error_feedback=bool(scheme.error_feedback),
+                warm_start=True, random_seed=int(cfg.seed))
+            hook = powerSGD_hook.powerSGD_hook
+            sent = powersgd_numel(shapes, self.powersgd_rank)
+            self.bytes_sent_per_step = sent * esize
+            self.density = sent / self.numel
+        elif scheme.name == "fp16":
+            hook = default_hooks.fp16_compress_hook
+            self.bytes_sent_per_step = self.numel * 2
+            self.density = 1.0  # every entry, in half the bytes
+        else:
+            compressor = instantiate(scheme.compressor) if scheme.get("compressor") else None
+            self.state = SparseHookState(
+                self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
+                error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
+                warmup_steps=scheme.warmup_steps, seed=cfg.seed, block_size=scheme.block_size,
+                compressor=compressor)
+            hook, on_bypass = sparse_hook, self.state.plan
+            self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
+            if scheme.name != "none":
+                self.collective = cfg.aggregation.name
+                self.warmup_steps = int(scheme.warmup_steps)
+        self.timed = _TimedHook(hook, self.state, on_bypass)
+        self.net.register_comm_hook(self.timed, _timed_hook)
+
+    # --- before the first step -------------------------------------------------------------------
+    def settle(self, inputs: torch.Tensor) -> None:
+        """Two bypassed forward/backward passes on ``inputs``: DDP rebuilds its buckets after
+        the first, the sparse hook plans them in the second. Nothing is exchanged or counted;
+        gradients are zeroed and batch-norm buffers restored, so training is untouched."""
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        self.timed.bypass = True
+        try:
+            for _ in range(2):
+                out = self.net(inputs)
+                out.float().sum().mul(0.0).backward()
+        finally:
+            self.timed.bypass = False
+        with torch.no_grad():
+            for b, saved in zip(self.module.buffers(), buffers):
+                b.copy_(saved)
+        for p in self.module.parameters():
+            p.grad = None
+        self.timed.take()
+        if isinstance(self.state, SparseHookState) and self.state.scheme != "none":
+            sizes = self.state.sizes()
+            self.bytes_sent_per_step = sizes["bytes_sent"]
+            self.uncompressed_bytes_per_step = sizes["uncompressed_bytes"]
+            self.density = sizes["density"]
+
+    # --- the Reducer surface the trainer uses ----------------------------------------------------
+    def reduce(self, flat_grad: Any, step: int, timer: PhaseTimer) -> ExchangeStats:
+        """Account for the exchange DDP ran inside backward at (0-based) ``step``."""
+        now = time.perf_counter()
+        hook_ms, handoff = self.timed.take()
+        waited = (now - handoff) * 1e3 if handoff is not None else 0.0
+        decompress = 0.0
+        if isinstance(self.state, SparseHookState):
+            decompress = min(sum(self.state.decompress_ms), waited)
+        timer.move("backward", "compress", hook_ms)
+        timer.move("backward", "decompress", decompress)
+        timer.move("backward", "exchange", waited - decompress)
+        compressing = self.compresses and step >= self.warmup_steps
+        sent = self.bytes_sent_per_step if compressing else self.dense_bytes_per_step
+        if isinstance(self.state, SparseHookState):
+            sent = self.state.bytes_sent_per_step  # as the hook sent it in this iteration
+        memory_norm = None
+        if (isinstance(self.state, SparseHookState) and self.state.scheme != "none"
+                and logged_step(step + 1, self.stats_every)):
+            with timer.untimed():
+                memory_norm = self.state.memory_norm()
+        return ExchangeStats(sent, self.dense_bytes_per_step,
+                             density=self.density if compressing else 1.0,
+                             memory_norm=memory_norm,
+                             collective=self.collective if compressing else "allreduce")
+
+    def attach(self, params, flat_grad) -> "DDPExchange":
+        return self  # DDP overlaps by itself
+
+    def detach(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        if isinstance(self.state, SparseHookState):
+            return {"hook": self.state.state_dict()}
+        if isinstance(self.state, powerSGD_hook.PowerSGDState):
+            st = self.state
+            name, key, pos, has_gauss, gauss = st.rng.get_state()  # numpy: as tensors (weights_only)
+            return {"hook": {"iter": st.iter, "error_dict": dict(st.error_dict),
+                             "p_memory_dict": dict(st.p_memory_dict), "q_memory_dict": dict(st.q_memory_dict),
+                             "rng": [name, torch.from_numpy(key.astype("int64")), pos, has_gauss, gauss]}}
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if isinstance(self.state, SparseHookState):
+            self.state.load_state_dict(state["hook"])
+        elif isinstance(self.state, powerSGD_hook.PowerSGDState):
+            saved = dict(state["hook"])
+            name, key, pos, has_gauss, gauss = saved.pop("rng")
+            self.state.rng.set_state((name, key.numpy().astype("uint32"), int(pos), int(has_gauss), float(gauss)))
+            for attr, value in saved.items():
+                setattr(self.state, attr, value)
+
+
+__all__ = ["DDPExchange"]
