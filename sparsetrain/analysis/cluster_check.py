@@ -20,7 +20,19 @@ from sparsetrain.costmodel import Collective
 
 from .time_to_accuracy import COLLECTIVES, COMPUTE_PHASES, ExchangeModel
 
+# Schema 1 (the first pass) names rows by scheme only; schema 2 rows carry their config options.
 BENCH_COLLECTIVE = {"dense": "allreduce", "topk": "allgather", "randk": "allreduce", "blockk": "allreduce"}
+
+
+def _collective(row: str, result: dict) -> str | None:
+    """The collective a benchmark row's exchange phase ran, or None for rows whose exchange is
+    not a phase of its own (compute-only, the overlapped dense path, torch DDP)."""
+    options = result.get("options")
+    if not options:
+        return BENCH_COLLECTIVE.get(row)
+    if options.get("scheme") == "none":
+        return None if options.get("overlap") or row != "dense" else "allreduce"
+    return options.get("aggregation")
 
 
 def bench_check(step: dict, costmodel: dict, tolerance: float = 0.2) -> pd.DataFrame:
@@ -39,7 +51,7 @@ def bench_check(step: dict, costmodel: dict, tolerance: float = 0.2) -> pd.DataF
         meta = result["meta"]
         world, rate = int(meta["world_size"]), float(meta["rate_bits"])
         for scheme, r in result["schemes"].items():
-            collective = BENCH_COLLECTIVE.get(scheme)
+            collective = _collective(scheme, r)
             if collective is None:
                 continue
             ph = r["phases_ms"]
