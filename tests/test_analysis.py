@@ -41,7 +41,7 @@ BASE_CONFIG = {
     "dist": {"backend": "gloo", "timeout_s": 60, "ranks_per_node": None},
 }
 GROUPS = ("scheme", "scope", "aggregation", "model", "data")
-BASE_ACCURACY = {"none": 0.91, "topk": 0.90, "blockk": 0.88, "randk": 0.86}
+BASE_ACCURACY = {"none": 0.91, "topk": 0.90, "blockk": 0.88, "randk": 0.86, "powersgd": 0.89}
 DENSE_BYTES = 1_000_000
 
 
@@ -78,7 +78,7 @@ def fake_times(config: dict) -> dict:
     times = {"data": 1.0, "forward": 10.0, "backward": 20.0, "exchange": 30.0 if dense else 5.0,
              "optimizer": 2.0}
     if not dense:
-        times["compress"] = {"topk": 8.0, "randk": 2.0, "blockk": 0.5}[config["scheme"]["name"]]
+        times["compress"] = {"topk": 8.0, "randk": 2.0, "blockk": 0.5, "powersgd": 4.0}[config["scheme"]["name"]]
         times["decompress"] = 1.0
     times = {k: v * (1 + 0.1 * config["seed"]) for k, v in times.items()}
     times["step"] = sum(times.values()) + 0.5
@@ -178,6 +178,8 @@ def write_results(root: Path) -> Path:
     write_sweep(root / "rq5_speed", {"scheme": "none,topk,randk,blockk", "seed": "0,1"}, "rq5_speed",
                 fixed={"aggregation": "allreduce"})
     write_sweep(root / "stability", {"scheme": "randk,blockk", "scheme.uncompressed": "none,1d"}, "stability")
+    write_sweep(root / "ddp_hooks", {"scheme": "blockk,powersgd,none", "seed": "0,1"}, "ddp_hooks",
+                fixed={"aggregation": "allreduce", "dist.ddp": True})
     return root
 
 
@@ -231,7 +233,7 @@ def test_load_runs_accepts_single_run_and_many_sweeps(results, tmp_path):
     assert one.iloc[0]["experiment"] is None
     both = sa.load_runs(results / "rq1_scope", results / "rq5_speed")
     assert set(both["experiment"]) == {"rq1_scope", "rq5_speed"}
-    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4
+    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4 + 6
 
 
 def test_run_without_summary_is_flagged(tmp_path):
@@ -433,6 +435,22 @@ def test_figures_png_and_pdf(results, tmp_path):
     for paths in made:
         assert_png(paths["png"])
         assert paths["pdf"].read_bytes()[:5] == b"%PDF-"
+
+
+def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):
+    """Runs through DDP (dist.ddp) carry exchange="ddp hook"; torch's PowerSGD hook is a scheme of
+    its own (not dense SGD), with no scope or aggregation of sparsetrain's."""
+    from sparsetrain.analysis.tables import ddp_hooks_table
+
+    runs = sa.load_runs(results / "ddp_hooks")
+    assert set(runs["exchange"]) == {"ddp hook"}
+    assert set(runs["scheme"]) == {"dense", "blockk", "powersgd"}
+    psgd = runs[runs["scheme"] == "powersgd"].iloc[0]
+    assert (psgd["scope"], psgd["aggregation"], psgd["ratio"]) == ("-", "-", 0.01)
+    assert set(sa.load_runs(results / "rq1_scope")["exchange"]) == {"trainer"}
+    table = ddp_hooks_table(runs)
+    assert list(table.display["scheme"]) == ["dense SGD", "block-random-k", "PowerSGD (torch hook)"]
+    assert all("(n=2)" in cell for cell in table.display["test accuracy (%)"])
 
 
 def test_report_per_study(results, tmp_path):

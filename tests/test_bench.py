@@ -28,7 +28,7 @@ def _ours() -> list[str]:
 def test_bench_step_tiny_end_to_end(tmp_path):
     before = set(_ours())
     cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--rates", "2gbit,paper",
-           "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "2",
+           "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "2", "--visits", "2",
            "--schemes", "compute,dense,blockk,ddp", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -40,7 +40,8 @@ def test_bench_step_tiny_end_to_end(tmp_path):
         s = r["schemes"]
         # "blockk" = both aggregations the studies train it with
         assert set(s) == {"compute", "dense", "blockk_ag", "blockk_ar", "ddp"}
-        assert r["meta"]["rounds"] == 2 and r["meta"]["preset"] == "cpu_scale"
+        # two visits of one round each, merged: rates interleave in time
+        assert r["meta"]["rounds"] == 2 and r["meta"]["visits"] == 2 and r["meta"]["preset"] == "cpu_scale"
         assert s["dense"]["phases_ms"]["exchange"] > 0
         assert "exchange" not in s["compute"]["phases_ms"] and s["compute"]["bytes_sent_per_step"] == 0
         assert all(v > 0 for v in s["blockk_ag"]["peak_rss_mb_per_rank"])

@@ -118,6 +118,29 @@ def test_summarize_takes_the_slowest_rank_per_step_and_the_median_per_round():
     assert s["dense"]["x_compute_ci"] == [pytest.approx(2.0), pytest.approx(3.0)]
 
 
+def test_visits_merge_to_the_summary_of_all_their_rounds():
+    """A rate measured in two visits (rounds 1-2, then round 3) summarizes as if its three rounds
+    had run in one: medians, intervals, phases and the per-round ratios to compute-only."""
+    from sparsetrain.benchmarks.step import merge_visits
+
+    def ranks(rounds):  # one rank; 2 rows; per round: step times and a phase value
+        return [{"compute": {"rounds": [s for s, _ in rounds], "phases": [{"forward": f} for _, f in rounds]},
+                 "dense": {"rounds": [[2 * x for x in s] for s, _ in rounds],
+                           "phases": [{"exchange": 3 * f} for _, f in rounds]}}]
+
+    rounds = [([10, 11, 12], 1.0), ([20, 21, 22], 5.0), ([30, 31, 32], 2.0)]
+    whole = harness.summarize(ranks(rounds), ["compute", "dense"], 3)
+    parts = [{"meta": {"rounds": n, "wall_s": 1.0, "rate": "1gbit"},
+              "schemes": harness.summarize(ranks(chunk), ["compute", "dense"], n)}
+             for n, chunk in ((2, rounds[:2]), (1, rounds[2:]))]
+    merged = merge_visits(parts)
+    assert merged["meta"]["rounds"] == 3 and merged["meta"]["visits"] == 2 and merged["meta"]["wall_s"] == 2.0
+    for row in ("compute", "dense"):
+        for key in ("round_ms", "step_ms", "ci_low_ms", "ci_high_ms", "phases_ms", "x_compute", "x_compute_ci"):
+            assert merged["schemes"][row][key] == whole[row][key], (row, key)
+    assert merged["schemes"]["compute"]["round_ms"] == [11, 21, 31]
+
+
 def test_grid_aligns_columns_and_refuses_ragged_rows():
     text = grid(["row", "ms"], [["compute", "1.0"], ["dense_ovl", "123.4"]])
     lines = text.splitlines()
@@ -135,14 +158,20 @@ def test_parse_rows_expands_a_scheme_to_every_aggregation_the_studies_train():
         step.parse_rows("nosuch")
 
 
-def test_report_of_the_first_pass_file_rewrites_it_byte_for_byte(tmp_path):
-    """`make figures` re-renders results/bench/step.json (schema 1) in place: same bytes."""
-    src = REPO / "results" / "bench"
+@pytest.mark.parametrize("src", [REPO / "tests" / "data" / "step_v1", REPO / "results" / "bench"],
+                         ids=["first pass, schema 1", "committed run"])
+def test_report_rewrites_a_saved_run_byte_for_byte(src, tmp_path):
+    """`make figures` re-renders results/bench/step.json in place: same bytes, for the first
+    pass's schema-1 file (kept in tests/data) and the committed schema-2 run."""
     shutil.copy(src / "step.json", tmp_path / "step.json")
-    text = step.render(json.loads((src / "step.json").read_text()), tmp_path)
+    doc = json.loads((src / "step.json").read_text())
+    text = step.render(doc, tmp_path)
     assert (tmp_path / "step.json").read_bytes() == (src / "step.json").read_bytes()
     assert (tmp_path / "step.csv").read_bytes() == (src / "step.csv").read_bytes()
-    assert "schema 1" in text and "goals at 1172mbit (paper)" in text
+    if doc.get("schema", 1) == 1:
+        assert "schema 1" in text and "goals at 1172mbit (paper)" in text
+    else:
+        assert "noise check" in text
 
 
 def _row(med, lo, hi, **kw):

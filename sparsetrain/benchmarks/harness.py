@@ -217,15 +217,25 @@ def summarize(allr: list[dict], names: list[str], rounds: int) -> dict:
     for c in names:
         steps = [[max(allr[q][c]["rounds"][r][i] for q in range(world))
                   for i in range(len(allr[0][c]["rounds"][r]))] for r in range(rounds)]
-        round_ms = [statistics.median(s) for s in steps]
+        phase_rounds = {ph: [statistics.median(allr[q][c]["phases"][r].get(ph, 0.0) for q in range(world))
+                             for r in range(rounds)] for ph in allr[0][c]["phases"][0]}
+        out[c] = {"steps_ms": steps, "phase_rounds_ms": phase_rounds}
+    return summarize_rounds(out)
+
+
+def summarize_rounds(rows: dict) -> dict:
+    """The figures of ``summarize`` from round-level values, per configuration ``{"steps_ms":
+    [[slowest rank's step ms, ...] per round], "phase_rounds_ms": {phase: [per round]}}`` (plus
+    anything else, kept): rounds of several runs can be concatenated and summarized together,
+    as long as every configuration ran in each of them (the per-round ratios pair them)."""
+    out = {}
+    for c, row in rows.items():
+        round_ms = [statistics.median(s) for s in row["steps_ms"]]
         ci = median_interval(round_ms)
-        phases = {}
-        for ph in allr[0][c]["phases"][0]:
-            phases[ph] = statistics.median(
-                statistics.median(allr[q][c]["phases"][r].get(ph, 0.0) for q in range(world))
-                for r in range(rounds))
-        out[c] = {"step_ms": ci.median, "ci_low_ms": ci.low, "ci_high_ms": ci.high,
-                  "ci_level": ci.level, "round_ms": round_ms, "steps_ms": steps, "phases_ms": phases}
+        phases = {ph: statistics.median(v) for ph, v in row["phase_rounds_ms"].items()}
+        out[c] = {**row, "step_ms": ci.median, "ci_low_ms": ci.low, "ci_high_ms": ci.high,
+                  "ci_level": ci.level, "round_ms": round_ms, "phases_ms": phases}
+    names = list(out)
     if COMPUTE in out:
         base = out[COMPUTE]["round_ms"]
         for c in names:

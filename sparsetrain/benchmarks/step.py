@@ -19,7 +19,11 @@ momentum) plus the row's scheme / aggregation, through the trainer's own ``build
   blockk_ag  block-random-k, AllGather    blockk_ar  block-random-k, AllReduce (shared seed; RQ3)
   ddp        torch DistributedDataParallel (gloo, 25 MB buckets), the baseline
 
-Every row is rebuilt and timed once per round, rows rotated round-robin, for --rounds rounds;
+Every row is rebuilt and timed once per round, rows rotated round-robin, for --rounds rounds,
+split over --visits visits (default 3): each visit runs every rate in turn on a fresh cluster for
+its share of the rounds, so that rates interleave in time as rows do and a slow drift of the
+machine's speed spreads over all of them (the first run measured the rates one after another:
+compute-only drifted 5% between them);
 every step starts on all ranks together (a barrier) and lasts as long as its slowest rank; a
 round's value is its median step. Reported per row: the median over rounds and its 95%
 distribution-free interval (order statistics of the round values, ``stats.median_interval``),
@@ -148,7 +152,7 @@ def worker(a) -> None:
     out = {n: {"rounds": [], "phases": []} for n in names}
     extra: dict = {}
     for r in range(a.rounds):
-        for name in round_order(names, r):
+        for name in round_order(names, a.round_offset + r):  # offset: continue across visits
             res = run_row(name, a.steps, a.warmup, r == 0)
             out[name]["rounds"].append(res["steps"])
             out[name]["phases"].append(res["phases"])
@@ -177,6 +181,22 @@ def worker(a) -> None:
         Path(a.json).write_text(json.dumps({"meta": meta, "schemes": summary}, indent=2))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def merge_visits(parts: list[dict]) -> dict:
+    """One rate's results from its visits: their rounds concatenated and summarized together
+    (``harness.summarize_rounds``); meta from the first, with the rounds and wall time summed."""
+    if len(parts) == 1:
+        return parts[0]
+    meta = {**parts[0]["meta"], "rounds": sum(p["meta"]["rounds"] for p in parts),
+            "visits": len(parts), "wall_s": sum(p["meta"].get("wall_s", 0.0) for p in parts)}
+    rows = {}
+    for name, first in parts[0]["schemes"].items():
+        rows[name] = {**first,
+                      "steps_ms": [s for p in parts for s in p["schemes"][name]["steps_ms"]],
+                      "phase_rounds_ms": {ph: [x for p in parts for x in p["schemes"][name]["phase_rounds_ms"][ph]]
+                                          for ph in first["phase_rounds_ms"]}}
+    return {"meta": meta, "schemes": harness.summarize_rounds(rows)}
 
 
 # ------------------------------------------------------------------------------------ report
@@ -349,6 +369,7 @@ def main(argv=None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--round-offset", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--rates", default="1gbit,paper,250mbit,4gbit",
                     help="comma list of tc rates; 'paper' = where dense spends ~27%% in exchange "
                          "(computed from the first rate, which must be a number)")
@@ -357,6 +378,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="images per rank per step")
     ap.add_argument("--rounds", "--passes", dest="rounds", type=int, default=9,
                     help="interleaved rounds (>= 5; >= 6 for a 95%% interval; 9 gives [x(2), x(8)])")
+    ap.add_argument("--visits", type=int, default=None,
+                    help="visit the rates this many times in turn, each time for its share of the "
+                         "rounds, so that a drift of the machine's speed spreads over every rate "
+                         "(default: 3, or --rounds if fewer)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per row per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per row per round (after its rebuild)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -391,27 +416,45 @@ def main(argv=None) -> int:
         raise SystemExit("--rates: the first rate must be a number ('paper' is computed from it)")
     if "paper" in rates and "dense" not in a.schemes:
         raise SystemExit("--rates paper needs the dense row in --schemes")
+    a.visits = min(3, a.rounds) if a.visits is None else a.visits
+    if not 1 <= a.visits <= a.rounds:
+        raise SystemExit(f"--visits={a.visits} is not allowed: it must be between 1 and --rounds ({a.rounds})")
     worker_cmd = [sys.executable, "-m", "sparsetrain.benchmarks.step", "--worker",
-                  "--batch", str(a.batch), "--rounds", str(a.rounds), "--steps", str(a.steps),
+                  "--batch", str(a.batch), "--steps", str(a.steps),
                   "--warmup", str(a.warmup), "--threads", str(a.threads), "--preset", a.preset,
                   "--model", a.model, "--schemes", ",".join(a.schemes),
                   *(["--ratio", str(a.ratio)] if a.ratio is not None else []),
                   *(x for o in a.override for x in ("--override", o)),
                   *([] if a.skew_phase else ["--no-skew-phase"])]
-    results = []
-    for i, rate in enumerate(rates):
-        label = rate
-        if rate == "paper":
-            rate = harness.rate_str(harness.paper_rate(results[0]))
-            print(f"[bench step] paper-like rate: {rate} (dense exchange ~{harness.PAPER_SHARE:.0%} of its step)", flush=True)
-        t0 = time.time()
-        res = harness.run_on_cluster(worker_cmd, nproc=a.nproc, rate=rate, tag=str(i), name="step",
-                                     burst=a.burst, timeout=a.rate_timeout)
-        res["meta"]["label"] = label
-        results.append(res)
-        print(table(res), flush=True)
-        print(f"[bench step] {rate}: {time.time() - t0:.0f} s; goals {goals(res)}", flush=True)
+    # The rounds are split into visits; each visit runs every rate in turn (a fresh cluster per
+    # rate and visit), so the rates interleave in time as the rows do within a rate.
+    shares = [a.rounds // a.visits + (1 if v < a.rounds % a.visits else 0) for v in range(a.visits)]
+    parts: dict[str, list[dict]] = {rate: [] for rate in rates}
+    resolved: dict[str, str] = {}
+    offset = 0
+    for v, share in enumerate(shares):
+        for i, label in enumerate(rates):
+            if label not in resolved:
+                resolved[label] = label
+                if label == "paper":  # from the first visit of the first rate
+                    resolved[label] = harness.rate_str(harness.paper_rate(parts[rates[0]][0]))
+                    print(f"[bench step] paper-like rate: {resolved[label]} (dense exchange "
+                          f"~{harness.PAPER_SHARE:.0%} of its step)", flush=True)
+            rate = resolved[label]
+            t0 = time.time()
+            cmd = [*worker_cmd, "--rounds", str(share), "--round-offset", str(offset)]
+            res = harness.run_on_cluster(cmd, nproc=a.nproc, rate=rate, tag=str(v * len(rates) + i),
+                                         name="step", burst=a.burst, timeout=a.rate_timeout)
+            res["meta"]["label"] = label
+            parts[label].append(res)
+            print(f"[bench step] visit {v + 1}/{a.visits}, {rate}: {share} rounds, "
+                  f"{time.time() - t0:.0f} s", flush=True)
+        offset += share
+        results = [merge_visits(parts[label]) for label in rates if parts[label]]
         write_outputs(results, out)
+    for res in results:
+        print(table(res), flush=True)
+        print(f"[bench step] {res['meta']['rate']}: goals {goals(res)}", flush=True)
     print("\n" + report(results).split("\n\n", len(results))[-1])
     print(f"[bench step] wrote {out}/step.json, step.csv, step.txt, step_vs_bandwidth.png")
     return 0
