@@ -56,7 +56,7 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	$(call study,rq3_aggregation,$(RESULTS)/rq1_scope $(RESULTS)/rq3_aggregation $(RESULTS)/rq4_workers,--where scheme=randk$(comma)blockk --where scope=layerwise)
 	$(call study,rq4_workers,$(RESULTS)/baseline $(RESULTS)/rq1_scope $(RESULTS)/rq4_workers $(RESULTS)/rq4_global)
 	$(call study,rq5_speed,$(RESULTS)/rq5_speed)
-	$(call study,ddp_hooks,$(RESULTS)/ddp_hooks)
+	$(call study,ddp_hooks,$(RESULTS)/baseline $(RESULTS)/ddp_hooks $(RESULTS)/ddp_hooks_trainer)
 	$(PY) -m sparsetrain.benchmarks.step --report $(RESULTS)/bench/step.json --out $(RESULTS)/bench
 	$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/bench
 

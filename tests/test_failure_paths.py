@@ -355,3 +355,26 @@ def test_wandb_credentials_are_looked_up_like_wandb_does(tmp_path):
     assert not has_wandb_credentials({"NETRC": str(netrc), "WANDB_BASE_URL": "https://wandb.example.org"})
     assert has_wandb_credentials({"WANDB_API_KEY": "x", "HOME": str(tmp_path)})
     assert not has_wandb_credentials({"WANDB_API_KEY": " ", "HOME": str(tmp_path)})
+
+
+def test_sigterm_to_a_sweep_stops_it_after_the_running_job_saves(tmp_path):
+    """SIGTERM to `python -m sparsetrain.run -m ...`: the running job saves its checkpoint and the
+    sweep stops there, instead of starting its next job (which the next SIGTERM would preempt in
+    turn); rerunning the command resumes."""
+    sweep = tmp_path / "sweep"
+    proc = _start("-m", *TINY, "world_size=2", "train.epochs=50", "train.log_every=1", "seed=0,1",
+                  f"hydra.sweep.dir={sweep}")
+    try:
+        wait_until(lambda: sum(r["kind"] == "step" for r in read_jsonl(sweep / "0" / "metrics.jsonl")) >= 2,
+                   proc, "job 0 logged 2 steps")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    s = read_json(sweep / "0" / "summary.json")
+    assert s["status"] == "failed" and "SIGTERM" in s["error"], s["error"]
+    assert (sweep / "0" / "checkpoint.pt").exists()
+    assert not (sweep / "1").exists(), "the sweep started its next job after SIGTERM"
+    assert "not starting further jobs" in err

@@ -10,6 +10,7 @@ sweep ends with a report of the failed jobs and a non-zero exit code.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,17 @@ def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
         mark_failed(run_dir, "interrupted (Ctrl-C)")
         raise
     except Exception as exc:  # one line for the user; the rank logs hold the traceback
+        sigval = getattr(exc, "sigval", None)  # torch elastic's SignalException: the launcher was signalled
+        if sigval is not None:
+            # The ranks got the signal too and saved a checkpoint; a sweep stops here as well
+            # rather than starting its next job (rerunning the command resumes both).
+            name = signal.Signals(sigval).name
+            summary = read_summary(run_dir) or {}
+            if summary.get("status") != "failed":
+                mark_failed(run_dir, f"Preempted: {name} to the launcher")
+            _error(f"{(read_summary(run_dir) or {}).get('error')} (run folder: {run_dir}); "
+                   f"{name}: not starting further jobs")
+            raise SystemExit(128 + int(sigval)) from None
         msg, root_rank = _describe(exc, run_dir)
         if root_rank:  # another rank's failure: rank 0's own account is only its symptom
             replace_error(run_dir, msg)
