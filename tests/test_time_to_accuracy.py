@@ -163,7 +163,7 @@ def test_bench_check_predicted_step_within_20_percent():
 
 def test_bench_check_on_the_interleaved_benchmark():
     """The same check on the rebuilt benchmark's output (schema 2: rows named by scheme and
-    aggregation, with their config options; results/bench/step.json of 2026-11-30, trimmed):
+    aggregation, with their config options; the committed results/bench/step.json, trimmed):
     each row's collective comes from its options; rows whose exchange is no phase of its own
     (compute-only, overlapped dense, DDP) are left out."""
     data = json.loads((DATA / "bench_check_v2.json").read_text())
@@ -172,7 +172,7 @@ def test_bench_check_on_the_interleaved_benchmark():
     assert set(check["scheme"]) == {"dense", "topk_ag", "randk_ag", "randk_ar", "blockk_ag", "blockk_ar"}
     assert set(check.loc[check["scheme"].str.endswith("_ag"), "collective"]) == {"allgather"}
     paper = check[(check["rate"] == "paper") & (check["scheme"] == "blockk_ag")].iloc[0]
-    assert paper["ratio"] == pytest.approx(0.940, abs=0.001)
+    assert paper["ratio"] == pytest.approx(0.931, abs=0.001)
 
 
 # --- wire bytes in the loader and the figure ------------------------------------------------------
