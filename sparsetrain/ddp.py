@@ -270,15 +270,14 @@ class SparseHookState:
 
     def sizes(self) -> dict:
         """Per step once compression runs, over the buckets planned so far: ``bytes_sent``,
-        ``dense_bytes``, ``uncompressed_bytes`` (tensors that travel whole) and ``density``
-        (entries sent / entries)."""
-        out = {"bytes_sent": 0, "dense_bytes": 0, "uncompressed_bytes": 0, "sent_entries": 0.0, "numel": 0}
+        ``uncompressed_bytes`` (tensors that travel whole) and ``density`` (entries sent /
+        entries)."""
+        out = {"bytes_sent": 0, "uncompressed_bytes": 0, "sent_entries": 0.0, "numel": 0}
         for plan in self._buckets.values():
             red = plan.reducer
             if red is None:
                 continue
             out["bytes_sent"] += red.bytes_sent_per_step
-            out["dense_bytes"] += red.dense_bytes_per_step
             out["uncompressed_bytes"] += red.uncompressed_bytes_per_step
             out["sent_entries"] += red.density * red.numel
             out["numel"] += red.numel

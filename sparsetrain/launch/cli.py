@@ -105,11 +105,11 @@ def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
             # The ranks got the signal too and saved a checkpoint; a sweep stops here as well
             # rather than starting its next job (rerunning the command resumes both).
             name = signal.Signals(sigval).name
-            summary = read_summary(run_dir) or {}
-            if summary.get("status") != "failed":
-                mark_failed(run_dir, f"Preempted: {name} to the launcher")
-            _error(f"{(read_summary(run_dir) or {}).get('error')} (run folder: {run_dir}); "
-                   f"{name}: not starting further jobs")
+            error = (read_summary(run_dir) or {}).get("error")  # the ranks' own account
+            if error is None:
+                error = f"Preempted: {name} to the launcher"
+                mark_failed(run_dir, error)
+            _error(f"{error} (run folder: {run_dir}); {name}: not starting further jobs")
             raise SystemExit(128 + int(sigval)) from None
         msg, root_rank = _describe(exc, run_dir)
         if root_rank:  # another rank's failure: rank 0's own account is only its symptom

@@ -87,12 +87,10 @@ class DDPExchange:
     checkpoints). Sizes (``bytes_sent_per_step``, ``density``, ...) are exact once ``settle`` ran.
     """
 
-    def __init__(self, cfg: Any, model: torch.nn.Module, *, world_size: int, rank: int,
-                 device: torch.device, stats_every: int = 0):
+    def __init__(self, cfg: Any, model: torch.nn.Module, *, device: torch.device, stats_every: int = 0):
         self.module = model
         scheme = cfg.scheme
         self.stats_every = int(stats_every)
-        self.world_size = world_size
         params = [p for p in model.parameters() if p.requires_grad]
         shapes = [tuple(p.shape) for p in params]
         self.numel = sum(p.numel() for p in params)
@@ -114,7 +112,8 @@ class DDPExchange:
                    inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
         kwargs[no_sync] = False
         self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
-        self.state: Any = None
+        self.state: Any = None  # the hook's state: SparseHookState, PowerSGDState or None (fp16)
+        self.sparse: SparseHookState | None = None  # the state when it is sparsetrain's hook
         on_bypass = None
         if scheme.name == "powersgd":
             self.powersgd_rank = scheme.get("rank") or matched_powersgd_rank(shapes, cfg.ratio)
@@ -134,7 +133,7 @@ class DDPExchange:
             self.density = 1.0  # every entry, in half the bytes
         else:
             compressor = instantiate(scheme.compressor) if scheme.get("compressor") else None
-            self.state = SparseHookState(
+            self.state = self.sparse = SparseHookState(
                 self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
                 error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
                 warmup_steps=scheme.warmup_steps, seed=cfg.seed, block_size=scheme.block_size,
@@ -165,9 +164,8 @@ class DDPExchange:
                 b.copy_(saved)
         for p in self.module.parameters():
             p.grad = None
-        self.timed.take()
-        if isinstance(self.state, SparseHookState) and self.state.scheme != "none":
-            sizes = self.state.sizes()
+        if self.sparse is not None and self.compresses:
+            sizes = self.sparse.sizes()
             self.bytes_sent_per_step = sizes["bytes_sent"]
             self.uncompressed_bytes_per_step = sizes["uncompressed_bytes"]
             self.density = sizes["density"]
@@ -178,21 +176,19 @@ class DDPExchange:
         now = time.perf_counter()
         hook_ms, handoff = self.timed.take()
         waited = (now - handoff) * 1e3 if handoff is not None else 0.0
-        decompress = 0.0
-        if isinstance(self.state, SparseHookState):
-            decompress = min(sum(self.state.decompress_ms), waited)
+        decompress = min(sum(self.sparse.decompress_ms), waited) if self.sparse is not None else 0.0
         timer.move("backward", "compress", hook_ms)
         timer.move("backward", "decompress", decompress)
         timer.move("backward", "exchange", waited - decompress)
         compressing = self.compresses and step >= self.warmup_steps
-        sent = self.bytes_sent_per_step if compressing else self.dense_bytes_per_step
-        if isinstance(self.state, SparseHookState):
-            sent = self.state.bytes_sent_per_step  # as the hook sent it in this iteration
+        if self.sparse is not None:
+            sent = self.sparse.bytes_sent_per_step  # as the hook sent it in this iteration
+        else:
+            sent = self.bytes_sent_per_step if compressing else self.dense_bytes_per_step
         memory_norm = None
-        if (isinstance(self.state, SparseHookState) and self.state.scheme != "none"
-                and logged_step(step + 1, self.stats_every)):
+        if self.sparse is not None and self.compresses and logged_step(step + 1, self.stats_every):
             with timer.untimed():
-                memory_norm = self.state.memory_norm()
+                memory_norm = self.sparse.memory_norm()
         return ExchangeStats(sent, self.dense_bytes_per_step,
                              density=self.density if compressing else 1.0,
                              memory_norm=memory_norm,
@@ -205,8 +201,8 @@ class DDPExchange:
         pass
 
     def state_dict(self) -> dict:
-        if isinstance(self.state, SparseHookState):
-            return {"hook": self.state.state_dict()}
+        if self.sparse is not None:
+            return {"hook": self.sparse.state_dict()}
         if isinstance(self.state, powerSGD_hook.PowerSGDState):
             st = self.state
             name, key, pos, has_gauss, gauss = st.rng.get_state()  # numpy: as tensors (weights_only)
@@ -216,8 +212,8 @@ class DDPExchange:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        if isinstance(self.state, SparseHookState):
-            self.state.load_state_dict(state["hook"])
+        if self.sparse is not None:
+            self.sparse.load_state_dict(state["hook"])
         elif isinstance(self.state, powerSGD_hook.PowerSGDState):
             saved = dict(state["hook"])
             name, key, pos, has_gauss, gauss = saved.pop("rng")

@@ -73,8 +73,7 @@ class Trainer:
         # (train.ddp_exchange); the step then runs the DDP model and keeps per-parameter .grad.
         net = self.model
         if cfg.dist.ddp:
-            self.reducer = DDPExchange(cfg, self.model, world_size=info.world_size, rank=info.rank,
-                                       device=self.device, stats_every=cfg.train.log_every)
+            self.reducer = DDPExchange(cfg, self.model, device=self.device, stats_every=cfg.train.log_every)
             self.flat_grad, self.params, net = None, list(self.model.parameters()), self.reducer.net
         else:
             self.flat_grad, self.params, self.reducer = exchange_from_config(
@@ -441,9 +440,6 @@ class Trainer:
         """Bytes this rank puts on its link for ``nbytes`` through ``collective`` (ring model)."""
         return round(wire_bytes(collective, nbytes, self.info.world_size))
 
-    def _compresses(self) -> bool:
-        return self.cfg.scheme.name != "none"
-
     def _exchange_fields(self) -> dict:
         """What the exchange sends once compression runs, and when it started."""
         red = self.reducer
@@ -451,7 +447,7 @@ class Trainer:
             "density": red.density,  # entries sent / entries, uncompressed tensors included
             "uncompressed_bytes_per_step": red.uncompressed_bytes_per_step,
             "uncompressed_share": red.uncompressed_bytes_per_step / red.bytes_sent_per_step,
-            "compression_start_step": red.warmup_steps if self._compresses() else None,
+            "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
         }
 
     def _summary_fields(self) -> dict:
@@ -474,7 +470,7 @@ class Trainer:
             "peak_memory_of": "cuda_max_allocated" if on_cuda else "process_max_rss",
             "bytes_sent_total": self.bytes_sent_total,
             "wire_bytes_total": self.wire_bytes_total,
-            "memory_norm_max": self.memory_norm_max if self._compresses() else None,
+            "memory_norm_max": self.memory_norm_max if self.cfg.scheme.name != "none" else None,
             "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": self.elapsed_s,
         }
