@@ -40,23 +40,14 @@ lint: venv  ## ruff
 comma := ,
 TTA_TARGET ?= 0.75
 TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
-# $(call study,NAME,FOLDERS): one study's tables and figures from those result folders that exist.
-# $(3): extra arguments, e.g. --where filters.
-study = $(if $(wildcard $(2)),$(ANALYSE) --study $(1) $(wildcard $(2)) --out $(FIGURES)/$(1) $(3),@echo "figures: $(1): no results yet")
 
 figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(FIGURES), benchmarks in place
-	$(PY) -m sparsetrain.analysis --quiet $(RESULTS) --out $(FIGURES)/by_sweep
-	@# Each research question from every sweep that holds its points (dense, other presets, ...).
-	$(call study,stability,$(RESULTS)/stability $(RESULTS)/ablation)
+	@# Each study from the sweeps that hold its points (sparsetrain.analysis.report.SOURCES: dense
+	@# SGD from baseline, ...), the same assembly the notebooks show.
+	$(ANALYSE) --studies $(RESULTS) --out $(FIGURES)
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),
 	@# from the second pass's 2-rank runs (dense baseline, RQ1's schemes and scopes).
 	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --bandwidth 1$(comma)10$(comma)100 --workers 8$(comma)64 --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")
-	$(call study,rq1_scope,$(RESULTS)/baseline $(RESULTS)/rq1_scope)
-	$(call study,rq2_scheme,$(RESULTS)/baseline $(RESULTS)/rq1_scope $(RESULTS)/rq2_scheme $(RESULTS)/rq2_low,--where scope=layerwise)
-	$(call study,rq3_aggregation,$(RESULTS)/rq1_scope $(RESULTS)/rq3_aggregation $(RESULTS)/rq4_workers,--where scheme=randk$(comma)blockk --where scope=layerwise)
-	$(call study,rq4_workers,$(RESULTS)/baseline $(RESULTS)/rq1_scope $(RESULTS)/rq4_workers $(RESULTS)/rq4_global)
-	$(call study,rq5_speed,$(RESULTS)/rq5_speed)
-	$(call study,ddp_hooks,$(RESULTS)/baseline $(RESULTS)/ddp_hooks $(RESULTS)/ddp_hooks_trainer)
 	$(PY) -m sparsetrain.benchmarks.step --report $(RESULTS)/bench/step.json --out $(RESULTS)/bench
 	$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/bench
 

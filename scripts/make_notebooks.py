@@ -12,6 +12,8 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
+from sparsetrain.analysis.report import SOURCES, STUDIES
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 SETUP = '''import os
@@ -22,57 +24,78 @@ from IPython.display import Image, Markdown, display
 from sparsetrain import analysis as sa
 
 # SPARSETRAIN_RESULTS / SPARSETRAIN_OUT point the notebook elsewhere without editing it (tests do).
-RESULTS = sa.resolve_results(os.environ.get("SPARSETRAIN_RESULTS", RESULTS), {study!r})
+RESULTS = Path(os.environ.get("SPARSETRAIN_RESULTS", RESULTS))
 OUT = Path(os.environ["SPARSETRAIN_OUT"]) / {name!r} if "SPARSETRAIN_OUT" in os.environ else Path(OUT)
-runs = sa.load_runs(RESULTS)
-curves = sa.load_curves(RESULTS)
-print(f"{{len(runs)}} runs under {{RESULTS}}:", runs["status"].value_counts().to_dict())'''
+{load}
+print(f"{{len(runs)}} runs:", runs["status"].value_counts().to_dict())'''
 
-RUNS_VIEW = '''columns = ["scheme", "scope", "aggregation", "ratio", "world_size", "seed", "status",
+LOAD_STUDY = '''# The study's points from every sweep that holds them (sa.SOURCES): what `make figures` shows.
+print("from", ", ".join(str(p) for p in sa.study_folders(RESULTS, {study!r})))
+runs, curves = sa.load_study(RESULTS, {study!r})'''
+LOAD_ALL = '''runs = sa.load_runs(RESULTS)'''
+
+RUNS_VIEW = '''columns = ["experiment", "scheme", "scope", "aggregation", "ratio", "world_size", "seed", "status",
            "test_accuracy", "time_step_ms", "bytes_sent_per_step"]
-runs[columns]'''
+runs[[c for c in columns if c in runs]]'''
 
-STUDIES = {
+# Title and question of each study's notebook; its tables, figures and folders come from
+# sparsetrain.analysis (STUDIES, SOURCES), so a notebook shows what `make figures` writes.
+QUESTIONS = {
+    "stability": (
+        "Stabilisers: what makes the sparse schemes train",
+        "Random-k and block-random-k at 1% with every tensor compressed, with and without sending "
+        "the 1-D tensors (batch-norm weights, biases) whole and a dense warm-up; how many seeds "
+        "trained (final train loss below ln 10), and at what cost in bytes.",
+    ),
+    "ablation": (
+        "Ablation: the stabilisers at the second pass's scale",
+        "Random-k and block-random-k at 1% on all 60,000 images for 2 epochs, with and without "
+        "whole 1-D tensors and a 100-step dense warm-up (one seed): what each stabiliser changes "
+        "at the scale of the research questions.",
+    ),
     "rq1_scope": (
         "RQ1: layer-wise vs global scope",
         "Does sparsifying each tensor with its own k (layer-wise) beat one k over the flattened model "
         "(global)? The paper: layer-wise wins for every scheme, since every layer takes part in each "
         "update; random-k suffers most globally.",
-        "rq1_scope_table",
-        [("accuracy_vs_epoch", "sa.plot_accuracy_vs_epoch(curves)"),
-         ("accuracy_vs_bytes", "sa.plot_accuracy_vs_bytes(runs)")],
     ),
     "rq2_scheme": (
         "RQ2: top-k vs random-k vs block-random-k",
         "Accuracy against communication. The paper: top-k > block-random-k > random-k in accuracy.",
-        "rq2_scheme_table",
-        [("accuracy_vs_epoch", "sa.plot_accuracy_vs_epoch(curves)"),
-         ("accuracy_vs_bytes", "sa.plot_accuracy_vs_bytes(runs)")],
     ),
     "rq3_aggregation": (
         "RQ3: AllReduce vs AllGather",
         "Shared random indices (AllReduce) vs each worker's own (AllGather). The paper: no visible "
         "difference for random-k; block-random-k with AllReduce loses accuracy as workers increase.",
-        "rq3_aggregation_table",
-        [("accuracy_vs_epoch", "sa.plot_accuracy_vs_epoch(curves)"),
-         ("workers", "sa.plot_workers(runs)")],
     ),
     "rq4_workers": (
         "RQ4: number of workers",
         "Test accuracy and time per step as workers grow. The paper: a generalization gap appears "
         "with more workers in all settings, worse with global scope.",
-        "rq4_workers_table",
-        [("workers", "sa.plot_workers(runs)"),
-         ("accuracy_vs_epoch", "sa.plot_accuracy_vs_epoch(curves)")],
     ),
     "rq5_speed": (
         "RQ5: time per step and speed-up over dense SGD",
         "Where does a step's time go, and is block-random-k faster than dense SGD? The paper: "
         "273 ms vs 375 ms per batch on 8 GPUs.",
-        "rq5_speed_table",
-        [("time_per_phase", "sa.plot_time_per_phase(runs)"),
-         ("accuracy_vs_bytes", "sa.plot_accuracy_vs_bytes(runs)")],
     ),
+    "ddp_hooks": (
+        "DDP communication hooks",
+        "The sparse schemes as torch DDP communication hooks beside torch's own PowerSGD and fp16 "
+        "hooks and dense DDP: accuracy, bytes and time per step.",
+    ),
+    "budget": (
+        "Budget: how far from a plateau",
+        "Every scheme at 1% (layer-wise) after 2 and after 4 epochs, the lr schedule stretched with "
+        "the budget: what a longer run would change in the 2-epoch studies' numbers.",
+    ),
+}
+
+# How each figure is drawn in a notebook (the same functions `make figures` calls).
+FIGURE_CALLS = {
+    "accuracy_vs_epoch": "sa.plot_accuracy_vs_epoch(curves)",
+    "accuracy_vs_bytes": "sa.plot_accuracy_vs_bytes(runs)",
+    "workers": "sa.plot_workers(runs)",
+    "time_per_phase": "sa.plot_time_per_phase(runs)",
 }
 
 
@@ -82,25 +105,36 @@ def parameters_cell(results: str, out: str):
     return cell
 
 
-def study_notebook(name: str, title: str, question: str, table: str, figures) -> nbformat.NotebookNode:
+def study_notebook(name: str, title: str, question: str) -> nbformat.NotebookNode:
+    tables, figures = STUDIES[name]
+    folders = ", ".join(f"`results/{folder}`" for folder in SOURCES[name][0])
+    where = SOURCES[name][1]
+    kept = ("; runs kept: " + ", ".join(f"{axis} in {{{', '.join(values)}}}" for axis, values in where.items())
+            if where else "")
     cells = [
         new_markdown_cell(
             f"# {title}\n\n{question}\n\n"
-            f"Runs come from `python -m sparsetrain.run -m experiment={name}`; the same tables and "
-            f"figures come from `python -m sparsetrain.analysis results/{name} --out figures/{name}`. "
-            "Failed or unfinished runs are left out of the numbers and listed under the table."
+            f"Points from {folders} (those present){kept}. Runs come from `python -m sparsetrain.run -m "
+            f"experiment={name}`; `make figures` writes the same tables and figures (`python -m "
+            f"sparsetrain.analysis --studies results --out figures`). Runs that failed, did not finish "
+            "or did not train (final train loss above ln 10) are left out of the numbers and listed "
+            "under each table."
         ),
-        parameters_cell(f"../results/{name}", f"../figures/{name}"),
-        new_code_cell(SETUP.format(study=name, name=name)),
+        parameters_cell("../results", f"../figures/{name}"),
+        new_code_cell(SETUP.format(name=name, load=LOAD_STUDY.format(study=name))),
         new_code_cell(RUNS_VIEW),
-        new_markdown_cell("## Table\n\nMean ± std over seeds, with the number of seeds n."),
-        new_code_cell(f"table = sa.{table}(runs)\nsa.write_table(table, OUT)\ndisplay(Markdown(table.to_markdown()))"),
-        new_markdown_cell("## Figures"),
+        new_markdown_cell("## Tables\n\nMean ± std over seeds, with the number of seeds n."),
     ]
-    for figure, call in figures:
+    for table in tables:
+        cells.append(new_code_cell(
+            f"table = sa.TABLES[{table!r}](runs)\nsa.write_table(table, OUT)\ndisplay(Markdown(table.to_markdown()))"
+        ))
+    cells.append(new_markdown_cell("## Figures"))
+    for figure in figures:
         # Shown from the saved PNG: what the notebook displays is what it wrote.
         cells.append(new_code_cell(
-            f'fig = {call}\npaths = sa.save_figure(fig, OUT, "{figure}")\ndisplay(Image(filename=paths["png"]))'
+            f'fig = {FIGURE_CALLS[figure]}\npaths = sa.save_figure(fig, OUT, "{figure}")\n'
+            'display(Image(filename=paths["png"]))'
         ))
     return new_notebook(cells=cells, metadata=METADATA)
 
@@ -110,25 +144,27 @@ def overview_notebook() -> nbformat.NotebookNode:
         new_markdown_cell(
             "# Overview: every study in the results folder\n\n"
             "Which runs exist, which completed, and the table of each research question found. "
-            "One notebook per question (`rq1_scope.ipynb` ... `rq5_speed.ipynb`) has the figures. "
+            "One notebook per study (`rq1_scope.ipynb` ... `budget.ipynb`) has its figures, from "
+            "the sweeps that hold its points. "
             "`make figures` writes all of it with `python -m sparsetrain.analysis`."
         ),
         parameters_cell("../results", "../figures"),
-        new_code_cell(SETUP.format(study=None, name="00_overview")),
+        new_code_cell(SETUP.format(name="00_overview", load=LOAD_ALL)),
         new_markdown_cell("## Runs by status\n\nFailed, unfinished and absent runs are named below."),
         new_code_cell('status = sa.status_table(runs)\nsa.write_table(status, OUT)\ndisplay(Markdown(status.to_markdown()))'),
-        new_markdown_cell("## One table per study"),
+        new_markdown_cell("## The tables of each study found\n\nEach from the sweeps that hold its points, as in the study's own notebook."),
         new_code_cell(
-            'for study in sorted(set(runs["experiment"].dropna())):\n'
-            '    name = sa.study_of(study)\n'
-            '    if name is None:\n'
+            'for study, (tables, _) in sa.STUDIES.items():\n'
+            '    if not (RESULTS / study).is_dir():  # its own sweep is not there (yet)\n'
             '        continue\n'
-            '    table = sa.TABLES[name](runs[runs["experiment"] == study])\n'
-            '    sa.write_table(table, OUT / name)\n'
-            '    display(Markdown(table.to_markdown()))'
+            '    study_runs, _ = sa.load_study(RESULTS, study)\n'
+            '    for name in tables:\n'
+            '        table = sa.TABLES[name](study_runs)\n'
+            '        sa.write_table(table, OUT / study)\n'
+            '        display(Markdown(table.to_markdown()))'
         ),
         new_markdown_cell("## All runs"),
-        new_code_cell(RUNS_VIEW.replace('columns = ["scheme"', 'columns = ["experiment", "scheme"')),
+        new_code_cell(RUNS_VIEW),
     ]
     return new_notebook(cells=cells, metadata=METADATA)
 
@@ -142,7 +178,7 @@ METADATA = {
 def main() -> None:
     NOTEBOOKS.mkdir(exist_ok=True)
     notebooks = {"00_overview": overview_notebook()}
-    notebooks.update({name: study_notebook(name, *spec) for name, spec in STUDIES.items()})
+    notebooks.update({name: study_notebook(name, *QUESTIONS[name]) for name in SOURCES})
     for name, notebook in notebooks.items():
         for number, cell in enumerate(notebook.cells):
             cell.id = f"cell-{number}"  # stable ids: regenerating changes nothing in git

@@ -180,6 +180,8 @@ def write_results(root: Path) -> Path:
     write_sweep(root / "stability", {"scheme": "randk,blockk", "scheme.uncompressed": "none,1d"}, "stability")
     write_sweep(root / "ddp_hooks", {"scheme": "blockk,powersgd,none", "seed": "0,1"}, "ddp_hooks",
                 fixed={"aggregation": "allreduce", "dist.ddp": True})
+    write_sweep(root / "budget", {"scheme": "none,randk", "train.epochs": "2,4"}, "budget")
+    write_sweep(root / "ablation", {"scheme": "randk,blockk", "scheme.warmup_steps": "0,100"}, "ablation")
     return root
 
 
@@ -233,7 +235,7 @@ def test_load_runs_accepts_single_run_and_many_sweeps(results, tmp_path):
     assert one.iloc[0]["experiment"] is None
     both = sa.load_runs(results / "rq1_scope", results / "rq5_speed")
     assert set(both["experiment"]) == {"rq1_scope", "rq5_speed"}
-    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4 + 6
+    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4 + 6 + 4 + 4
 
 
 def test_run_without_summary_is_flagged(tmp_path):
@@ -323,6 +325,32 @@ def test_run_that_did_not_train_is_listed_never_ranked(results):
     summary.update(train_loss=None)
     (run / "summary.json").write_text(json.dumps(summary))
     assert sa.load_runs(run)["status"].tolist() == ["did not train"]
+
+
+def test_plateau_and_budget_tables(tmp_path):
+    """Gain over the last epoch per configuration, and accuracy per training budget (epochs)."""
+    sweep = write_sweep(tmp_path / "budget", {"scheme": "none,randk", "train.epochs": "2,4", "seed": "0,1"},
+                        "budget")
+    runs = sa.load_runs(sweep)
+    # the fake accuracy climbs linearly: final * epoch / planned, so the last epoch gains final / planned
+    one = runs[(runs["scheme"] == "randk") & (runs["epochs_planned"] == 4) & (runs["seed"] == 1)].iloc[0]
+    final = expected_accuracy(make_config(scheme="randk", seed=1))
+    assert one["test_accuracy_gain_last_epoch"] == pytest.approx(final / 4)
+
+    plateau = sa.plateau_table(runs)
+    gains = [expected_accuracy(make_config(scheme="randk", seed=s)) * 100 / 2 for s in (0, 1)]
+    row = _row(plateau, scheme="random-k", epochs="2")
+    assert row["gain over the last epoch (points)"] == f"{sum(gains) / 2:.2f} ± {pd.Series(gains).std():.2f} (n=2)"
+    assert "dense SGD's" in plateau.to_markdown()
+
+    budget = sa.budget_table(runs)
+    assert list(budget.display.columns) == ["scheme", "epochs=2", "epochs=4"]
+    accs = [expected_accuracy(make_config(seed=s, scheme="none")) * 100 for s in (0, 1)]
+    assert _row(budget, scheme="dense SGD")["epochs=4"] == f"{sum(accs) / 2:.2f} ± {pd.Series(accs).std():.2f} (n=2)"
+
+    # a run with one evaluation has no gain to show
+    single = write_run(tmp_path / "single", make_config(**{"train.epochs": 1}))
+    assert math.isnan(sa.load_runs(single)["test_accuracy_gain_last_epoch"].iloc[0])
 
 
 def test_stability_table_counts_runs_that_did_not_train(tmp_path):
@@ -509,6 +537,31 @@ def test_cli_where_keeps_the_slice_and_dense(results, tmp_path):
     assert bad.returncode == 2 and "'colour' is not an axis" in bad.stderr
 
 
+def test_cli_studies_assembles_each_study_from_its_sources(results, tmp_path):
+    """--studies: each study from the sweeps SOURCES names (RQ2's table holds RQ1's layer-wise 1%
+    points beside its own), stale study folders go, and bad combinations are refused."""
+    import shutil
+
+    out = tmp_path / "figures"
+    (out / "rq2_scheme").mkdir(parents=True)
+    (out / "rq2_scheme" / "old.png").write_bytes(b"stale")
+    shutil.rmtree(results / "rq5_speed")
+    (out / "rq5_speed").mkdir()
+    proc = _cli("--studies", results, "--out", out, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / "rq2_scheme" / "old.png").exists() and not (out / "rq5_speed").exists()
+    runs, _ = sa.load_study(results, "rq2_scheme")
+    assert set(runs["experiment"]) == {"rq1_scope", "rq2_scheme"}
+    assert set(runs["scope"]) == {"layerwise", "-"}
+    assert "ratio=0.01" in (out / "rq2_scheme" / "rq2_scheme.md").read_text()
+    assert (out / "budget" / "plateau.md").is_file() and (out / "rq1_scope" / "plateau.md").is_file()
+    assert "unfinished: scheme=topk" in (out / "status.md").read_text()  # rq2_scheme job 0 is named
+
+    assert _cli("--studies", results, results, "--out", out).returncode == 2
+    assert _cli("--studies", results, "--where", "scope=global", "--out", out).returncode == 2
+    assert _cli("--studies", tmp_path / "figures", "--out", tmp_path / "x").returncode == 1
+
+
 def test_cli_exit_codes(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = _cli(tmp_path / "empty", "--out", tmp_path / "o")
@@ -531,7 +584,7 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
 STUDY_NAMES = ("baseline", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
-OTHER_PRESETS = ("stability", "ablation", "rq2_low", "rq4_global")
+OTHER_PRESETS = ("stability", "ablation", "rq2_low", "rq4_global", "budget")
 
 
 def _grid(params) -> list[list[str]]:

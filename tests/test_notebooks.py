@@ -6,17 +6,15 @@ import nbformat
 import pytest
 from test_analysis import assert_png, write_results  # the contract's fake run folders
 
+from sparsetrain.analysis import SOURCES, STUDIES
+from sparsetrain.analysis.__main__ import main as sa_main
 from sparsetrain.analysis.notebooks import NOTEBOOKS, NOTEBOOKS_DIR, run_all_notebooks
 
 pytest.importorskip("nbclient")
 
-FIGURES = {
-    "rq1_scope": ("accuracy_vs_epoch", "accuracy_vs_bytes"),
-    "rq2_scheme": ("accuracy_vs_epoch", "accuracy_vs_bytes"),
-    "rq3_aggregation": ("accuracy_vs_epoch", "workers"),
-    "rq4_workers": ("workers", "accuracy_vs_epoch"),
-    "rq5_speed": ("time_per_phase", "accuracy_vs_bytes"),
-}
+
+def test_one_notebook_per_study():
+    assert set(NOTEBOOKS) == {"00_overview", *STUDIES} == {"00_overview", *SOURCES}
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -51,10 +49,11 @@ def check_notebook_outputs(executed: dict, out, failed_point: str | None = None)
     Reused by the end-to-end test on a real sweep; ``failed_point`` is a ``scheme=...`` text that
     the RQ1 table must name as missing.
     """
-    for name, figures in FIGURES.items():
+    for name, (tables, figures) in STUDIES.items():
         folder = out / name
-        for ext in ("md", "csv", "tex"):
-            assert (folder / f"{name}.{ext}").is_file(), (name, ext)
+        for table in tables:
+            for ext in ("md", "csv", "tex"):
+                assert (folder / f"{table}.{ext}").is_file(), (name, table, ext)
         for figure in figures:
             assert_png(folder / f"{figure}.png")
             assert (folder / f"{figure}.pdf").read_bytes()[:5] == b"%PDF-"
@@ -77,3 +76,9 @@ def test_every_notebook_runs_on_a_results_tree(tmp_path):
     assert "rq5_speed" in overview and "unfinished: scheme=topk" in overview
     # The overview also tabulates each study it finds.
     assert (out / "00_overview" / "rq3_aggregation" / "rq3_aggregation.md").is_file()
+    # A study's notebook shows what `make figures` (--studies) writes: the same assembled tables.
+    cli = tmp_path / "cli"
+    assert sa_main(["--studies", str(results), "--out", str(cli), "--quiet"]) == 0
+    for name, (tables, _) in STUDIES.items():
+        for table in tables:
+            assert (out / name / f"{table}.md").read_text() == (cli / name / f"{table}.md").read_text(), (name, table)

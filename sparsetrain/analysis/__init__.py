@@ -30,10 +30,22 @@ from .loader import (
     not_completed,
     row_from_summary,
 )
-from .report import STUDIES, build_figures, build_tables, resolve_results, study_of, write_report
+from .report import (
+    SOURCES,
+    STUDIES,
+    build_figures,
+    build_tables,
+    load_study,
+    study_folders,
+    study_of,
+    write_report,
+    write_studies,
+)
 from .tables import (
     TABLES,
     Table,
+    budget_table,
+    plateau_table,
     rq1_scope_table,
     rq2_scheme_table,
     rq3_aggregation_table,
@@ -47,10 +59,10 @@ from .time_to_accuracy import plot_time_to_accuracy, time_to_accuracy_table
 from .wandb_runs import load_wandb_runs
 
 __all__ = [
-    "AXES", "DENSE", "PHASES", "STUDIES", "report", "TABLES", "Table", "build_figures", "build_tables",
+    "AXES", "DENSE", "PHASES", "SOURCES", "STUDIES", "load_study", "study_folders", "write_studies", "report", "TABLES", "Table", "build_figures", "build_tables",
     "completed", "expected_grid", "find_run_dirs", "load_curves", "load_runs", "load_wandb_runs",
-    "not_completed", "plot_accuracy_vs_bytes", "plot_accuracy_vs_epoch", "plot_time_per_phase",
-    "plot_workers", "resolve_results", "row_from_summary", "rq1_scope_table", "rq2_scheme_table",
+    "not_completed", "budget_table", "plateau_table", "plot_accuracy_vs_bytes", "plot_accuracy_vs_epoch", "plot_time_per_phase",
+    "plot_workers", "row_from_summary", "rq1_scope_table", "rq2_scheme_table",
     "rq3_aggregation_table", "rq4_workers_table", "rq5_speed_table", "save_figure", "status_table", "study_of",
     "style", "summarize", "write_report", "write_table", "time_to_accuracy_table", "plot_time_to_accuracy",
 ]

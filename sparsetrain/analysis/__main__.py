@@ -4,6 +4,10 @@ Prints the tables of the runs under the given sweep or run folders and writes th
 LaTeX) with the figures (PNG, PDF) into DIR. Exit codes: 0 done, 1 no runs found, 2 bad arguments
 or a folder that does not exist, 3 with --strict when some runs did not complete.
 
+With ``--studies`` the one path is a results tree (``results/``): every study whose sweep is there
+gets its tables and figures in ``DIR/<study>/``, each from the folders and runs that
+``report.SOURCES`` names (dense SGD from ``baseline``, ...): what `make figures` and the notebooks show.
+
 With ``--time-to-accuracy TARGET`` it makes the time-to-accuracy table and figure instead
 (``time_to_accuracy.{md,csv,tex,png,pdf}``; see ``sparsetrain.analysis.time_to_accuracy``):
 ``--bandwidth`` (Gbit/s) and ``--workers`` lists, ``--costmodel`` a fitted ``costmodel.json``
@@ -18,7 +22,7 @@ import warnings
 from pathlib import Path
 
 from .loader import load_runs, not_completed
-from .report import STUDIES, select, write_report
+from .report import STUDIES, select, write_report, write_studies
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path, metavar="SWEEP_DIR", help="sweep or run folders, searched recursively")
     parser.add_argument("--out", type=Path, required=True, help="folder for tables (md/csv/tex) and figures (png/pdf)")
     parser.add_argument("--study", choices=sorted(STUDIES), help="make this study's tables and figures from all runs (default: group runs by experiment preset)")
+    parser.add_argument("--studies", action="store_true",
+                        help="the path is a results tree: every study found there into OUT/<study>, "
+                             "each from the folders it is made of (report.SOURCES)")
     parser.add_argument("--where", action="append", default=[], metavar="AXIS=V1,V2",
                         help="keep runs whose axis takes one of these values (repeatable), e.g. --where scope=layerwise")
     parser.add_argument("--include-failed", action="store_true", help="put runs that did not complete into the numbers")
@@ -59,6 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         where.setdefault(axis, []).extend(values.split(","))
     if args.time_to_accuracy is not None:
         return _time_to_accuracy(parser, args, where)
+    if args.studies:
+        if len(args.paths) != 1 or args.study or where:
+            parser.error("--studies takes one results tree and no --study or --where (each study has its own)")
+        try:
+            written = write_studies(args.paths[0], args.out, args.include_failed, None if args.quiet else print)
+        except LookupError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
+        return 0
     try:
         written = write_report(*args.paths, out=args.out, include_failed=args.include_failed,
                                study=args.study, echo=None if args.quiet else print, where=where)

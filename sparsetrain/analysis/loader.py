@@ -47,6 +47,7 @@ AXES = (
     "exchange",
     "model",
     "data",
+    "train_size",
     "epochs_planned",
     "batch_size",
     "lr",
@@ -149,7 +150,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "epochs_planned": _get(cfg, "train", "epochs"),
         "batch_size": _get(cfg, "train", "batch_size"),
         "lr": _get(cfg, "optim", "lr"),
-        "train_size": _get(cfg, "data", "train_size"),
+        "train_size": _get(cfg, "data", "train_size") or "all",  # null: the whole training set
     }
     # Where the exchange ran: the trainer's own reducer after backward, or a DDP hook (dist.ddp).
     row["exchange"] = "ddp hook" if _get(cfg, "dist", "ddp") else "trainer"
@@ -279,6 +280,7 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     if not (summary and summary.get("config")) and (run / ".hydra" / "config.yaml").is_file():
         config = _read_yaml(run / ".hydra" / "config.yaml")
     row = row_from_summary(summary, config)
+    row.update(_last_epoch_gain(run / "metrics.jsonl"))
     silent = unfinished_reason(run, summary, stale_after_s)
     if silent:  # says running, but rank 0 stopped beating long ago: it died without a word
         row.update(status="unfinished", error=silent)
@@ -291,6 +293,18 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
         overrides=" ".join(_overrides(run)),
     )
     return row
+
+
+def _last_epoch_gain(path: Path) -> dict:
+    """``test_accuracy_gain_last_epoch``: test accuracy at the last evaluation minus the one before
+    (NaN with fewer than two). How fast a run was still climbing when it stopped; under a step
+    schedule it includes what the last lr decays bought, so read it against dense SGD's."""
+    accuracies = []
+    if path.is_file():
+        accuracies = [_num(r.get("test_accuracy")) for r in _read_metrics(path, warn=False)
+                      if r.get("kind") == "epoch"]
+    gain = accuracies[-1] - accuracies[-2] if len(accuracies) >= 2 else math.nan
+    return {"test_accuracy_gain_last_epoch": gain}
 
 
 # --- the grid a sweep promised --------------------------------------------------------------
@@ -463,7 +477,7 @@ def not_completed(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[~runs["status"].isin(STATUSES_DONE)] if not runs.empty else runs
 
 
-def _read_metrics(path: Path) -> Iterable[dict]:
+def _read_metrics(path: Path, warn: bool = True) -> Iterable[dict]:
     with open(path) as f:
         for number, line in enumerate(f, 1):
             line = line.strip()
@@ -473,7 +487,8 @@ def _read_metrics(path: Path) -> Iterable[dict]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 # A run killed mid-write leaves a torn last line; anything else is worth a warning.
-                warnings.warn(f"{path}:{number}: skipped a line that is not JSON", stacklevel=2)
+                if warn:
+                    warnings.warn(f"{path}:{number}: skipped a line that is not JSON", stacklevel=2)
 
 
 def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = False) -> pd.DataFrame:

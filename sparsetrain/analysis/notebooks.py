@@ -1,8 +1,9 @@
 """Execute the project's notebooks headless against any results folder (tests, CI, scripts).
 
-Each notebook reads ``SPARSETRAIN_RESULTS`` (a results tree or one sweep) and writes its tables and
+Each notebook reads ``SPARSETRAIN_RESULTS`` (a results tree, or one sweep) and writes its tables and
 figures under ``SPARSETRAIN_OUT/<notebook>``; without them it uses its ``parameters`` cell
-(``../results/<study>`` and ``../figures/<study>``). Needs the dev extra (nbclient, ipykernel).
+(``../results`` and ``../figures/<study>``). A study notebook takes its points from the folders
+``report.SOURCES`` names, as `make figures` does. Needs the dev extra (nbclient, ipykernel).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import os
 from contextlib import contextmanager
 from pathlib import Path
 
+from .report import SOURCES
+
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
-NOTEBOOKS = ("00_overview", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
+NOTEBOOKS = ("00_overview", *SOURCES)
 
 
 @contextmanager

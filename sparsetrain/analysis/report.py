@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -12,16 +13,34 @@ from .tables import TABLES, Table, status_table, write_table
 
 # Each study (an experiment preset, a sweep) and the tables and figures that answer it.
 STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "rq1_scope": (("rq1_scope",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
-    "rq2_scheme": (("rq2_scheme",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
-    "rq3_aggregation": (("rq3_aggregation",), ("accuracy_vs_epoch", "workers")),
-    "rq4_workers": (("rq4_workers",), ("accuracy_vs_epoch", "workers")),
+    "rq1_scope": (("rq1_scope", "plateau"), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
+    "rq2_scheme": (("rq2_scheme", "plateau"), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
+    "rq3_aggregation": (("rq3_aggregation", "plateau"), ("accuracy_vs_epoch", "workers")),
+    "rq4_workers": (("rq4_workers", "plateau"), ("accuracy_vs_epoch", "workers")),
+    "budget": (("budget", "plateau"), ("accuracy_vs_epoch",)),
     "rq5_speed": (("rq5_speed",), ("time_per_phase", "accuracy_vs_bytes")),
     "stability": (("stability",), ("accuracy_vs_epoch",)),
+    "ablation": (("ablation",), ("accuracy_vs_epoch",)),
     "ddp_hooks": (("ddp_hooks",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
 }
 # Presets that add points to another study's tables.
-STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "ablation": "stability"}
+STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers"}
+# What each study's tables and figures are made of: the folders under a results tree that hold its
+# points (a study reuses other sweeps' runs: dense SGD from ``baseline``, 2 ranks from
+# ``rq1_scope``, ...) and the runs kept from them (``select``). `make figures`, ``--studies`` and
+# the notebooks all read this, so they show the same numbers.
+SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
+    "stability": (("stability",), {}),
+    "ablation": (("ablation",), {}),
+    "rq1_scope": (("baseline", "rq1_scope"), {}),
+    "rq2_scheme": (("baseline", "rq1_scope", "rq2_scheme", "rq2_low"), {"scope": ["layerwise"]}),
+    "rq3_aggregation": (("rq1_scope", "rq3_aggregation", "rq4_workers"),
+                        {"scheme": ["randk", "blockk"], "scope": ["layerwise"]}),
+    "rq4_workers": (("baseline", "rq1_scope", "rq4_workers", "rq4_global"), {}),
+    "rq5_speed": (("rq5_speed",), {}),
+    "ddp_hooks": (("baseline", "ddp_hooks", "ddp_hooks_trainer"), {}),
+    "budget": (("baseline", "rq1_scope", "budget"), {"scope": ["layerwise"]}),
+}
 ALL = (tuple(TABLES), tuple(PLOTS))
 
 
@@ -36,12 +55,46 @@ def study_of(experiment) -> str | None:
     return name if name in STUDIES else None
 
 
-def resolve_results(results: str | Path, study: str | None = None) -> Path:
-    """``results/<study>`` when it exists, else ``results``: one folder serves every notebook."""
+def study_folders(results: str | Path, study: str) -> list[Path]:
+    """The folders of ``results`` that hold ``study``'s points; ``[results]`` when it holds none
+    of them (``results`` is then one sweep, e.g. a single study's folder)."""
     results = Path(results)
-    if study and (results / study).is_dir():
-        return results / study
-    return results
+    found = [results / name for name in SOURCES[study][0] if (results / name).is_dir()]
+    return found or [results]
+
+
+def load_study(results: str | Path, study: str, include_failed: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(runs, curves)`` of one study from a results tree, as ``SOURCES`` assembles them."""
+    folders = study_folders(results, study)
+    where = SOURCES[study][1]
+    return (select(load_runs(*folders), where),
+            select(load_curves(*folders, include_failed=include_failed), where))
+
+
+def write_studies(results: str | Path, out: str | Path, include_failed: bool = False, echo=None) -> list[Path]:
+    """Every study whose own sweep (``results/<study>``) is there, into ``out/<study>/``, and
+    ``out/status.*``: every run of the tree counted by status, the ones not in any number named.
+
+    ``out/<study>/`` is emptied first, and removed for a study whose sweep is not there (yet), so
+    that no figure of an earlier set of results survives beside the new ones."""
+    results, out = Path(results), Path(out)
+    written: list[Path] = []
+    for study in SOURCES:
+        shutil.rmtree(out / study, ignore_errors=True)
+        if not (results / study).is_dir():
+            continue
+        runs, curves = load_study(results, study, include_failed)
+        tables, files = report_group(runs, curves, out / study, study, include_failed)
+        written += files
+        for table in tables if echo else ():
+            echo(table.to_markdown())
+    if not written:
+        raise LookupError(f"no study folder under {results} (expected one of: {', '.join(SOURCES)})")
+    status = status_table(load_runs(results))  # every sweep of the tree, studies or not
+    written += write_table(status, out).values()
+    if echo:
+        echo(status.to_markdown())
+    return written
 
 
 def build_tables(runs: pd.DataFrame, names=None, include_failed: bool = False) -> list[Table]:

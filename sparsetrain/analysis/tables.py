@@ -44,11 +44,14 @@ LABELS = {
     "test_accuracy_running_bn": "test acc., running BN (%)",
     "memory_norm_max": "max memory norm",
     "bytes_mean_per_step": "bytes/step/worker (run mean)",
+    "test_accuracy_gain_last_epoch": "gain over the last epoch (points)",
+    "epochs_planned": "epochs",
+    "train_size": "training images",
 }
 SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "fp16": 5}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
                 "powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)"}
-PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn"}
+PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn", "test_accuracy_gain_last_epoch"}
 # The grid coordinates that name a missing run.
 MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warmup_steps", "world_size",
                 "model", "data")
@@ -397,6 +400,30 @@ def ddp_hooks_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     )
 
 
+def plateau_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
+    """How far each configuration was from a plateau when it stopped: the test accuracy gained
+    over the last epoch, beside the final test accuracy."""
+    table = pivot_table(
+        "plateau", "Still climbing? Test accuracy gained over the last epoch", runs,
+        ["scheme"], None, "test_accuracy_gain_last_epoch", include_failed,
+        extra_metrics=["test_accuracy"],
+    )
+    table.notes.append(
+        "gain = test accuracy at the last evaluation minus the one before, in points. The lr "
+        "schedule decays within the last epoch, so part of every gain is the decay's: read a "
+        "scheme's gain against dense SGD's; the budget study measures what a longer run buys.")
+    return table
+
+
+def budget_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
+    """Test accuracy per scheme (rows) after each training budget (columns: epochs), the lr
+    schedule stretched with it: how much a longer run would change each scheme's number."""
+    return pivot_table(
+        "budget", "Budget: test accuracy after each number of epochs", runs,
+        ["scheme"], "epochs_planned", "test_accuracy", include_failed,
+    )
+
+
 def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     """RQ5: mean time per phase, time per step and speed-up over dense of the same setting."""
     done = runs if include_failed else completed(runs)
@@ -477,6 +504,14 @@ def stability_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     return Table("stability", title, pd.DataFrame(rows), data, missing.reset_index(drop=True), notes)
 
 
+def ablation_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
+    """The stabilisers again at the second pass's scale (``experiment=ablation``): the stability
+    table's columns, its own name, so that it never averages with the first pass's runs."""
+    table = stability_table(runs, include_failed)
+    table.name, table.title = "ablation", "Ablation at the second pass's scale: whole 1-D tensors and warm-up"
+    return table
+
+
 def status_table(runs: pd.DataFrame) -> Table:
     """How many runs of each experiment ended in each status."""
     if runs.empty:
@@ -493,5 +528,8 @@ TABLES = {
     "rq4_workers": rq4_workers_table,
     "rq5_speed": rq5_speed_table,
     "stability": stability_table,
+    "ablation": ablation_table,
     "ddp_hooks": ddp_hooks_table,
+    "plateau": plateau_table,
+    "budget": budget_table,
 }
