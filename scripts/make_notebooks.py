@@ -163,6 +163,14 @@ def overview_notebook() -> nbformat.NotebookNode:
             '        sa.write_table(table, OUT / study)\n'
             '        display(Markdown(table.to_markdown()))'
         ),
+        new_markdown_cell("## The paper's findings\n\nEach comparison judged by one rule "
+                          "(`sparsetrain/analysis/findings.py`): the ranges mean ± std over seeds "
+                          "do not overlap."),
+        new_code_cell(
+            'for table in sa.findings_tables(runs):\n'
+            '    sa.write_table(table, OUT / "findings")\n'
+            '    display(Markdown(table.to_markdown()))'
+        ),
         new_markdown_cell("## All runs"),
         new_code_cell(RUNS_VIEW),
     ]

@@ -617,3 +617,60 @@ def test_experiment_presets_compose_and_every_grid_point_validates(name):
         for point in points:
             cfg = compose("config", overrides=[f"experiment={name}", *point])
             config.validate(cfg, env={})
+
+
+# --- the paper's findings -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("a", "b", "expect", "outcome"), [
+    ((80.0, 1.0, 3), (77.0, 1.0, 3), ">", "agrees"),        # 79 > 78: the ranges do not overlap
+    ((80.0, 1.0, 3), (78.5, 1.0, 3), ">", "within noise"),  # 79 < 79.5: they do
+    ((77.0, 1.0, 3), (80.0, 1.0, 3), ">", "reversed"),
+    ((80.0, 1.0, 3), (78.5, 1.0, 3), "=", "agrees"),
+    ((80.0, 0.1, 3), (79.0, 0.1, 3), "=", "differs"),
+    ((80.0, 0.0, 1), (79.0, 2.0, 3), "=", "agrees"),        # one run is a point inside B's range
+    ((80.0, 1.0, 3), (math.nan, math.nan, 0), ">", "pending"),
+])
+def test_judge_by_the_stated_rule(a, b, expect, outcome):
+    from sparsetrain.analysis.findings import judge
+
+    assert judge(a, b, expect) == outcome
+
+
+def test_findings_tables_judge_sides_of_completed_runs(results):
+    """Each side is chosen by its axes on top of a base setting; runs not completed are counted
+    beside the number, and the verdict follows from the outcomes."""
+    from sparsetrain.analysis.findings import Comparison, Finding, verdict
+
+    base = {"model": "resnet20", "train_size": 1000, "epochs_planned": 3}
+    layerwise = {"scope": "layerwise", "ratio": 0.01, "world_size": 2}
+    finding = Finding("scope", "layer-wise beats global", (
+        # formula: global is 3 points lower, seeds differ by 0.2: outside the noise
+        Comparison("top-k", {"scheme": "topk", **layerwise}, {"scheme": "topk", **layerwise, "scope": "global"}, ">"),
+        # formula: block-k is 2 points under top-k; expected equal: differs
+        Comparison("top-k vs block-k", {"scheme": "topk", **layerwise}, {"scheme": "blockk", **layerwise}, "="),
+        Comparison("8 workers", {"scheme": "topk", **layerwise, "world_size": 8}, {"scheme": "topk", **layerwise}, ">"),
+    ))
+    runs = sa.load_runs(results / "rq1_scope")
+    verdicts, comparisons = sa.findings_tables(runs, (finding,), base=base)
+    rows = comparisons.display
+    assert list(rows["outcome"]) == ["agrees", "differs", "pending"]
+    # top-k global seed 1 failed: one run, and the failure counted beside it
+    assert rows["B: test accuracy (%)"].iloc[0] == f"{expected_accuracy(make_config(scope='global')) * 100:.2f} (n=1) [1 failed]"
+    assert rows["A − B (points)"].iloc[0] == "+3.10"  # A: seeds 0 and 1 (+0.1 on average), B: seed 0
+    assert verdicts.display["verdict"].iloc[0] == "pending (2 of 3 comparisons measured)"
+    assert verdict(["agrees", "agrees"]) == "reproduced"
+    assert verdict(["reversed", "differs"]) == "not reproduced: every comparison goes the other way"
+    assert verdict(["agrees", "within noise", "agrees"]) == "partly: 2 agrees, 1 within noise"
+    # dense SGD rows pass the sparse-only axes ("-") but never another scheme's name
+    dense = Comparison("dense", {"scheme": "dense", "world_size": 2}, {"scheme": "dense", "world_size": 2}, "=")
+    _, table = sa.findings_tables(runs, (Finding("d", "", (dense,)),), base=base)
+    assert table.display["A: test accuracy (%)"].iloc[0].endswith("(n=2)")
+
+
+def test_paper_findings_cover_every_research_question():
+    keys = [f.key for f in sa.FINDINGS]
+    assert keys == ["rq1_scope", "rq2_order", "rq2_random", "rq3_aggregation", "rq4_workers"]
+    for finding in sa.FINDINGS:
+        for comparison in finding.comparisons:
+            assert comparison.expect in (">", "=") and comparison.a != comparison.b

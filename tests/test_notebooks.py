@@ -76,9 +76,12 @@ def test_every_notebook_runs_on_a_results_tree(tmp_path):
     assert "rq5_speed" in overview and "unfinished: scheme=topk" in overview
     # The overview also tabulates each study it finds.
     assert (out / "00_overview" / "rq3_aggregation" / "rq3_aggregation.md").is_file()
+    assert (out / "00_overview" / "findings" / "verdicts.md").is_file()
     # A study's notebook shows what `make figures` (--studies) writes: the same assembled tables.
     cli = tmp_path / "cli"
     assert sa_main(["--studies", str(results), "--out", str(cli), "--quiet"]) == 0
     for name, (tables, _) in STUDIES.items():
         for table in tables:
             assert (out / name / f"{table}.md").read_text() == (cli / name / f"{table}.md").read_text(), (name, table)
+    for table in ("verdicts", "findings"):
+        assert (out / "00_overview" / "findings" / f"{table}.md").read_text() == (cli / "findings" / f"{table}.md").read_text()

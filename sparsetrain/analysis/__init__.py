@@ -18,6 +18,7 @@ from .figures import (
     save_figure,
     style,
 )
+from .findings import FINDINGS, findings_tables
 from .loader import (
     AXES,
     DENSE,
@@ -59,7 +60,7 @@ from .time_to_accuracy import plot_time_to_accuracy, time_to_accuracy_table
 from .wandb_runs import load_wandb_runs
 
 __all__ = [
-    "AXES", "DENSE", "PHASES", "SOURCES", "STUDIES", "load_study", "study_folders", "write_studies", "report", "TABLES", "Table", "build_figures", "build_tables",
+    "AXES", "DENSE", "FINDINGS", "findings_tables", "PHASES", "SOURCES", "STUDIES", "load_study", "study_folders", "write_studies", "report", "TABLES", "Table", "build_figures", "build_tables",
     "completed", "expected_grid", "find_run_dirs", "load_curves", "load_runs", "load_wandb_runs",
     "not_completed", "budget_table", "plateau_table", "plot_accuracy_vs_bytes", "plot_accuracy_vs_epoch", "plot_time_per_phase",
     "plot_workers", "row_from_summary", "rq1_scope_table", "rq2_scheme_table",

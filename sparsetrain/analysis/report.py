@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from .figures import PLOTS, save_figure
+from .findings import findings_tables
 from .loader import AXES, NOT_APPLICABLE, load_curves, load_runs
 from .tables import TABLES, Table, status_table, write_table
 
@@ -72,7 +73,8 @@ def load_study(results: str | Path, study: str, include_failed: bool = False) ->
 
 
 def write_studies(results: str | Path, out: str | Path, include_failed: bool = False, echo=None) -> list[Path]:
-    """Every study whose own sweep (``results/<study>``) is there, into ``out/<study>/``, and
+    """Every study whose own sweep (``results/<study>``) is there, into ``out/<study>/``;
+    ``out/findings/``: the paper's findings judged from the tree's runs (``findings``); and
     ``out/status.*``: every run of the tree counted by status, the ones not in any number named.
 
     ``out/<study>/`` is emptied first, and removed for a study whose sweep is not there (yet), so
@@ -90,10 +92,18 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
             echo(table.to_markdown())
     if not written:
         raise LookupError(f"no study folder under {results} (expected one of: {', '.join(SOURCES)})")
-    status = status_table(load_runs(results))  # every sweep of the tree, studies or not
-    written += write_table(status, out).values()
+    everything = load_runs(results)  # every sweep of the tree, studies or not
+    extra = [status_table(everything)]
+    # The paper's findings, each judged from the runs of the second pass's setting.
+    shutil.rmtree(out / "findings", ignore_errors=True)
+    verdicts, comparisons = findings_tables(everything)
+    for table in (verdicts, comparisons):
+        written += write_table(table, out / "findings").values()
+    for table in extra:
+        written += write_table(table, out).values()
     if echo:
-        echo(status.to_markdown())
+        for table in (verdicts, comparisons, *extra):
+            echo(table.to_markdown())
     return written
 
 
