@@ -662,6 +662,14 @@ def test_findings_tables_judge_sides_of_completed_runs(results):
     assert verdict(["agrees", "agrees"]) == "reproduced"
     assert verdict(["reversed", "differs"]) == "not reproduced: every comparison goes the other way"
     assert verdict(["agrees", "within noise", "agrees"]) == "partly: 2 agrees, 1 within noise"
+    # a run evaluated otherwise (batch-norm statistics recomputed) is another configuration
+    other = write_run(results / "rq1_scope" / "99", make_config(seed=0, **{"train.bn_recalibrate": 20}))
+    summary = json.loads((other / "summary.json").read_text())
+    (other / "summary.json").write_text(json.dumps({**summary, "test_accuracy": 0.5}))
+    mixed = sa.findings_tables(sa.load_runs(results / "rq1_scope"), (finding,), base=base)[1]
+    assert mixed.display["A: test accuracy (%)"].iloc[0] != rows["A: test accuracy (%)"].iloc[0]  # no filter: mixed
+    _, again = sa.findings_tables(sa.load_runs(results / "rq1_scope"), (finding,), base={**base, "bn_recalibrate": 0})
+    assert again.display["A: test accuracy (%)"].iloc[0] == rows["A: test accuracy (%)"].iloc[0]
     # dense SGD rows pass the sparse-only axes ("-") but never another scheme's name
     dense = Comparison("dense", {"scheme": "dense", "world_size": 2}, {"scheme": "dense", "world_size": 2}, "=")
     _, table = sa.findings_tables(runs, (Finding("d", "", (dense,)),), base=base)

@@ -29,7 +29,7 @@ from .tables import SCHEME_NAMES, Table
 # carry "-" for the sparse-only axes and pass them.
 SECOND_PASS = {"model": "resnet20", "data": "fashion_mnist", "train_size": "all", "epochs_planned": 2,
                "batch_size": 64, "lr": 0.05, "exchange": "trainer", "uncompressed": "1d",
-               "warmup_steps": 0, "error_feedback": True}
+               "warmup_steps": 0, "error_feedback": True, "bn_recalibrate": 0}
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ AXES = (
     "uncompressed",
     "warmup_steps",
     "exchange",
+    "bn_recalibrate",
     "model",
     "data",
     "train_size",
@@ -151,6 +152,8 @@ def _axes_from_config(cfg: dict) -> dict:
         "batch_size": _get(cfg, "train", "batch_size"),
         "lr": _get(cfg, "optim", "lr"),
         "train_size": _get(cfg, "data", "train_size") or "all",  # null: the whole training set
+        # evaluation with recomputed batch-norm statistics: another measurement, not averaged in
+        "bn_recalibrate": _get(cfg, "train", "bn_recalibrate", default=0),
     }
     # Where the exchange ran: the trainer's own reducer after backward, or a DDP hook (dist.ddp).
     row["exchange"] = "ddp hook" if _get(cfg, "dist", "ddp") else "trainer"
@@ -449,8 +452,8 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
     return frame
 
 
-INTEGER_COLUMNS = ("world_size", "seed", "block_size", "warmup_steps", "batch_size", "epochs_planned",
-                   "train_size", "steps")
+INTEGER_COLUMNS = ("world_size", "seed", "block_size", "warmup_steps", "bn_recalibrate", "batch_size",
+                   "epochs_planned", "train_size", "steps")
 
 
 def _integer_columns(frame: pd.DataFrame) -> pd.DataFrame:

@@ -47,6 +47,7 @@ LABELS = {
     "test_accuracy_gain_last_epoch": "gain over the last epoch (points)",
     "epochs_planned": "epochs",
     "train_size": "training images",
+    "bn_recalibrate": "BN recalibration batches",
 }
 SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "fp16": 5}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
@@ -56,7 +57,7 @@ PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn", "test_
 MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warmup_steps", "world_size",
                 "model", "data")
 # Stabiliser settings are named only where they differ from the defaults.
-MISSING_DEFAULTS = {"uncompressed": "1d", "warmup_steps": 0}
+MISSING_DEFAULTS = {"uncompressed": "1d", "warmup_steps": 0, "bn_recalibrate": 0}
 # Order of values in rows and columns: the paper's order, not the alphabet's.
 VALUE_ORDER = {"layerwise": 0, "global": 1, "allreduce": 0, "allgather": 1, "none": 0, "1d": 1,
                "trainer": 0, "ddp hook": 1}
