@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 STUDIES=("$@")
-[ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope ablation rq2_scheme rq3_aggregation rq4_global rq2_low budget rq4_workers)
+[ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope ablation rq2_scheme rq3_aggregation rq4_global rq2_low budget rq4_workers rq4_steps)
 mkdir -p results
 if [ "${PARTIAL:-0}" = 1 ]; then
   for study in "${STUDIES[@]}"; do

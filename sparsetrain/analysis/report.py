@@ -25,7 +25,7 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ddp_hooks": (("ddp_hooks",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
 }
 # Presets that add points to another study's tables.
-STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers"}
+STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "rq4_steps": "rq4_workers"}
 # What each study's tables and figures are made of: the folders under a results tree that hold its
 # points (a study reuses other sweeps' runs: dense SGD from ``baseline``, 2 ranks from
 # ``rq1_scope``, ...) and the runs kept from them (``select``). `make figures`, ``--studies`` and
@@ -37,7 +37,7 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
     "rq2_scheme": (("baseline", "rq1_scope", "rq2_scheme", "rq2_low"), {"scope": ["layerwise"]}),
     "rq3_aggregation": (("rq1_scope", "rq3_aggregation", "rq4_workers"),
                         {"scheme": ["randk", "blockk"], "scope": ["layerwise"]}),
-    "rq4_workers": (("baseline", "rq1_scope", "rq4_workers", "rq4_global"), {}),
+    "rq4_workers": (("baseline", "rq1_scope", "rq4_workers", "rq4_global", "rq4_steps"), {}),
     "rq5_speed": (("rq5_speed",), {}),
     "ddp_hooks": (("baseline", "ddp_hooks", "ddp_hooks_trainer"), {}),
     "budget": (("baseline", "rq1_scope", "budget"), {"scope": ["layerwise"]}),
