@@ -546,6 +546,7 @@ def test_cli_studies_assembles_each_study_from_its_sources(results, tmp_path):
     (out / "rq2_scheme").mkdir(parents=True)
     (out / "rq2_scheme" / "old.png").write_bytes(b"stale")
     shutil.rmtree(results / "rq5_speed")
+    (results / "rq4_workers").rename(results / "rq4_global")  # a preset that adds to rq4_workers
     (out / "rq5_speed").mkdir()
     proc = _cli("--studies", results, "--out", out, "--quiet")
     assert proc.returncode == 0, proc.stderr
@@ -555,6 +556,7 @@ def test_cli_studies_assembles_each_study_from_its_sources(results, tmp_path):
     assert set(runs["scope"]) == {"layerwise", "-"}
     assert "ratio=0.01" in (out / "rq2_scheme" / "rq2_scheme.md").read_text()
     assert (out / "budget" / "plateau.md").is_file() and (out / "rq1_scope" / "plateau.md").is_file()
+    assert (out / "rq4_workers" / "rq4_workers.md").is_file()
     assert "unfinished: scheme=topk" in (out / "status.md").read_text()  # rq2_scheme job 0 is named
 
     assert _cli("--studies", results, results, "--out", out).returncode == 2

@@ -73,7 +73,8 @@ def load_study(results: str | Path, study: str, include_failed: bool = False) ->
 
 
 def write_studies(results: str | Path, out: str | Path, include_failed: bool = False, echo=None) -> list[Path]:
-    """Every study whose own sweep (``results/<study>``) is there, into ``out/<study>/``;
+    """Every study with one of its own sweeps there (``results/<study>``, or a preset that adds
+    to it: ``rq4_global`` to ``rq4_workers``, ...), into ``out/<study>/``;
     ``out/findings/``: the paper's findings judged from the tree's runs (``findings``); and
     ``out/status.*``: every run of the tree counted by status, the ones not in any number named.
 
@@ -83,7 +84,8 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
     written: list[Path] = []
     for study in SOURCES:
         shutil.rmtree(out / study, ignore_errors=True)
-        if not (results / study).is_dir():
+        own = [study, *(preset for preset, of in STUDY_OF_PRESET.items() if of == study)]
+        if not any((results / sweep).is_dir() for sweep in own):
             continue
         runs, curves = load_study(results, study, include_failed)
         tables, files = report_group(runs, curves, out / study, study, include_failed)
