@@ -154,11 +154,9 @@ def overview_notebook() -> nbformat.NotebookNode:
         new_code_cell('status = sa.status_table(runs)\nsa.write_table(status, OUT)\ndisplay(Markdown(status.to_markdown()))'),
         new_markdown_cell("## The tables of each study found\n\nEach from the sweeps that hold its points, as in the study's own notebook."),
         new_code_cell(
-            'for study, (tables, _) in sa.STUDIES.items():\n'
-            '    if not (RESULTS / study).is_dir():  # its own sweep is not there (yet)\n'
-            '        continue\n'
+            'for study in sa.studies_present(RESULTS):  # one of its own sweeps is there\n'
             '    study_runs, _ = sa.load_study(RESULTS, study)\n'
-            '    for name in tables:\n'
+            '    for name in sa.STUDIES[study][0]:\n'
             '        table = sa.TABLES[name](study_runs)\n'
             '        sa.write_table(table, OUT / study)\n'
             '        display(Markdown(table.to_markdown()))'

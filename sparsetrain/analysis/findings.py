@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from .loader import NOT_APPLICABLE, completed
+from .loader import completed, select
 from .tables import SCHEME_NAMES, Table
 
 # The second pass's setting (experiment=cpu_scale): every side starts from it. Dense SGD rows
@@ -99,11 +99,8 @@ FINDINGS: tuple[Finding, ...] = (
 
 
 def _side(runs: pd.DataFrame, axes: dict, base: dict) -> pd.DataFrame:
-    keep = pd.Series(True, index=runs.index)
-    for axis, value in {**base, **axes}.items():
-        text = runs[axis].astype(str)
-        keep &= (text == str(value)) | ((text == NOT_APPLICABLE) & (axis != "scheme"))
-    return runs[keep]
+    """The runs of one side: ``base`` with ``axes`` on top (dense SGD passes its ``-`` axes)."""
+    return select(runs, {axis: [value] for axis, value in {**base, **axes}.items()})
 
 
 def _stats(side: pd.DataFrame) -> tuple[float, float, int]:

@@ -480,6 +480,20 @@ def not_completed(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[~runs["status"].isin(STATUSES_DONE)] if not runs.empty else runs
 
 
+def select(frame: pd.DataFrame, where: dict[str, list[str]] | None) -> pd.DataFrame:
+    """Rows whose axes take one of the given values (``{"scope": ["layerwise"]}``); dense SGD
+    rows pass the axes it ignores (``-``), and ``dense`` is a scheme name like any other."""
+    if not where or frame.empty:
+        return frame
+    keep = pd.Series(True, index=frame.index)
+    for axis, values in where.items():
+        if axis not in frame:
+            raise ValueError(f"--where {axis}=...: {axis!r} is not an axis; allowed: {', '.join(AXES)}")
+        text = frame[axis].astype(str)
+        keep &= text.isin([str(v) for v in values]) | (text == NOT_APPLICABLE)
+    return frame[keep]
+
+
 def _read_metrics(path: Path, warn: bool = True) -> Iterable[dict]:
     with open(path) as f:
         for number, line in enumerate(f, 1):

@@ -9,7 +9,7 @@ import pandas as pd
 
 from .figures import PLOTS, save_figure
 from .findings import findings_tables
-from .loader import AXES, NOT_APPLICABLE, load_curves, load_runs
+from .loader import load_curves, load_runs, select
 from .tables import TABLES, Table, status_table, write_table
 
 # Each study (an experiment preset, a sweep) and the tables and figures that answer it.
@@ -72,9 +72,20 @@ def load_study(results: str | Path, study: str, include_failed: bool = False) ->
             select(load_curves(*folders, include_failed=include_failed), where))
 
 
+def studies_present(results: str | Path) -> list[str]:
+    """The studies with one of their own sweeps in ``results``: ``results/<study>``, or a preset
+    that adds to it (``rq4_global`` to ``rq4_workers``, ...)."""
+    results = Path(results)
+    present = []
+    for study in SOURCES:
+        own = [study, *(preset for preset, of in STUDY_OF_PRESET.items() if of == study)]
+        if any((results / sweep).is_dir() for sweep in own):
+            present.append(study)
+    return present
+
+
 def write_studies(results: str | Path, out: str | Path, include_failed: bool = False, echo=None) -> list[Path]:
-    """Every study with one of its own sweeps there (``results/<study>``, or a preset that adds
-    to it: ``rq4_global`` to ``rq4_workers``, ...), into ``out/<study>/``;
+    """Every study with one of its own sweeps there (``studies_present``) into ``out/<study>/``;
     ``out/findings/``: the paper's findings judged from the tree's runs (``findings``); and
     ``out/status.*``: every run of the tree counted by status, the ones not in any number named.
 
@@ -82,10 +93,10 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
     that no figure of an earlier set of results survives beside the new ones."""
     results, out = Path(results), Path(out)
     written: list[Path] = []
+    present = studies_present(results)
     for study in SOURCES:
         shutil.rmtree(out / study, ignore_errors=True)
-        own = [study, *(preset for preset, of in STUDY_OF_PRESET.items() if of == study)]
-        if not any((results / sweep).is_dir() for sweep in own):
+        if study not in present:
             continue
         runs, curves = load_study(results, study, include_failed)
         tables, files = report_group(runs, curves, out / study, study, include_failed)
@@ -95,16 +106,15 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
     if not written:
         raise LookupError(f"no study folder under {results} (expected one of: {', '.join(SOURCES)})")
     everything = load_runs(results)  # every sweep of the tree, studies or not
-    extra = [status_table(everything)]
+    status = status_table(everything)
     # The paper's findings, each judged from the runs of the second pass's setting.
     shutil.rmtree(out / "findings", ignore_errors=True)
     verdicts, comparisons = findings_tables(everything)
     for table in (verdicts, comparisons):
         written += write_table(table, out / "findings").values()
-    for table in extra:
-        written += write_table(table, out).values()
+    written += write_table(status, out).values()
     if echo:
-        for table in (verdicts, comparisons, *extra):
+        for table in (verdicts, comparisons, status):
             echo(table.to_markdown())
     return written
 
@@ -135,20 +145,6 @@ def report_group(runs: pd.DataFrame, curves: pd.DataFrame, out: Path, study: str
 
 def _group_name(row) -> str:
     return study_of(row) or (row if isinstance(row, str) and row else "runs")
-
-
-def select(frame: pd.DataFrame, where: dict[str, list[str]] | None) -> pd.DataFrame:
-    """Rows whose axes take one of the given values (``{"scope": ["layerwise"]}``); dense SGD
-    rows pass the axes it ignores (``-``), and ``dense`` is a scheme name like any other."""
-    if not where or frame.empty:
-        return frame
-    keep = pd.Series(True, index=frame.index)
-    for axis, values in where.items():
-        if axis not in frame:
-            raise ValueError(f"--where {axis}=...: {axis!r} is not an axis; allowed: {', '.join(AXES)}")
-        text = frame[axis].astype(str)
-        keep &= text.isin([str(v) for v in values]) | (text == NOT_APPLICABLE)
-    return frame[keep]
 
 
 def write_report(*paths: str | Path, out: str | Path, include_failed: bool = False,
