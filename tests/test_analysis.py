@@ -263,6 +263,12 @@ def test_load_curves_epochs_and_steps(results):
     with_failed = sa.load_curves(results / "rq1_scope", include_failed=True)
     assert len(with_failed) == 14 * 3 + 1
 
+    # From a runs frame already loaded (what load_study does): the same curves, failed run kept
+    # only when asked.
+    runs = sa.load_runs(results / "rq1_scope")
+    pd.testing.assert_frame_equal(sa.curves_of(runs), epochs)
+    pd.testing.assert_frame_equal(sa.curves_of(runs, include_failed=True), with_failed)
+
     with pytest.warns(UserWarning, match="not JSON"):
         steps = sa.load_curves(results / "rq2_scheme", kind="step", include_failed=True)
     assert {"time_forward_ms", "time_step_ms", "bytes_sent", "density"} <= set(steps.columns)

@@ -24,6 +24,7 @@ from .loader import (
     DENSE,
     PHASES,
     completed,
+    curves_of,
     expected_grid,
     find_run_dirs,
     load_curves,
@@ -62,11 +63,12 @@ from .wandb_runs import load_wandb_runs
 
 __all__ = [
     "AXES", "DENSE", "FINDINGS", "PHASES", "SOURCES", "STUDIES", "TABLES", "Table", "report",
-    "budget_table", "build_figures", "build_tables", "completed", "expected_grid", "find_run_dirs",
-    "findings_tables", "load_curves", "load_runs", "load_study", "load_wandb_runs", "not_completed",
-    "plateau_table", "plot_accuracy_vs_bytes", "plot_accuracy_vs_epoch", "plot_time_per_phase",
-    "plot_time_to_accuracy", "plot_workers", "row_from_summary", "rq1_scope_table",
-    "rq2_scheme_table", "rq3_aggregation_table", "rq4_workers_table", "rq5_speed_table",
-    "save_figure", "status_table", "studies_present", "study_folders", "study_of", "style",
-    "summarize", "time_to_accuracy_table", "write_report", "write_studies", "write_table",
+    "budget_table", "build_figures", "build_tables", "completed", "curves_of", "expected_grid",
+    "find_run_dirs", "findings_tables", "load_curves", "load_runs", "load_study",
+    "load_wandb_runs", "not_completed", "plateau_table", "plot_accuracy_vs_bytes",
+    "plot_accuracy_vs_epoch", "plot_time_per_phase", "plot_time_to_accuracy", "plot_workers",
+    "row_from_summary", "rq1_scope_table", "rq2_scheme_table", "rq3_aggregation_table",
+    "rq4_workers_table", "rq5_speed_table", "save_figure", "status_table", "studies_present",
+    "study_folders", "study_of", "style", "summarize", "time_to_accuracy_table", "write_report",
+    "write_studies", "write_table",
 ]

@@ -514,9 +514,16 @@ def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = 
     ``kind="epoch"``: one row per evaluated epoch (test_accuracy, train_loss, ...).
     ``kind="step"``: one row per logged step; ``time_ms`` is spread into ``time_<phase>_ms``.
     """
+    return curves_of(load_runs(*paths, include_failed=include_failed), kind, include_failed)
+
+
+def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = False) -> pd.DataFrame:
+    """``load_curves`` for the runs of a ``load_runs`` frame already in hand (no second walk of
+    the tree); ``include_failed=False`` drops the runs that did not complete."""
     if kind not in ("epoch", "step"):
         raise ValueError(f"kind must be 'epoch' or 'step', not {kind!r}")
-    runs = load_runs(*paths, include_failed=include_failed)
+    if not include_failed:
+        runs = completed(runs)
     frames = []
     keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST], "run_dir"]
     for run in runs.itertuples(index=False):

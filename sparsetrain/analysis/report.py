@@ -9,7 +9,7 @@ import pandas as pd
 
 from .figures import PLOTS, save_figure
 from .findings import findings_tables
-from .loader import load_curves, load_runs, select
+from .loader import curves_of, load_runs, select
 from .tables import TABLES, Table, status_table, write_table
 
 # Each study (an experiment preset, a sweep) and the tables and figures that answer it.
@@ -68,8 +68,8 @@ def load_study(results: str | Path, study: str, include_failed: bool = False) ->
     """``(runs, curves)`` of one study from a results tree, as ``SOURCES`` assembles them."""
     folders = study_folders(results, study)
     where = SOURCES[study][1]
-    return (select(load_runs(*folders), where),
-            select(load_curves(*folders, include_failed=include_failed), where))
+    runs = select(load_runs(*folders), where)
+    return runs, curves_of(runs, include_failed=include_failed)
 
 
 def studies_present(results: str | Path) -> list[str]:
@@ -161,7 +161,7 @@ def write_report(*paths: str | Path, out: str | Path, include_failed: bool = Fal
     runs = select(load_runs(*paths), where)
     if runs.empty:
         raise LookupError(f"no runs found under {', '.join(map(str, paths))}")
-    curves = select(load_curves(*paths, include_failed=include_failed), where)
+    curves = curves_of(runs, include_failed=include_failed)
     if study:
         groups = {study: (runs, curves)}
     else:
