@@ -469,6 +469,8 @@ def test_figures_png_and_pdf(results, tmp_path):
     for paths in made:
         assert_png(paths["png"])
         assert paths["pdf"].read_bytes()[:5] == b"%PDF-"
+        # No creation date: regenerated from the same results, a PDF is byte-identical.
+        assert b"/CreationDate" not in paths["pdf"].read_bytes()
 
 
 def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):

@@ -70,14 +70,17 @@ def _new_figure(ncols: int = 1, nrows: int = 1, width: float = 4.2, height: floa
 
 
 def save_figure(fig: Figure, out: str | Path, name: str) -> dict[str, Path]:
-    """Write ``<name>.png`` and ``<name>.pdf`` into ``out``; return their paths."""
+    """Write ``<name>.png`` and ``<name>.pdf`` into ``out``; return their paths.
+
+    No creation date in the PDF: the same results give byte-identical files, so regenerating
+    figures changes only those whose data changed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     with style():
         for ext in ("png", "pdf"):
             paths[ext] = out / f"{name}.{ext}"
-            fig.savefig(paths[ext])
+            fig.savefig(paths[ext], metadata={"CreationDate": None} if ext == "pdf" else None)
     return paths
 
 
