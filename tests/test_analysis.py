@@ -11,6 +11,7 @@ import copy
 import itertools
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -543,6 +544,17 @@ def test_cli_where_keeps_the_slice_and_dense(results, tmp_path):
     assert set(table["scope"].dropna()) == {"layerwise"}  # dense (no scope) is drawn in that column
     bad = _cli(results / "rq1_scope", "--where", "colour=red", "--out", out)
     assert bad.returncode == 2 and "'colour' is not an axis" in bad.stderr
+
+
+def test_missing_runs_are_named_relative_to_the_working_directory(results, monkeypatch):
+    """Tables written from the repository root name run folders as results/..., not by the
+    clone's absolute path, so regenerated tables read the same on every machine."""
+    monkeypatch.chdir(results.parent)
+    table = sa.status_table(sa.load_runs(results / "rq2_scheme"))
+    text = "\n".join(table.missing_lines())
+    assert f"({results.name}{os.sep}rq2_scheme{os.sep}" in text
+    assert str(results.parent) not in text
+    assert str(results.parent) not in table.to_csv_frame().to_csv()
 
 
 def test_cli_studies_assembles_each_study_from_its_sources(results, tmp_path):

@@ -84,7 +84,7 @@ class Table:
                 and getattr(row, axis) != NOT_APPLICABLE
                 and getattr(row, axis) != MISSING_DEFAULTS.get(axis)
             )
-            where = f" ({row.run_dir})" if _present(getattr(row, "run_dir", None)) else ""
+            where = f" ({_shown_path(row.run_dir)})" if _present(getattr(row, "run_dir", None)) else ""
             error = f": {_one_line(row.error)}" if _present(getattr(row, "error", None)) else ""
             lines.append(f"{row.status}: {axes}{where}{error}")
         return lines
@@ -131,7 +131,10 @@ class Table:
         data.insert(0, "status", "ok")
         if len(self.missing):
             keep = [c for c in (*AXES, REPLICATE, "status", "error", "run_dir") if c in self.missing]
-            data = pd.concat([data, self.missing[keep]], ignore_index=True)
+            missing = self.missing[keep].copy()
+            if "run_dir" in missing:
+                missing["run_dir"] = missing["run_dir"].map(lambda d: _shown_path(d) if _present(d) else d)
+            data = pd.concat([data, missing], ignore_index=True)
         return data
 
     def _repr_markdown_(self) -> str:
@@ -147,6 +150,15 @@ def _present(value) -> bool:
     if isinstance(value, float) and math.isnan(value):
         return False
     return str(value) != ""
+
+
+def _shown_path(path) -> str:
+    """A run folder relative to the working directory when it lies inside it: tables that
+    ``make figures`` writes from the repository root then read the same on every clone."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _one_line(text) -> str:
