@@ -514,7 +514,7 @@ def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = 
     ``kind="epoch"``: one row per evaluated epoch (test_accuracy, train_loss, ...).
     ``kind="step"``: one row per logged step; ``time_ms`` is spread into ``time_<phase>_ms``.
     """
-    return curves_of(load_runs(*paths, include_failed=include_failed), kind, include_failed)
+    return curves_of(load_runs(*paths), kind, include_failed)
 
 
 def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = False) -> pd.DataFrame:
