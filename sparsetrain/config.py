@@ -81,6 +81,9 @@ class TrainConfig:
     # Before each evaluation, recompute batch-norm running statistics from this many training
     # batches (0: keep the running averages from training).
     bn_recalibrate: int = 0
+    # Resume a checkpoint written by other code (another commit or other uncommitted changes);
+    # refused by default so that a run's numbers come from one version of the code.
+    allow_code_change: bool = False
 
 
 @dataclass

@@ -47,6 +47,42 @@ def logged_step(steps_done: int, log_every: int) -> bool:
     return log_every > 0 and (steps_done % log_every == 0 or steps_done == 1)
 
 
+# A run's stability, from its final numbers and its largest batch loss from this step on (the
+# first steps of a fresh network sit near ln C and are not a blow-up).
+STABILITY_FROM_STEP = 20
+CHANCE_LOSS = math.log(10)  # a uniform guess over 10 classes
+MIN_TRAINED_ACCURACY = 0.20
+TRAINED_THROUGHOUT, BLEW_UP_RECOVERED, DID_NOT_TRAIN = (
+    "trained throughout", "blew up, recovered", "did not train")
+
+
+def stability_of(final_train_loss: float | None, test_accuracy: float | None,
+                 peak_loss: float | None, chance_loss: float = CHANCE_LOSS) -> str:
+    """``did not train`` (final train loss not below a uniform guess, or test accuracy below 20 %),
+    ``blew up, recovered`` (trained, but its batch loss rose above ln 10 from step 20 on), or
+    ``trained throughout``.
+
+    >>> stability_of(0.3, 0.9, 1.2), stability_of(0.3, 0.9, 7.9), stability_of(0.3, 0.15, 1.0)
+    ('trained throughout', 'blew up, recovered', 'did not train')
+    """
+    loss_ok = final_train_loss is not None and math.isfinite(final_train_loss) and final_train_loss < chance_loss
+    if not loss_ok or test_accuracy is None or test_accuracy < MIN_TRAINED_ACCURACY:
+        return DID_NOT_TRAIN
+    if peak_loss is not None and peak_loss > chance_loss:
+        return BLEW_UP_RECOVERED
+    return TRAINED_THROUGHOUT
+
+
+def relative_run_dir(run_dir: str | Path) -> str:
+    """The run folder relative to the working directory when it lies under it (a study run from
+    a checkout names ``results/<study>/N``, not the machine's absolute path), else absolute."""
+    path = Path(run_dir).resolve()
+    try:
+        return path.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -95,7 +131,7 @@ def read_summary(run_dir: str | Path) -> dict | None:
 
 def mark_failed(run_dir: str | Path, error: str, **fields: Any) -> None:
     """Record a failure unless the run already recorded its own end (completed or failed)."""
-    summary = read_summary(run_dir) or {"run_dir": str(run_dir), "started_at": now_iso()}
+    summary = read_summary(run_dir) or {"run_dir": relative_run_dir(run_dir), "started_at": now_iso()}
     if summary.get("status") in ("completed", "failed"):
         return
     summary.update(fields)
@@ -106,7 +142,7 @@ def mark_failed(run_dir: str | Path, error: str, **fields: Any) -> None:
 def replace_error(run_dir: str | Path, error: str, **fields: Any) -> None:
     """Set a failed run's error to ``error`` (the root cause found after the fact, such as the
     rank that was killed), keeping what the run itself had recorded as ``error_seen_by_rank0``."""
-    summary = read_summary(run_dir) or {"run_dir": str(run_dir), "started_at": now_iso()}
+    summary = read_summary(run_dir) or {"run_dir": relative_run_dir(run_dir), "started_at": now_iso()}
     if summary.get("status") == "completed":
         return
     if summary.get("error") and summary["error"] != error:

@@ -30,6 +30,7 @@ from sparsetrain.results import (
     mark_failed,
     read_heartbeat,
     read_summary,
+    relative_run_dir,
     replace_error,
 )
 
@@ -82,7 +83,7 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
 
     # Recorded before any rank exists, so a launch that fails early still leaves a summary.
-    RunWriter(run_dir).start(config=cfg_dict, run_dir=str(run_dir), world_size=cfg.world_size)
+    RunWriter(run_dir).start(config=cfg_dict, run_dir=relative_run_dir(run_dir), world_size=cfg.world_size)
     log_dir = run_dir / "ranks"
 
     def launch():

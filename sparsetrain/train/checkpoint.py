@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from sparsetrain.errors import CheckpointError, ConfigError
+from sparsetrain.provenance import code_version, describe, same_code
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -38,6 +39,7 @@ NOT_DEFINING = (
     "train.timing_warmup",
     "train.checkpoint",
     "train.save_model",
+    "train.allow_code_change",  # whether to resume on other code (checked by check_same_code)
     "data.root",
     "data.download",
     "wandb.",
@@ -108,6 +110,20 @@ def check_same_run(saved_config: dict | None, current: dict, path: str | Path) -
     )
 
 
+def check_same_code(saved_code: dict | None, current: dict | None, allow: bool,
+                    path: str | Path) -> None:
+    """Raise ConfigError when the checkpoint was written by other code than ``current`` (another
+    commit, or other uncommitted changes), unless ``allow`` (``train.allow_code_change``).
+    Checkpoints without a record, and code outside a git checkout, are not checked."""
+    if allow or same_code(saved_code, current):
+        return
+    raise ConfigError(
+        f"will not resume {path}: it was written by code {describe(saved_code)} and this is "
+        f"{describe(current)}; check out {describe(saved_code)} to resume, or add "
+        "train.allow_code_change=true to resume on this code (the summary lists both)"
+    )
+
+
 def _show(value: Any) -> str:
     return value if value == _ABSENT else repr(value)
 
@@ -172,6 +188,8 @@ def check_resume(run_dir: str | Path, config: dict) -> None:
         return
     state = load(path, mmap=True)
     check_same_run(state.get("config"), config, path)
+    check_same_code(state.get("code"), code_version(),
+                    bool(config.get("train", {}).get("allow_code_change", False)), path)
 
 
 def completed_run(run_dir: str | Path, config: dict) -> dict | None:

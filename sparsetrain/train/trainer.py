@@ -29,7 +29,18 @@ from sparsetrain.comm.group import RankInfo, pick_device
 from sparsetrain.costmodel import wire_bytes
 from sparsetrain.data import ShardedLoader, eval_batches, load_dataset
 from sparsetrain.errors import ConfigError, Diverged, Preempted, one_line_error
-from sparsetrain.results import PHASES, Heartbeat, NullWriter, RunWriter, echo, logged_step
+from sparsetrain.provenance import code_version, describe
+from sparsetrain.results import (
+    PHASES,
+    STABILITY_FROM_STEP,
+    Heartbeat,
+    NullWriter,
+    RunWriter,
+    echo,
+    logged_step,
+    relative_run_dir,
+    stability_of,
+)
 from sparsetrain.timing import PhaseTimer
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
@@ -116,7 +127,16 @@ class Trainer:
         self.elapsed_s = 0.0
         self.bytes_sent_total = 0  # per rank, warm-up steps included
         self.wire_bytes_total = 0  # per rank, as the ring collectives move them (costmodel.wire_bytes)
-        self.memory_norm_max = 0.0  # rank 0's error-feedback memory norm, largest logged
+        self.memory_norm_max: float | None = None  # rank 0's error-feedback memory norm, largest logged
+        # Rank 0's largest batch loss (and its step) from step STABILITY_FROM_STEP on, and after
+        # the lr warm-up: a run that blew up and recovered shows here, not in its final numbers.
+        # On the device, updated without a host sync; -inf while there is none.
+        self.lr_warmup_steps = math.ceil(cfg.optim.warmup_epochs * len(self.loader))
+        self.loss_peaks = torch.tensor([-math.inf, 0.0, -math.inf, 0.0], dtype=torch.float64,
+                                       device=self.device)
+        # Which code this run runs, and every version a resumed run ran on (sparsetrain.provenance)
+        self.code = code_version()
+        self.code_commits = [describe(self.code, full=True)]
         self._stop_requested = False
         if info.world_size > 1:  # robust to seeding differences: start from rank 0's weights
             for t in self.model.state_dict().values():
@@ -145,6 +165,9 @@ class Trainer:
             "bytes_sent_total": self.bytes_sent_total,
             "wire_bytes_total": self.wire_bytes_total,
             "memory_norm_max": self.memory_norm_max,
+            "loss_peaks": self.loss_peaks.cpu(),
+            "code": self.code,
+            "code_commits": list(self.code_commits),
             "timer": self.timer.state_dict(),
             "torch_rng": torch.get_rng_state(),
         }
@@ -162,7 +185,14 @@ class Trainer:
         self.elapsed_s = state["elapsed_s"]
         self.bytes_sent_total = state.get("bytes_sent_total", 0)
         self.wire_bytes_total = state.get("wire_bytes_total", 0)
-        self.memory_norm_max = state.get("memory_norm_max", 0.0)
+        self.memory_norm_max = state.get("memory_norm_max")
+        if "loss_peaks" in state:
+            self.loss_peaks = state["loss_peaks"].to(self.device, copy=True)
+        # The versions it ran on, then this one (check_resume has refused a change unless allowed)
+        here = describe(self.code, full=True)
+        self.code_commits = [*state.get("code_commits", []), here]
+        if len(self.code_commits) > 1 and self.code_commits[-2] == here:
+            self.code_commits.pop()
         self.timer.load_state_dict(state["timer"])
         torch.set_rng_state(state["torch_rng"])
 
@@ -187,6 +217,8 @@ class Trainer:
         state = ckpt.load(self.checkpoint_path, map_location=self.device)
         ckpt.check_same_run(state.pop("config", None), OmegaConf.to_container(self.cfg, resolve=True),
                             self.checkpoint_path)
+        ckpt.check_same_code(state.pop("code", None), self.code, self.cfg.train.allow_code_change,
+                             self.checkpoint_path)
         state.update(state.pop("per_rank")[self.info.rank])
         self.load_state_dict(state)
         return True
@@ -282,14 +314,37 @@ class Trainer:
             here = torch.stack([torch.full_like(batch[0], self.step + 1), loss.detach().double()])
             self.nonfinite = torch.where(first_bad, here, self.nonfinite)
         self.epoch_stats += batch
+        done = self.step + 1
+        if done >= STABILITY_FROM_STEP:
+            self._track_peak(0, loss, done)
+        if done > self.lr_warmup_steps:
+            self._track_peak(2, loss, done)
         self.bytes_sent_total += stats.bytes_sent  # a Python int: no device sync
         self.wire_bytes_total += self._wire_bytes(stats.collective, stats.bytes_sent)
         self.step += 1
         return loss, stats, result.lr
 
+    def _track_peak(self, at: int, loss: torch.Tensor, step: int) -> None:
+        with torch.no_grad():
+            value = loss.detach().double()
+            higher = value > self.loss_peaks[at]
+            self.loss_peaks[at] = torch.where(higher, value, self.loss_peaks[at])
+            self.loss_peaks[at + 1] = torch.where(higher, float(step), self.loss_peaks[at + 1])
+
+    def _loss_peaks(self) -> dict:
+        peaks = self.loss_peaks.cpu().tolist()
+
+        def one(value: float, step: float, first: int) -> dict:
+            seen = math.isfinite(value)
+            return {"from_step": first, "train_loss": value if seen else None,
+                    "step": int(step) if seen else None}
+
+        return {f"after_step_{STABILITY_FROM_STEP}": one(*peaks[:2], STABILITY_FROM_STEP),
+                "after_lr_warmup": one(*peaks[2:], self.lr_warmup_steps + 1)}
+
     def _log_step(self, loss, stats, lr) -> None:
         if stats.memory_norm is not None:  # bounded memory is the sign of a stable scheme
-            self.memory_norm_max = max(self.memory_norm_max, stats.memory_norm)
+            self.memory_norm_max = max(self.memory_norm_max or 0.0, stats.memory_norm)
         record = {
             "kind": "step",
             "step": self.step,
@@ -363,7 +418,7 @@ class Trainer:
         self.writer.open_metrics(keep_records=self.records_logged if resumed else None)
         self.writer.start(
             config=config,
-            run_dir=str(self.run_dir),
+            run_dir=relative_run_dir(self.run_dir),
             world_size=self.info.world_size,
             launcher=self.info.launcher,
             device=str(self.device),
@@ -374,6 +429,8 @@ class Trainer:
             dense_bytes_per_step=self.reducer.dense_bytes_per_step,
             **self._exchange_fields(),
             resumed_from_step=self.step if resumed else None,
+            code=self.code,
+            code_commits=self.code_commits,
             slurm_job_id=self.info.slurm_job_id,
         )
         if self.info.is_main:
@@ -458,11 +515,15 @@ class Trainer:
             if on_cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
+        peaks = self._loss_peaks()
         return {
             "steps": self.step,
             "epochs": self.step / len(self.loader),
             "train_loss": self.last_train_loss,
             "test_accuracy": self.last_eval.get("test_accuracy"),
+            "train_loss_peak": peaks,
+            "stability": stability_of(self.last_train_loss, self.last_eval.get("test_accuracy"),
+                                      peaks[f"after_step_{STABILITY_FROM_STEP}"]["train_loss"]),
             "test_loss": self.last_eval.get("test_loss"),
             "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
             "timed_steps": self.timer.counted_steps,
@@ -470,7 +531,7 @@ class Trainer:
             "peak_memory_of": "cuda_max_allocated" if on_cuda else "process_max_rss",
             "bytes_sent_total": self.bytes_sent_total,
             "wire_bytes_total": self.wire_bytes_total,
-            "memory_norm_max": self.memory_norm_max if self.cfg.scheme.name != "none" else None,
+            "memory_norm_max": self.memory_norm_max,  # None: never measured (dense, torch's hooks)
             "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": self.elapsed_s,
         }

@@ -1,0 +1,69 @@
+"""Which code a run ran: the git commit of the sparsetrain checkout and whether its code had
+uncommitted changes. ``summary.json`` records it (``code``, and ``code_commits``: every commit a
+resumed run ran on); a checkpoint written by other code is not resumed unless
+``train.allow_code_change=true``.
+
+The checkout is the one that holds the imported package (an editable install or a git worktree),
+not the working directory. "Code" is what changes what a run computes: ``sparsetrain/``, ``conf/``,
+``hydra_plugins/`` and ``pyproject.toml``. Results written into the checkout (``results/``, run
+folders) do not make it dirty, so a study run from a worktree keeps a clean record. Outside a git
+checkout (an installed wheel, no git) the commit is ``"unknown"``.
+
+No torch, no Hydra: the CLI checks a checkpoint with it before any rank starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+CODE_PATHS = ("sparsetrain", "conf", "hydra_plugins", "pyproject.toml")
+UNKNOWN = "unknown"
+
+
+def _git(root: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                          check=True, timeout=30).stdout
+
+
+def code_version(root: str | Path | None = None) -> dict:
+    """``{"commit": sha or "unknown", "dirty": bool or None, "diff": short hash or None}``.
+
+    ``diff`` fingerprints the uncommitted changes (tracked diffs and untracked files under the
+    code paths), so two runs on the same dirty tree can be told from runs on different edits."""
+    root = Path(root) if root is not None else Path(__file__).resolve().parent.parent
+    try:
+        top = Path(_git(root, "rev-parse", "--show-toplevel").strip())
+        commit = _git(top, "rev-parse", "HEAD").strip()
+        paths = [p for p in CODE_PATHS if (top / p).exists()]
+        status = _git(top, "status", "--porcelain", "--", *paths)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": UNKNOWN, "dirty": None, "diff": None}
+    if not status.strip():
+        return {"commit": commit, "dirty": False, "diff": None}
+    digest = hashlib.sha256(_git(top, "diff", "HEAD", "--", *paths).encode())
+    for line in sorted(status.splitlines()):
+        if line.startswith("??"):  # untracked: its name and content
+            path = top / line[3:].strip()
+            digest.update(line.encode())
+            for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+                if f.is_file() and "__pycache__" not in f.parts:
+                    digest.update(f.read_bytes())
+    return {"commit": commit, "dirty": True, "diff": digest.hexdigest()[:12]}
+
+
+def describe(code: dict | None, full: bool = False) -> str:
+    """``abc123def456``, ``abc123def456+dirty(<diff>)`` or ``unknown``: one version in one word
+    (``full``: the whole 40-digit commit)."""
+    if not code or code.get("commit", UNKNOWN) == UNKNOWN:
+        return UNKNOWN
+    short = code["commit"] if full else code["commit"][:12]
+    return f"{short}+dirty({code.get('diff')})" if code.get("dirty") else short
+
+
+def same_code(a: dict | None, b: dict | None) -> bool:
+    """Whether two records name the same code. An unknown side cannot be compared: it matches."""
+    if describe(a) == UNKNOWN or describe(b) == UNKNOWN:
+        return True
+    return describe(a) == describe(b)
