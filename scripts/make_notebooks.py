@@ -88,6 +88,17 @@ QUESTIONS = {
         "Every scheme at 1% (layer-wise) after 2 and after 4 epochs, the lr schedule stretched with "
         "the budget: what a longer run would change in the 2-epoch studies' numbers.",
     ),
+    "headline": (
+        "The headline protocol: RQ1 and RQ2 at 1% near the plateau",
+        "Every scheme at both scopes and dense SGD, 4 epochs at 2 workers, 5 seeds shared by every "
+        "configuration (paired comparisons), and block-k at the ratio whose bytes match top-k's at "
+        "1%: scope and order judged at equal entries and at equal bytes.",
+    ),
+    "ddp_fair": (
+        "DDP: block-k against PowerSGD at equal bytes",
+        "Sparsetrain's block-k DDP hook (AllGather) against torch's PowerSGD hook at rank 1, both at "
+        "about 31 KB per step and with the same 2 dense warm-up steps, 4 epochs, 3 seeds.",
+    ),
 }
 
 # How each figure is drawn in a notebook (the same functions `make figures` calls).

@@ -290,11 +290,12 @@ TORCH_HOOK_SCHEMES = ("powersgd", "fp16")
 # A run "did not train" when its final training loss is no better than a uniform guess over the
 # classes (ln C, 2.30 for 10 classes): such a run diverged or never left the start, and its
 # accuracy says nothing about the scheme. Tables list it apart and never rank it.
-DID_NOT_TRAIN = "did not train"
 
 
 def untrained_reason(summary: dict) -> str | None:
-    """Why a completed run counts as not trained (one line), or None when it trained."""
+    """Why a completed run counts as not trained (one line), or None when it trained: its final
+    train loss is not below a uniform guess (ln classes), or its final test accuracy is below
+    20 %, whatever its loss."""
     if summary.get("status") != "completed":
         return None
     classes = summary.get("num_classes") or 10
@@ -304,4 +305,14 @@ def untrained_reason(summary: dict) -> str | None:
         return f"final train loss {loss} is not finite"
     if float(loss) >= bound:
         return f"final train loss {float(loss):.3g} >= ln({classes}) = {bound:.2f}, a uniform guess"
+    accuracy = summary.get("test_accuracy")
+    if accuracy is not None and float(accuracy) < MIN_TRAINED_ACCURACY:
+        return f"final test accuracy {100 * float(accuracy):.1f}% < {100 * MIN_TRAINED_ACCURACY:g}%"
     return None
+
+
+def peak_loss_of(summary: dict) -> float | None:
+    """The largest batch loss from step ``STABILITY_FROM_STEP`` on that the run recorded (runs
+    written before the record existed: None; the analysis then reads its logged steps)."""
+    peak = (summary.get("train_loss_peak") or {}).get(f"after_step_{STABILITY_FROM_STEP}") or {}
+    return peak.get("train_loss")

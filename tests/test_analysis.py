@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
@@ -183,6 +184,15 @@ def write_results(root: Path) -> Path:
                 fixed={"aggregation": "allreduce", "dist.ddp": True})
     write_sweep(root / "budget", {"scheme": "none,randk", "train.epochs": "2,4"}, "budget")
     write_sweep(root / "ablation", {"scheme": "randk,blockk", "scheme.warmup_steps": "0,100"}, "ablation")
+    # the headline protocol: 4 epochs, the same seeds for every configuration
+    headline = {"train.epochs": 4}
+    write_sweep(root / "headline_dense", {"seed": "0,1,2"}, "headline_dense", fixed={**headline, "scheme": "none"})
+    write_sweep(root / "headline", {"seed": "0,1,2", "scheme": "topk,randk,blockk", "scope": "layerwise,global"},
+                "headline", fixed=headline)
+    write_sweep(root / "headline_bytes", {"seed": "0,1,2"}, "headline_bytes",
+                fixed={**headline, "scheme": "blockk", "ratio": 0.01992})
+    write_sweep(root / "ddp_fair", {"seed": "0,1", "scheme": "blockk,powersgd"}, "ddp_fair",
+                fixed={**headline, "dist.ddp": True, "ratio": 0.0238, "scheme.warmup_steps": 2})
     return root
 
 
@@ -236,7 +246,7 @@ def test_load_runs_accepts_single_run_and_many_sweeps(results, tmp_path):
     assert one.iloc[0]["experiment"] is None
     both = sa.load_runs(results / "rq1_scope", results / "rq5_speed")
     assert set(both["experiment"]) == {"rq1_scope", "rq5_speed"}
-    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4 + 6 + 4 + 4
+    assert len(sa.load_runs(results)) == 16 + 12 + 16 + 18 + 8 + 4 + 6 + 4 + 4 + 3 + 18 + 3 + 4
 
 
 def test_run_without_summary_is_flagged(tmp_path):
@@ -293,14 +303,17 @@ def test_rq1_table_mean_std_n_and_missing_named(results):
     # top-k layerwise: seeds 0 and 1 -> mean of the formula, std of two values.
     accs = [expected_accuracy(make_config(seed=s)) * 100 for s in (0, 1)]
     mean, std = sum(accs) / 2, pd.Series(accs).std()
-    row = _row(table, scheme="top-k")
-    assert row["layerwise"] == f"{mean:.2f} ± {std:.2f} (n=2)"
+    acc = "test accuracy (%)"
+    assert _row(table, scheme="top-k", scope="layerwise")[acc] == f"{mean:.2f} ± {std:.2f} (n=2)"
     # top-k global seed 1 failed: one seed left, and the table says so.
-    assert row["global"] == f"{expected_accuracy(make_config(scope='global')) * 100:.2f} (n=1)"
-    # Dense is the baseline of both scopes.
+    assert _row(table, scheme="top-k", scope="global")[acc] == \
+        f"{expected_accuracy(make_config(scope='global')) * 100:.2f} (n=1)"
+    # Dense SGD has no scope: one row of its own; bytes and stability stand beside every number.
     dense = _row(table, scheme="dense SGD")
-    assert dense["layerwise"] == dense["global"] and dense["layerwise"].endswith("(n=2)")
-    assert list(table.display["scheme"]) == ["dense SGD", "top-k", "random-k", "block-random-k"]
+    assert dense["scope"] == "-" and dense[acc].endswith("(n=2)")
+    assert list(dict.fromkeys(table.display["scheme"])) == ["dense SGD", "top-k", "random-k", "block-random-k"]
+    assert {"bytes/step/worker", "wire bytes/step/worker", "blew up, recovered",
+            "gain over the last epoch (points)"} <= set(table.display.columns)
 
     md = table.to_markdown()
     assert "Missing (2 runs" in md
@@ -325,7 +338,7 @@ def test_run_that_did_not_train_is_listed_never_ranked(results):
     table = sa.rq1_scope_table(runs)
     # random-k global keeps only seed 1 in the numbers; the run is listed under the table.
     accs = expected_accuracy(make_config(scheme="randk", scope="global", seed=1)) * 100
-    assert _row(table, scheme="random-k")["global"] == f"{accs:.2f} (n=1)"
+    assert _row(table, scheme="random-k", scope="global")["test accuracy (%)"] == f"{accs:.2f} (n=1)"
     md = table.to_markdown()
     assert "did not train: scheme=randk, scope=global" in md and "a uniform guess" in md
     # a non-finite final loss counts too
@@ -351,9 +364,10 @@ def test_plateau_and_budget_tables(tmp_path):
     assert "dense SGD's" in plateau.to_markdown()
 
     budget = sa.budget_table(runs)
-    assert list(budget.display.columns) == ["scheme", "epochs=2", "epochs=4"]
+    assert list(budget.display.columns[:3]) == ["scheme", "epochs", "test accuracy (%)"]
     accs = [expected_accuracy(make_config(seed=s, scheme="none")) * 100 for s in (0, 1)]
-    assert _row(budget, scheme="dense SGD")["epochs=4"] == f"{sum(accs) / 2:.2f} ± {pd.Series(accs).std():.2f} (n=2)"
+    assert _row(budget, scheme="dense SGD", epochs="4")["test accuracy (%)"] == \
+        f"{sum(accs) / 2:.2f} ± {pd.Series(accs).std():.2f} (n=2)"
 
     # a run with one evaluation has no gain to show
     single = write_run(tmp_path / "single", make_config(**{"train.epochs": 1}))
@@ -394,23 +408,22 @@ def test_tables_do_not_mix_configurations(results):
     assert "ratio" in table.display.columns  # the varying axis becomes a row key
     assert len(table.display) == 6  # 3 schemes x 2 ratios
     rq2 = sa.rq2_scheme_table(runs)
-    row = _row(rq2, scheme="random-k")
     want = [expected_accuracy(make_config(scheme="randk", ratio=0.1, seed=s)) * 100 for s in (0, 1)]
-    assert row["ratio=0.1"].startswith(f"{sum(want) / 2:.2f} ± ")
+    assert _row(rq2, scheme="random-k", ratio="0.1")["test accuracy (%)"].startswith(f"{sum(want) / 2:.2f} ± ")
     # Job 0 (topk, ratio 0.01, seed 0) never finished: named, and out of the numbers. Its
     # summary still says running, but it started long ago and never beat: unfinished.
-    assert _row(rq2, scheme="top-k")["ratio=0.01"].endswith("(n=1)")
+    assert _row(rq2, scheme="top-k", ratio="0.01")["test accuracy (%)"].endswith("(n=1)")
     assert "unfinished: scheme=topk" in rq2.to_markdown()
     assert "no heartbeat since 2025-01-01T00:00:00 (start)" in rq2.to_markdown()
 
 
 def test_rq3_rq4_rq5_tables(results):
     rq3 = sa.rq3_aggregation_table(sa.load_runs(results / "rq3_aggregation"))
-    assert set(rq3.display.columns) == {"scheme", "workers", "aggregation=allgather", "aggregation=allreduce"}
-    assert len(rq3.display) == 4
-    row = _row(rq3, scheme="block-random-k", workers="4")
+    assert list(rq3.display.columns[:4]) == ["scheme", "workers", "aggregation", "test accuracy (%)"]
+    assert len(rq3.display) == 8
+    row = _row(rq3, scheme="block-random-k", workers="4", aggregation="allreduce")
     cfg = make_config(scheme="blockk", aggregation="allreduce", world_size=4)
-    assert row["aggregation=allreduce"].startswith(f"{(expected_accuracy(cfg) + 0.001) * 100:.2f}")
+    assert row["test accuracy (%)"].startswith(f"{(expected_accuracy(cfg) + 0.001) * 100:.2f}")
 
     rq4 = sa.rq4_workers_table(sa.load_runs(results / "rq4_workers"))
     assert len(rq4.display) == 9
@@ -493,8 +506,9 @@ def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):
 def test_report_per_study(results, tmp_path):
     out = tmp_path / "report"
     written = sa.write_report(results, out=out)
-    assert {p.parent.name for p in written} >= set(sa.STUDIES)
-    for study, (tables, figures) in sa.STUDIES.items():
+    studies = {s: v for s, v in sa.STUDIES.items() if (results / s).is_dir()}  # the fixture's sweeps
+    assert {p.parent.name for p in written} >= set(studies) and len(studies) == len(sa.STUDIES)
+    for study, (tables, figures) in studies.items():
         for name in tables:
             for ext in ("md", "csv", "tex"):
                 assert (out / study / f"{name}.{ext}").is_file(), (study, name, ext)
@@ -541,7 +555,7 @@ def test_cli_where_keeps_the_slice_and_dense(results, tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = pd.read_csv(out / "rq1_scope.csv")
     assert set(table["scheme"].dropna()) == {"dense", "topk"}
-    assert set(table["scope"].dropna()) == {"layerwise"}  # dense (no scope) is drawn in that column
+    assert set(table["scope"].dropna()) == {"layerwise", "-"}  # dense SGD has no scope: "-"
     bad = _cli(results / "rq1_scope", "--where", "colour=red", "--out", out)
     assert bad.returncode == 2 and "'colour' is not an axis" in bad.stderr
 
@@ -644,19 +658,89 @@ def test_experiment_presets_compose_and_every_grid_point_validates(name):
 # --- the paper's findings -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("a", "b", "expect", "outcome"), [
-    ((80.0, 1.0, 3), (77.0, 1.0, 3), ">", "agrees"),        # 79 > 78: the ranges do not overlap
-    ((80.0, 1.0, 3), (78.5, 1.0, 3), ">", "within noise"),  # 79 < 79.5: they do
-    ((77.0, 1.0, 3), (80.0, 1.0, 3), ">", "reversed"),
-    ((80.0, 1.0, 3), (78.5, 1.0, 3), "=", "agrees"),
-    ((80.0, 0.1, 3), (79.0, 0.1, 3), "=", "differs"),
-    ((80.0, 0.0, 1), (79.0, 2.0, 3), "=", "agrees"),        # one run is a point inside B's range
-    ((80.0, 1.0, 3), (math.nan, math.nan, 0), ">", "pending"),
+@pytest.mark.parametrize(("diff", "p_adjusted", "expect", "outcome"), [
+    (3.0, 0.01, ">", "agrees"),
+    (3.0, 0.20, ">", "within noise"),
+    (-3.0, 0.01, ">", "reversed"),
+    (0.5, 0.60, "=", "agrees"),   # no difference found
+    (1.0, 0.001, "=", "differs"),
 ])
-def test_judge_by_the_stated_rule(a, b, expect, outcome):
+def test_judge_by_the_adjusted_p_value(diff, p_adjusted, expect, outcome):
     from sparsetrain.analysis.findings import judge
+    from sparsetrain.analysis.stats import PAIRED, Difference
 
-    assert judge(a, b, expect) == outcome
+    d = Difference(diff, diff - 1, diff + 1, p_adjusted, PAIRED, 5, 5, 5)
+    assert judge(d, p_adjusted, expect) == outcome
+
+
+def test_judge_never_judges_a_side_of_one_run_and_waits_for_an_empty_one():
+    from sparsetrain.analysis.findings import judge
+    from sparsetrain.analysis.stats import compare
+
+    one = compare(pd.Series([80.0], index=[0]), pd.Series([70.0, 71.0, 72.0], index=[0, 1, 2]))
+    assert one.test == "not judged" and math.isnan(one.p) and one.diff == pytest.approx(9.0)
+    assert judge(one, math.nan, ">") == "not judged"
+    empty = compare(pd.Series([80.0, 81.0], index=[0, 1]), pd.Series([], dtype=float))
+    assert judge(empty, math.nan, ">") == "pending"
+
+
+def _draw(rng, n: int, shift: float, seed_effect: float = 1.0, noise: float = 0.5):
+    """Two sides over the same seeds: a shared per-seed effect (same weights, same data order),
+    independent noise, and a true difference ``shift``."""
+    seeds = np.arange(n)
+    common = rng.normal(80.0, seed_effect, n)
+    a = pd.Series(common + shift + rng.normal(0, noise, n), index=seeds)
+    b = pd.Series(common + rng.normal(0, noise, n), index=seeds)
+    return a, b
+
+
+def test_a_true_difference_is_found_and_its_interval_holds_it():
+    from sparsetrain.analysis.stats import compare
+
+    rng = np.random.default_rng(0)
+    a, b = _draw(rng, 5, shift=2.0)
+    d = compare(a, b)
+    assert d.test == "paired t" and d.n_pairs == 5
+    assert d.p < 0.05 and d.low < 2.0 < d.high and d.low > 0
+    assert d.diff == pytest.approx(a.mean() - b.mean())
+
+
+def test_without_a_difference_false_positives_stay_near_five_percent():
+    from sparsetrain.analysis.stats import compare
+
+    rng = np.random.default_rng(1)
+    draws = 2000
+    paired = sum(compare(*_draw(rng, 5, shift=0.0)).p < 0.05 for _ in range(draws)) / draws
+    assert 0.035 < paired < 0.065
+    welch = 0
+    for _ in range(draws):  # independent sides on other seeds, unequal spreads: unpaired
+        a = pd.Series(rng.normal(80.0, 1.0, 5), index=range(5))
+        b = pd.Series(rng.normal(80.0, 3.0, 4), index=range(10, 14))
+        welch += compare(a, b).p < 0.05
+    assert 0.03 < welch / draws < 0.065
+
+
+def test_paired_or_welch_is_chosen_from_the_seeds():
+    from sparsetrain.analysis.stats import compare
+
+    rng = np.random.default_rng(2)
+    a, b = _draw(rng, 5, shift=1.0, seed_effect=3.0, noise=0.3)
+    same = compare(a, b)
+    other = compare(a, b.set_axis([5, 6, 7, 8, 9]))
+    part = compare(a, b.iloc[:4])  # one seed short on one side: not the same seeds
+    assert (same.test, other.test, part.test) == ("paired t", "Welch t", "Welch t")
+    # the seed effect cancels in the pairs: the paired test sees the shift, Welch does not
+    assert same.p < 0.05 < other.p
+    assert same.high - same.low < other.high - other.low
+
+
+def test_holm_adjusts_like_the_textbook():
+    from sparsetrain.analysis.stats import holm
+
+    got = holm([0.01, 0.04, 0.03, 0.005])
+    assert got == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])  # capped at 1, kept monotone
+    assert math.isnan(holm([math.nan, 0.01])[0]) and holm([math.nan, 0.01])[1] == 0.01
 
 
 def test_findings_tables_judge_sides_of_completed_runs(results):
@@ -676,10 +760,13 @@ def test_findings_tables_judge_sides_of_completed_runs(results):
     runs = sa.load_runs(results / "rq1_scope")
     verdicts, comparisons = sa.findings_tables(runs, (finding,), base=base)
     rows = comparisons.display
-    assert list(rows["outcome"]) == ["agrees", "differs", "pending"]
-    # top-k global seed 1 failed: one run, and the failure counted beside it
+    # top-k global seed 1 failed: one run is shown, never judged; block-k is 2 points under top-k
+    # on every seed (paired, no spread): outside the noise, where the paper saw no difference
+    assert list(rows["outcome"]) == ["not judged", "differs", "pending"]
+    assert list(rows["test"]) == ["not judged", "paired t (n=2)", "not judged"]
     assert rows["B: test accuracy (%)"].iloc[0] == f"{expected_accuracy(make_config(scope='global')) * 100:.2f} (n=1) [1 failed]"
     assert rows["A − B (points)"].iloc[0] == "+3.10"  # A: seeds 0 and 1 (+0.1 on average), B: seed 0
+    assert rows["A − B (points)"].iloc[1] == "+2.00" and rows["p (Holm)"].iloc[1] == "<0.001"
     assert verdicts.display["verdict"].iloc[0] == "pending (2 of 3 comparisons measured)"
     assert verdict(["agrees", "agrees"]) == "reproduced"
     assert verdict(["reversed", "differs"]) == "not reproduced: every comparison goes the other way"

@@ -1,28 +1,39 @@
-"""The paper's findings as comparisons between configurations, each judged by one stated rule.
+"""The paper's findings as comparisons between configurations, each judged by one stated test.
 
-A comparison has two sides, each a set of runs chosen by axis values (the second pass's setting
-plus what the finding varies), and what the paper reports: side A above side B (``>``) or no
-visible difference (``=``). Each side is the mean ± std of its runs' final test accuracy over
-seeds; only completed runs count (a run that did not train, failed or is missing is counted
-beside the number, never in it).
+A comparison has two sides, each a set of runs chosen by axis values (a setting plus what the
+finding varies), and what the paper reports: side A above side B (``>``) or no visible difference
+(``=``). Each side is its runs' final test accuracy per seed; only completed runs that trained
+count (a run that did not train, failed or is missing is counted beside the number, never in it;
+a run that blew up early and recovered counts, and is counted beside it too).
 
-The rule: a difference is **outside the noise** when the ranges mean ± std of the two sides do not
-overlap (one run alone is a point). With 3 seeds a side this is about a two-sided t-test at
-p < 0.07: a coarse rule, stated so that every verdict can be checked by hand. A comparison then
-**agrees** with the paper, is **reversed** (``>`` expected, the other way round outside the
-noise), **differs** (``=`` expected, a difference outside the noise), is **within noise** (``>``
-expected, the ranges overlap) or is **pending** (a side has no completed run yet). A finding is
-reproduced when all its comparisons agree.
+The test (``analysis.stats``): the difference A - B in points with its 95 % interval and
+two-sided p-value, paired over seeds when both sides ran the same seeds, Welch's t-test otherwise;
+a side with one run is shown, never judged. The p-values of one finding's comparisons are
+adjusted together (Holm). A difference is **outside the noise** when its adjusted p < 0.05.
+A comparison then **agrees** with the paper, is **reversed** (``>`` expected, the other way
+round outside the noise), **differs** (``=`` expected, a difference outside the noise), is
+**within noise** (``>`` expected, not outside the noise), **not judged** (a side with one run)
+or **pending** (a side has no completed run yet). For ``=`` "agrees" means no difference was
+found: the interval says how large a difference could hide. A finding is reproduced when all its
+comparisons agree.
+
+Two settings (``Comparison.setting`` on top of ``SECOND_PASS``): the headline protocol
+(``HEADLINE``: 4 epochs, 5 seeds) for RQ1 and RQ2 at 1 %; the second pass's 2 epochs, 3 seeds
+for the rest. ``SECOND_PASS_FINDINGS`` judges the second pass's own comparisons (all at 2
+epochs) with the same test, so that what changed between the passes can be read side by side.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pandas as pd
 
+from sparsetrain.results import BLEW_UP_RECOVERED
+
 from .loader import completed, select
+from .stats import SHOWN, Difference, compare, holm, outside_noise, per_seed
 from .tables import SCHEME_NAMES, Table
 
 # The second pass's setting (experiment=cpu_scale): every side starts from it. Dense SGD rows
@@ -30,6 +41,11 @@ from .tables import SCHEME_NAMES, Table
 SECOND_PASS = {"model": "resnet20", "data": "fashion_mnist", "train_size": "all", "epochs_planned": 2,
                "batch_size": 64, "lr": 0.05, "exchange": "trainer", "uncompressed": "1d",
                "warmup_steps": 0, "error_feedback": True, "bn_recalibrate": 0}
+# The headline protocol (experiment=headline*): the same, at 4 epochs (near the plateau), 5 seeds.
+HEADLINE = {"epochs_planned": 4}
+# Block-k's ratio whose bytes per step match top-k's (and random-k's) at 1 % with AllGather
+# (experiment=headline_bytes).
+BLOCKK_AT_TOPK_BYTES = 0.01992
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,7 @@ class Comparison:
     a: dict
     b: dict
     expect: str  # ">": A above B; "=": no visible difference
+    setting: dict = field(default_factory=dict)  # on top of the base setting (e.g. HEADLINE)
 
 
 @dataclass(frozen=True)
@@ -51,50 +68,90 @@ def _sparse(scheme, **axes) -> dict:
     return {"scheme": scheme, **axes}
 
 
-def _scheme_pair(label_axes: str, scheme_a: str, scheme_b: str, expect: str, **axes) -> Comparison:
-    return Comparison(f"{SCHEME_NAMES[scheme_a]} vs {SCHEME_NAMES[scheme_b]}, {label_axes}",
-                      _sparse(scheme_a, **axes), _sparse(scheme_b, **axes), expect)
-
-
 SPARSE = ("topk", "randk", "blockk")
-RATIOS = (0.01, 0.1, 0.001)
+TWO_WORKERS = {"world_size": 2, "aggregation": "allgather"}
 
-FINDINGS: tuple[Finding, ...] = (
-    Finding("rq1_scope", "Layer-wise beats global scope in test accuracy for every scheme.", tuple(
-        Comparison(f"{SCHEME_NAMES[s]}: layer-wise vs global, 1%, 2 workers",
-                   _sparse(s, scope="layerwise", ratio=0.01, world_size=2, aggregation="allgather"),
-                   _sparse(s, scope="global", ratio=0.01, world_size=2, aggregation="allgather"), ">")
-        for s in SPARSE)),
-    Finding("rq2_order", "Accuracy order: top-k > block-random-k > random-k.", tuple(
-        _scheme_pair(f"layer-wise, {r * 100:g}%, 2 workers", a, b, ">", scope="layerwise", ratio=r,
-                     world_size=2, aggregation="allgather")
-        for r in RATIOS for a, b in (("topk", "blockk"), ("blockk", "randk")))),
-    Finding("rq2_random", "Random-k is about as good as block-random-k layer-wise, but loses clearly "
-            "more accuracy with global scope.", (
-        _scheme_pair("layer-wise, 1%, 2 workers", "randk", "blockk", "=", scope="layerwise", ratio=0.01,
-                     world_size=2, aggregation="allgather"),
-        _scheme_pair("global, 1%, 2 workers", "blockk", "randk", ">", scope="global", ratio=0.01,
-                     world_size=2, aggregation="allgather"),
-    )),
-    Finding("rq3_aggregation", "AllReduce vs AllGather: no visible accuracy difference for random-k; "
-            "block-random-k with AllReduce loses accuracy as workers increase.", tuple(
-        Comparison(f"{SCHEME_NAMES[s]}: AllGather vs AllReduce, layer-wise, 1%, {w} workers",
+
+def _pair(a: str, b: str, where: str, expect: str, setting: dict | None = None, ratio_a: float = 0.01,
+          ratio_b: float = 0.01, **axes) -> Comparison:
+    return Comparison(f"{SCHEME_NAMES[a]} vs {SCHEME_NAMES[b]}, {where}",
+                      _sparse(a, ratio=ratio_a, **axes), _sparse(b, ratio=ratio_b, **axes), expect,
+                      setting or {})
+
+
+def _scope(s: str, where: str, setting: dict) -> Comparison:
+    return Comparison(f"{SCHEME_NAMES[s]}: layer-wise vs global, {where}",
+                      _sparse(s, scope="layerwise", ratio=0.01, **TWO_WORKERS),
+                      _sparse(s, scope="global", ratio=0.01, **TWO_WORKERS), ">", setting)
+
+
+def _rq3() -> Finding:
+    return Finding("rq3_aggregation", "AllReduce vs AllGather: no visible accuracy difference for "
+                   "random-k; block-random-k with AllReduce loses accuracy as workers increase.", tuple(
+        Comparison(f"{SCHEME_NAMES[s]}: AllGather vs AllReduce, layer-wise, 1%, {w} workers, 2 epochs",
                    _sparse(s, aggregation="allgather", scope="layerwise", ratio=0.01, world_size=w),
                    _sparse(s, aggregation="allreduce", scope="layerwise", ratio=0.01, world_size=w),
                    "=" if s == "randk" else ">")
-        for s in ("randk", "blockk") for w in (2, 4))),
-    Finding("rq4_workers", "More workers: test accuracy drops in all settings, more with global scope.", (
-        *(Comparison(f"dense SGD: {w} vs {2 * w} workers", {"scheme": "dense", "world_size": w},
+        for s in ("randk", "blockk") for w in (2, 4)))
+
+
+def _rq4() -> Finding:
+    return Finding("rq4_workers", "More workers: test accuracy drops in all settings, more with "
+                   "global scope.", (
+        *(Comparison(f"dense SGD: {w} vs {2 * w} workers, 2 epochs", {"scheme": "dense", "world_size": w},
                      {"scheme": "dense", "world_size": 2 * w}, ">") for w in (2, 4)),
-        *(Comparison(f"{SCHEME_NAMES[s]}: {w} vs {2 * w} workers, layer-wise, 1%",
+        *(Comparison(f"{SCHEME_NAMES[s]}: {w} vs {2 * w} workers, layer-wise, 1%, 2 epochs",
                      _sparse(s, scope="layerwise", ratio=0.01, world_size=w, aggregation="allgather"),
                      _sparse(s, scope="layerwise", ratio=0.01, world_size=2 * w, aggregation="allgather"), ">")
           for s in SPARSE for w in (2, 4)),
-        *(Comparison(f"{SCHEME_NAMES[s]}: 2 vs 4 workers, global, 1%",
+        *(Comparison(f"{SCHEME_NAMES[s]}: 2 vs 4 workers, global, 1%, 2 epochs",
                      _sparse(s, scope="global", ratio=0.01, world_size=2, aggregation="allgather"),
                      _sparse(s, scope="global", ratio=0.01, world_size=4, aggregation="allgather"), ">")
           for s in SPARSE),
+    ))
+
+
+RQ1_CLAIM = "Layer-wise beats global scope in test accuracy for every scheme."
+RQ2_ORDER_CLAIM = "Accuracy order: top-k > block-random-k > random-k."
+RQ2_RANDOM_CLAIM = ("Random-k is about as good as block-random-k layer-wise, but loses clearly more "
+                    "accuracy with global scope.")
+LAYERWISE = {"scope": "layerwise", **TWO_WORKERS}
+GLOBAL = {"scope": "global", **TWO_WORKERS}
+
+# The findings as judged now: RQ1 and RQ2 at 1 % from the headline protocol (4 epochs, 5 seeds),
+# RQ2 also at equal bytes; the rest at the second pass's 2 epochs.
+FINDINGS: tuple[Finding, ...] = (
+    Finding("rq1_scope", RQ1_CLAIM, tuple(_scope(s, "1%, 2 workers, 4 epochs", HEADLINE) for s in SPARSE)),
+    Finding("rq2_order", RQ2_ORDER_CLAIM, (
+        _pair("topk", "blockk", "layer-wise, 1%, 2 workers, 4 epochs", ">", HEADLINE, **LAYERWISE),
+        _pair("blockk", "randk", "layer-wise, 1%, 2 workers, 4 epochs", ">", HEADLINE, **LAYERWISE),
+        _pair("topk", "blockk", f"equal bytes (block-k at {BLOCKK_AT_TOPK_BYTES:g}), layer-wise, 2 workers, "
+              "4 epochs", ">", HEADLINE, ratio_b=BLOCKK_AT_TOPK_BYTES, **LAYERWISE),
+        _pair("blockk", "randk", f"equal bytes (block-k at {BLOCKK_AT_TOPK_BYTES:g}), layer-wise, 2 workers, "
+              "4 epochs", ">", HEADLINE, ratio_a=BLOCKK_AT_TOPK_BYTES, **LAYERWISE),
+        *(_pair(a, b, f"layer-wise, {r * 100:g}%, 2 workers, 2 epochs", ">", ratio_a=r, ratio_b=r, **LAYERWISE)
+          for r in (0.1, 0.001) for a, b in (("topk", "blockk"), ("blockk", "randk"))),
     )),
+    Finding("rq2_random", RQ2_RANDOM_CLAIM, (
+        _pair("randk", "blockk", "layer-wise, 1%, 2 workers, 4 epochs", "=", HEADLINE, **LAYERWISE),
+        _pair("blockk", "randk", "global, 1%, 2 workers, 4 epochs", ">", HEADLINE, **GLOBAL),
+    )),
+    _rq3(),
+    _rq4(),
+)
+
+# The second pass's comparisons (every one at 2 epochs, 3 seeds), judged by the same test.
+SECOND_PASS_FINDINGS: tuple[Finding, ...] = (
+    Finding("rq1_scope", RQ1_CLAIM, tuple(_scope(s, "1%, 2 workers, 2 epochs", {}) for s in SPARSE)),
+    Finding("rq2_order", RQ2_ORDER_CLAIM, tuple(
+        _pair(a, b, f"layer-wise, {r * 100:g}%, 2 workers, 2 epochs", ">", ratio_a=r, ratio_b=r, **LAYERWISE)
+        for r in (0.01, 0.1, 0.001) for a, b in (("topk", "blockk"), ("blockk", "randk")))),
+    Finding("rq2_random", RQ2_RANDOM_CLAIM, (
+        _pair("randk", "blockk", "layer-wise, 1%, 2 workers, 2 epochs", "=", **LAYERWISE),
+        _pair("blockk", "randk", "global, 1%, 2 workers, 2 epochs", ">", **GLOBAL),
+    )),
+    _rq3(),
+    _rq4(),
 )
 
 
@@ -103,33 +160,36 @@ def _side(runs: pd.DataFrame, axes: dict, base: dict) -> pd.DataFrame:
     return select(runs, {axis: [value] for axis, value in {**base, **axes}.items()})
 
 
-def _stats(side: pd.DataFrame) -> tuple[float, float, int]:
-    per_seed = completed(side).groupby("seed")["test_accuracy"].mean() * 100
-    n = len(per_seed)
-    if n == 0:
-        return math.nan, math.nan, 0
-    return float(per_seed.mean()), float(per_seed.std(ddof=1)) if n > 1 else 0.0, n
+def side_accuracy(side: pd.DataFrame) -> pd.Series:
+    """Final test accuracy (%) per seed of a side's completed runs."""
+    done = completed(side)
+    return per_seed(done["test_accuracy"] * 100, done["seed"])
 
 
-def _show(mean: float, std: float, n: int, side: pd.DataFrame) -> str:
-    text = "—" if n == 0 else f"{mean:.2f}" + (f" ± {std:.2f}" if n > 1 else "") + f" (n={n})"
-    left_out = side["status"].value_counts().drop("completed", errors="ignore")
-    if len(left_out):
-        text += " [" + ", ".join(f"{count} {status}" for status, count in left_out.items()) + "]"
-    return text
+def _show(values: pd.Series, side: pd.DataFrame) -> str:
+    n = len(values)
+    text = "—" if n == 0 else f"{values.mean():.2f}" + (f" ± {values.std(ddof=1):.2f}" if n > 1 else "") + f" (n={n})"
+    counts = side["status"].value_counts().drop("completed", errors="ignore")
+    notes = [f"{count} {status}" for status, count in counts.items()]
+    if "stability" in side:
+        blew = int((completed(side)["stability"] == BLEW_UP_RECOVERED).sum())
+        if blew:
+            notes.append(f"{blew} {BLEW_UP_RECOVERED}")
+    return text + (" [" + ", ".join(notes) + "]" if notes else "")
 
 
-def judge(a: tuple[float, float, int], b: tuple[float, float, int], expect: str) -> str:
-    """The outcome of one comparison from each side's (mean, std, n), by the module's rule."""
-    (ma, sa, na), (mb, sb, nb) = a, b
-    if na == 0 or nb == 0:
+def judge(d: Difference, p_adjusted: float, expect: str) -> str:
+    """The outcome of one comparison from its difference and its Holm-adjusted p-value."""
+    if d.n_a == 0 or d.n_b == 0:
         return "pending"
-    apart = ma - sa > mb + sb or mb - sb > ma + sa
+    if d.test == SHOWN:
+        return "not judged"
+    apart = outside_noise(p_adjusted)
     if expect == "=":
         return "differs" if apart else "agrees"
     if not apart:
         return "within noise"
-    return "agrees" if ma > mb else "reversed"
+    return "agrees" if d.diff > 0 else "reversed"
 
 
 def verdict(outcomes: list[str]) -> str:
@@ -145,33 +205,59 @@ def verdict(outcomes: list[str]) -> str:
     return "partly: " + ", ".join(f"{count} {outcome}" for outcome, count in counts.items())
 
 
+def _num(value: float, digits: int = 2, signed: bool = False) -> str:
+    if math.isnan(value):
+        return "—"
+    return f"{value:+.{digits}f}" if signed else f"{value:.{digits}f}"
+
+
+def _p(value: float) -> str:
+    if math.isnan(value):
+        return "—"
+    return "<0.001" if value < 0.001 else f"{value:.3f}"
+
+
+RULE = ("A − B in points with its 95% interval; test: paired t on per-seed differences where both "
+        "sides ran the same seeds, Welch's t otherwise (scipy.stats); p two-sided, Holm-adjusted "
+        "over the finding's comparisons; outside the noise: adjusted p < 0.05; a side with one run "
+        "is shown, not judged. Setting: ResNet-20, all 60,000 Fashion-MNIST images, 64 images per "
+        "worker, 1-D tensors whole, no warm-up, at the epochs each comparison names; runs that did "
+        "not complete or did not train are counted in brackets, never in the numbers; runs that "
+        "blew up early and recovered count, and are counted in brackets too.")
+
+
 def findings_tables(runs: pd.DataFrame, findings: tuple[Finding, ...] = FINDINGS,
-                    base: dict | None = None) -> tuple[Table, Table]:
+                    base: dict | None = None, name: str = "") -> tuple[Table, Table]:
     """``(verdicts, comparisons)``: one row per finding, and one row per comparison; every side
-    starts from ``base`` (default: the second pass's setting)."""
+    starts from ``base`` (default: the second pass's setting) with the comparison's ``setting``
+    on top. ``name`` prefixes the tables' file names (``second_pass_``)."""
     base = SECOND_PASS if base is None else base
     rows, verdict_rows = [], []
     for finding in findings:
-        outcomes = []
+        measured = []
         for comparison in finding.comparisons:
-            side_a, side_b = _side(runs, comparison.a, base), _side(runs, comparison.b, base)
-            stats_a, stats_b = _stats(side_a), _stats(side_b)
-            outcome = judge(stats_a, stats_b, comparison.expect)
+            setting = {**base, **comparison.setting}
+            side_a, side_b = _side(runs, comparison.a, setting), _side(runs, comparison.b, setting)
+            acc_a, acc_b = side_accuracy(side_a), side_accuracy(side_b)
+            measured.append((comparison, side_a, side_b, acc_a, acc_b, compare(acc_a, acc_b)))
+        adjusted = holm([d.p for *_, d in measured])
+        outcomes = []
+        for (comparison, side_a, side_b, acc_a, acc_b, d), p_adj in zip(measured, adjusted, strict=True):
+            outcome = judge(d, p_adj, comparison.expect)
             outcomes.append(outcome)
-            difference = stats_a[0] - stats_b[0]
             rows.append({
                 "finding": finding.key, "comparison (A vs B)": comparison.label,
                 "paper": "A > B" if comparison.expect == ">" else "A = B",
-                "A: test accuracy (%)": _show(*stats_a, side_a), "B: test accuracy (%)": _show(*stats_b, side_b),
-                "A − B (points)": "—" if math.isnan(difference) else f"{difference:+.2f}",
-                "outcome": outcome,
+                "A: test accuracy (%)": _show(acc_a, side_a), "B: test accuracy (%)": _show(acc_b, side_b),
+                "A − B (points)": _num(d.diff, signed=True),
+                "95% interval": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
+                "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""),
+                "p": _p(d.p), "p (Holm)": _p(p_adj), "outcome": outcome,
             })
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim, "verdict": verdict(outcomes)})
-    rule = ("Outside the noise: the ranges mean ± std over seeds of A and B do not overlap (one run "
-            "is a point). Second-pass setting: ResNet-20, all 60,000 Fashion-MNIST images, 2 epochs, "
-            "64 images per worker, 1-D tensors whole, no warm-up; runs that did not complete or "
-            "did not train are counted in brackets, never in the numbers.")
     comparisons = pd.DataFrame(rows)
     verdicts = pd.DataFrame(verdict_rows)
-    return (Table("verdicts", "The paper's findings: verdicts", verdicts, verdicts, notes=[rule]),
-            Table("findings", "The paper's findings: every comparison", comparisons, comparisons, notes=[rule]))
+    when = "second pass (2 epochs), " if name else ""
+    return (Table(f"{name}verdicts", f"The paper's findings, {when}verdicts", verdicts, verdicts, notes=[RULE]),
+            Table(f"{name}findings", f"The paper's findings, {when}every comparison", comparisons, comparisons,
+                  notes=[RULE]))

@@ -21,11 +21,16 @@ import pandas as pd
 import yaml
 
 from sparsetrain.costmodel import wire_bytes  # no torch
+from sparsetrain.provenance import UNKNOWN, describe  # stdlib only, no torch
 from sparsetrain.results import (  # stdlib only, no torch
+    BLEW_UP_RECOVERED,  # noqa: F401  (re-exported for the tables)
     DID_NOT_TRAIN,
     HEARTBEAT_STALE_S,
     PHASES,
+    STABILITY_FROM_STEP,
     TORCH_HOOK_SCHEMES,
+    peak_loss_of,
+    stability_of,
     unfinished_reason,
     untrained_reason,
 )
@@ -219,6 +224,10 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
     )
     row["bytes_mean_per_step"] = row["bytes_sent_total"] / row["steps"] if row["steps"] else math.nan
+    peak = (summary.get("train_loss_peak") or {}).get(f"after_step_{STABILITY_FROM_STEP}") or {}
+    row.update(loss_peak=_num(peak_loss_of(summary)), loss_peak_step=_num(peak.get("step")),
+               loss_peak_source="summary" if "train_loss_peak" in summary else None)
+    row.update(_code_fields(summary))
     reason = untrained_reason(summary)
     if reason:  # finished, but no better than a uniform guess: not a result to rank
         row.update(status=DID_NOT_TRAIN, error=reason)
@@ -235,6 +244,27 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
             value = 0.0
         row[f"time_{phase}_ms"] = value
     return row
+
+
+def _code_fields(summary: dict) -> dict:
+    """``code``: the version a run ran (``sparsetrain.provenance.describe``; ``unrecorded`` for
+    runs written before summaries recorded it); ``code_commits``: every version a resumed run
+    ran on, joined with ``;`` (more than one: it was resumed on other code)."""
+    if "code" not in summary:
+        return {"code": "unrecorded", "code_commits": "unrecorded"}
+    versions = summary.get("code_commits") or [describe(summary["code"], full=True)]
+    short = [v if v == UNKNOWN else v[:12] + (v[40:] if len(v) > 40 else "") for v in versions]
+    return {"code": describe(summary["code"]), "code_commits": ";".join(short)}
+
+
+def _stability(row: dict) -> str | None:
+    """A finished run's stability (``sparsetrain.results.stability_of``), else None."""
+    if row["status"] not in ("completed", DID_NOT_TRAIN):
+        return None
+    if row["status"] == DID_NOT_TRAIN:
+        return DID_NOT_TRAIN
+    peak = None if math.isnan(row["loss_peak"]) else row["loss_peak"]
+    return stability_of(row["train_loss"], row["test_accuracy"], peak)
 
 
 def collective_of(row: dict) -> str | None:
@@ -283,7 +313,8 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     if not (summary and summary.get("config")) and (run / ".hydra" / "config.yaml").is_file():
         config = _read_yaml(run / ".hydra" / "config.yaml")
     row = row_from_summary(summary, config)
-    row.update(_last_epoch_gain(run / "metrics.jsonl"))
+    row.update(_from_metrics(run / "metrics.jsonl", logged_peak=row.get("loss_peak_source") is None))
+    row["stability"] = _stability(row)
     silent = unfinished_reason(run, summary, stale_after_s)
     if silent:  # says running, but rank 0 stopped beating long ago: it died without a word
         row.update(status="unfinished", error=silent)
@@ -298,16 +329,32 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     return row
 
 
-def _last_epoch_gain(path: Path) -> dict:
-    """``test_accuracy_gain_last_epoch``: test accuracy at the last evaluation minus the one before
+def _from_metrics(path: Path, logged_peak: bool = False) -> dict:
+    """What ``metrics.jsonl`` adds to a run's row, in one read.
+
+    ``test_accuracy_gain_last_epoch``: test accuracy at the last evaluation minus the one before
     (NaN with fewer than two). How fast a run was still climbing when it stopped; under a step
-    schedule it includes what the last lr decays bought, so read it against dense SGD's."""
-    accuracies = []
+    schedule it includes what the last lr decays bought, so read it against dense SGD's.
+
+    ``logged_peak``: for runs whose summary predates the per-step record, the largest train loss
+    among the *logged* steps from ``STABILITY_FROM_STEP`` on (``loss_peak_source``: ``logged
+    steps``; every ``train.log_every``-th step only, so a short spike between them can be missed).
+    """
+    accuracies, peak = [], (math.nan, math.nan)
     if path.is_file():
-        accuracies = [_num(r.get("test_accuracy")) for r in _read_metrics(path, warn=False)
-                      if r.get("kind") == "epoch"]
+        for r in _read_metrics(path, warn=False):
+            if r.get("kind") == "epoch":
+                accuracies.append(_num(r.get("test_accuracy")))
+            elif logged_peak and r.get("kind") == "step" and _num(r.get("step")) >= STABILITY_FROM_STEP:
+                loss = _num(r.get("train_loss"))
+                if not math.isnan(loss) and not loss <= peak[0]:
+                    peak = (loss, _num(r.get("step")))
     gain = accuracies[-1] - accuracies[-2] if len(accuracies) >= 2 else math.nan
-    return {"test_accuracy_gain_last_epoch": gain}
+    out = {"test_accuracy_gain_last_epoch": gain}
+    if logged_peak:
+        out.update(loss_peak=peak[0], loss_peak_step=peak[1],
+                   loss_peak_source="logged steps" if not math.isnan(peak[0]) else None)
+    return out
 
 
 # --- the grid a sweep promised --------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from .figures import PLOTS, save_figure
-from .findings import findings_tables
+from .findings import SECOND_PASS_FINDINGS, findings_tables
 from .loader import curves_of, load_runs, select
 from .tables import TABLES, Table, status_table, write_table
 
@@ -23,9 +23,13 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "stability": (("stability",), ("accuracy_vs_epoch",)),
     "ablation": (("ablation",), ("accuracy_vs_epoch",)),
     "ddp_hooks": (("ddp_hooks",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
+    # The headline protocol: RQ1 and RQ2 at 1%, 4 epochs, 5 seeds (and block-k at top-k's bytes).
+    "headline": (("rq1_scope", "rq2_scheme", "plateau"), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
+    "ddp_fair": (("ddp_hooks",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
 }
 # Presets that add points to another study's tables.
-STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "rq4_steps": "rq4_workers"}
+STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "rq4_steps": "rq4_workers",
+                   "headline_dense": "headline", "headline_bytes": "headline"}
 # What each study's tables and figures are made of: the folders under a results tree that hold its
 # points (a study reuses other sweeps' runs: dense SGD from ``baseline``, 2 ranks from
 # ``rq1_scope``, ...) and the runs kept from them (``select``). `make figures`, ``--studies`` and
@@ -41,6 +45,8 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
     "rq5_speed": (("rq5_speed",), {}),
     "ddp_hooks": (("baseline", "ddp_hooks", "ddp_hooks_trainer"), {}),
     "budget": (("baseline", "rq1_scope", "budget"), {"scope": ["layerwise"]}),
+    "headline": (("headline_dense", "headline", "headline_bytes"), {}),
+    "ddp_fair": (("headline_dense", "ddp_fair"), {}),
 }
 ALL = (tuple(TABLES), tuple(PLOTS))
 
@@ -107,10 +113,12 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
         raise LookupError(f"no study folder under {results} (expected one of: {', '.join(SOURCES)})")
     everything = load_runs(results)  # every sweep of the tree, studies or not
     status = status_table(everything)
-    # The paper's findings, each judged from the runs of the second pass's setting.
+    # The paper's findings, each judged from the runs of its setting (the headline protocol for
+    # RQ1 and RQ2 at 1%, the second pass's for the rest), and the second pass's own comparisons
+    # judged by the same test, to read what changed.
     shutil.rmtree(out / "findings", ignore_errors=True)
     verdicts, comparisons = findings_tables(everything)
-    for table in (verdicts, comparisons):
+    for table in (verdicts, comparisons, *findings_tables(everything, SECOND_PASS_FINDINGS, name="second_pass_")):
         written += write_table(table, out / "findings").values()
     written += write_table(status, out).values()
     if echo:

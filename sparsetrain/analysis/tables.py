@@ -16,6 +16,7 @@ import pandas as pd
 
 from .loader import (
     AXES,
+    BLEW_UP_RECOVERED,
     DENSE,
     DENSE_IRRELEVANT,
     DID_NOT_TRAIN,
@@ -48,7 +49,13 @@ LABELS = {
     "epochs_planned": "epochs",
     "train_size": "training images",
     "bn_recalibrate": "BN recalibration batches",
+    "wire_bytes_per_step": "wire bytes/step/worker",
+    "blew_up": "blew up, recovered",
 }
+# Beside every accuracy: how far from a plateau, what it cost on the wire, and how many of its
+# runs blew up early and recovered (``sparsetrain.results.stability_of``).
+ACCURACY_EXTRAS = ["test_accuracy_gain_last_epoch", "bytes_sent_per_step", "wire_bytes_per_step", "blew_up"]
+BYTES = ("bytes_sent_per_step", "dense_bytes_per_step", "wire_bytes_per_step")
 SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "fp16": 5}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
                 "powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)"}
@@ -282,8 +289,10 @@ def fmt(mean: float, std: float, n: int, metric: str) -> str:
         return "n/a"
     scale = 100.0 if metric in PERCENT else 1.0
     digits = 2 if metric in PERCENT or metric.startswith("time_") or metric == "speedup" else 3
-    if metric in ("bytes_sent_per_step", "dense_bytes_per_step"):
-        return f"{_human_bytes(mean)} (n={n})"
+    if metric in BYTES:  # the same for every seed of a configuration: no spread to show
+        return f"{mean:,.0f} B"
+    if metric == "blew_up":  # the share of seeds, as a count
+        return f"{round(mean * n)}/{n}"
     text = f"{mean * scale:.{digits}f}"
     if n > 1 and not math.isnan(std):
         text += f" ± {std * scale:.{digits}f}"
@@ -324,7 +333,10 @@ def pivot_table(
     notes = _constant_note(done, [*by_rows, *([column] if column else [])])
     if done.empty:
         return Table(name, title, pd.DataFrame(), pd.DataFrame(), missing.reset_index(drop=True), notes)
-    expanded = expand_dense(done, [*by_rows, *([column] if column else [])])
+    # Dense SGD ignores scope, aggregation, ...: one row of its own ("-"), or copied into each
+    # column of such an axis so that every column has its baseline.
+    expanded = expand_dense(with_blew_up(done), [column] if column else [])
+    metrics = [m for m in metrics if m in expanded]
     data = summarize(expanded, [*by_rows, *([column] if column else [])], metrics)
     display_rows = []
     row_keys = data[by_rows].drop_duplicates()
@@ -340,9 +352,19 @@ def pivot_table(
         else:
             entry[LABELS.get(metric, metric)] = _cell(data[mask], metric)
         for extra in extra_metrics or []:
-            entry[LABELS.get(extra, extra)] = _cell(data[mask].head(1), extra)
+            if extra in metrics:
+                entry[LABELS.get(extra, extra)] = _cell(data[mask].head(1), extra)
         display_rows.append(entry)
     return Table(name, title, pd.DataFrame(display_rows), data, missing.reset_index(drop=True), notes)
+
+
+def with_blew_up(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with ``blew_up``: 1 for a run that blew up early and recovered, 0 for one that
+    trained throughout (NaN where unknown), so that tables can count them."""
+    if "stability" not in runs:
+        return runs
+    flag = runs["stability"].map({BLEW_UP_RECOVERED: 1.0}).where(runs["stability"].notna())
+    return runs.assign(blew_up=flag.fillna(0.0).where(runs["stability"].notna()))
 
 
 def _cell(frame: pd.DataFrame, metric: str) -> str:
@@ -371,26 +393,28 @@ def _constant_note(runs: pd.DataFrame, shown: list[str]) -> list[str]:
 
 
 def rq1_scope_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
-    """RQ1: test accuracy per scheme (rows) and scope (columns)."""
+    """RQ1: test accuracy per scheme and scope (rows), with bytes and stability beside it."""
     return pivot_table(
         "rq1_scope", "RQ1: test accuracy, layer-wise vs global scope", runs,
-        ["scheme"], "scope", "test_accuracy", include_failed,
+        ["scheme", "scope"], None, "test_accuracy", include_failed, extra_metrics=ACCURACY_EXTRAS,
     )
 
 
 def rq2_scheme_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
-    """RQ2: test accuracy per scheme (rows) at each ratio (columns)."""
+    """RQ2: test accuracy per scheme and ratio (rows): equal ratios are equal entries, not equal
+    bytes, so the bytes stand beside each number."""
     return pivot_table(
         "rq2_scheme", "RQ2: test accuracy per scheme and ratio", runs,
-        ["scheme"], "ratio", "test_accuracy", include_failed,
+        ["scheme", "ratio"], None, "test_accuracy", include_failed, extra_metrics=ACCURACY_EXTRAS,
     )
 
 
 def rq3_aggregation_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
-    """RQ3: test accuracy per scheme and worker count (rows), AllReduce vs AllGather (columns)."""
+    """RQ3: test accuracy per scheme, worker count and aggregation (rows)."""
     return pivot_table(
         "rq3_aggregation", "RQ3: test accuracy, AllReduce vs AllGather", runs,
-        ["scheme", "world_size"], "aggregation", "test_accuracy", include_failed,
+        ["scheme", "world_size", "aggregation"], None, "test_accuracy", include_failed,
+        extra_metrics=ACCURACY_EXTRAS,
     )
 
 
@@ -399,7 +423,7 @@ def rq4_workers_table(runs: pd.DataFrame, include_failed: bool = False) -> Table
     return pivot_table(
         "rq4_workers", "RQ4: test accuracy and time per step vs workers", runs,
         ["scheme", "world_size"], None, "test_accuracy", include_failed,
-        extra_metrics=["time_step_ms", "bytes_sent_per_step"],
+        extra_metrics=["time_step_ms", *ACCURACY_EXTRAS],
     )
 
 
@@ -409,7 +433,7 @@ def ddp_hooks_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     return pivot_table(
         "ddp_hooks", "DDP hooks: test accuracy, train loss, bytes and time per step", runs,
         ["scheme"], None, "test_accuracy", include_failed,
-        extra_metrics=["train_loss", "bytes_sent_per_step", "time_step_ms"],
+        extra_metrics=["train_loss", "time_step_ms", *ACCURACY_EXTRAS],
     )
 
 
@@ -429,11 +453,11 @@ def plateau_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
 
 
 def budget_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
-    """Test accuracy per scheme (rows) after each training budget (columns: epochs), the lr
-    schedule stretched with it: how much a longer run would change each scheme's number."""
+    """Test accuracy per scheme after each training budget (rows: epochs), the lr schedule
+    stretched with it: how much a longer run would change each scheme's number."""
     return pivot_table(
         "budget", "Budget: test accuracy after each number of epochs", runs,
-        ["scheme"], "epochs_planned", "test_accuracy", include_failed,
+        ["scheme", "epochs_planned"], None, "test_accuracy", include_failed, extra_metrics=ACCURACY_EXTRAS,
     )
 
 
@@ -526,12 +550,36 @@ def ablation_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
 
 
 def status_table(runs: pd.DataFrame) -> Table:
-    """How many runs of each experiment ended in each status."""
+    """How many runs of each experiment ended in each status, completed runs split into
+    ``trained throughout`` and ``blew up, recovered``; and which code they ran: ``code`` lists
+    the versions (a study should run on one), ``resumed on other code`` counts runs whose
+    ``code_commits`` name more than one."""
     if runs.empty:
         return Table("status", "Runs by status", pd.DataFrame(), pd.DataFrame())
-    counts = runs.fillna({"experiment": "-"}).groupby(["experiment", "status"]).size()
+    runs = runs.fillna({"experiment": "-"})
+    detail = runs["status"]
+    if "stability" in runs:
+        detail = runs["stability"].where(runs["status"] == "completed", runs["status"]).fillna(runs["status"])
+    counts = runs.assign(status=detail).groupby(["experiment", "status"]).size()
     data = counts.unstack(fill_value=0).reset_index()
-    return Table("status", "Runs by status", data, data, not_completed(runs).reset_index(drop=True))
+    data.columns.name = None
+    notes = ["A completed run blew up and recovered when its batch loss rose above ln 10 (a uniform "
+             "guess) from step 20 on; runs written before the per-step record are read from their "
+             "logged steps (every 20th). A run whose final train loss is not below ln 10, or whose "
+             "final test accuracy is below 20%, did not train."]
+    if "code" in runs:
+        versions = runs[runs["status"] != "absent"].groupby("experiment")["code"].agg(
+            lambda codes: ", ".join(sorted(set(codes))))
+        data["code"] = data["experiment"].map(versions).fillna("-")
+        spans = data["code"].str.contains(",")
+        data["code"] = data["code"].where(~spans, "SPANS COMMITS: " + data["code"])
+        if "code_commits" in runs:
+            moved = runs["code_commits"].fillna("").str.contains(";")
+            data["resumed on other code"] = data["experiment"].map(
+                runs[moved].groupby("experiment").size()).fillna(0).astype(int)
+        notes.append("code: the commit each run ran (+dirty: uncommitted changes; unrecorded: run "
+                     "before summaries recorded it); a study whose runs span commits is marked.")
+    return Table("status", "Runs by status", data, data, not_completed(runs).reset_index(drop=True), notes)
 
 
 TABLES = {
