@@ -17,7 +17,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 STUDIES=("$@")
-[ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope ablation rq2_scheme rq3_aggregation rq4_global rq2_low budget rq4_workers rq4_steps)
+# the second pass, then the third (the headline protocol, its equal-bytes points, the fair DDP
+# comparison) and RQ5's one-machine phases on current code
+[ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope ablation rq2_scheme rq3_aggregation rq4_global rq2_low budget
+  rq4_workers rq4_steps headline_dense headline headline_bytes ddp_fair rq5_speed)
 mkdir -p results
 if [ "${PARTIAL:-0}" = 1 ]; then
   for study in "${STUDIES[@]}"; do
