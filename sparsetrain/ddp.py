@@ -18,7 +18,8 @@ and exchange of early buckets overlap backward of later layers. Per bucket:
   sends values, whole tensors and positions in one packed message. The collective is started
   asynchronously; the returned future gives the averaged bucket (divided by world size);
 - positions come from ``bucket_seed(seed, step, bucket)``: shared by all ranks for AllReduce,
-  per rank for AllGather;
+  per rank for AllGather (each bucket's reducer is seeded with the bucket's seed and drives the
+  one sparse step, ``SparseReducer.start`` / ``finish``, as the trainer's reducer does);
 - the first ``warmup_steps`` iterations use DDP's plain AllReduce; compression then starts with
   empty memory. ``state.step`` counts iterations (it advances on the bucket DDP reduces last).
 
@@ -199,13 +200,15 @@ class SparseHookState:
         shapes = [p.shape for p in params]
         flags = uncompressed_flags(shapes, self.uncompressed)
         order = compressed_first(flags)
+        # Each bucket's reducer draws its positions from the bucket's own seed: its seed rule
+        # (shared with AllReduce, per rank with AllGather) then gives bucket_seed(seed, step, index).
         reducer = build_reducer(
             self.scheme, self.scope, self.aggregation, self.ratio,
             Layout.from_sizes(shapes[i].numel() for i in order),
-            world_size=self.world_size, rank=self.rank, seed=self.seed,
+            world_size=self.world_size, rank=self.rank, seed=step_seed(self.seed, index),
             error_feedback=self.error_feedback, block_size=self.block_size,
             uncompressed=[flags[i] for i in order], group=self.process_group,
-            device=buf.device, dtype=buf.dtype, stats_every=0, compressor=self.compressor,
+            device=buf.device, dtype=buf.dtype, compressor=self.compressor,
         )
         plan = _Bucket(keys, shapes, flags, reducer if isinstance(reducer, SparseReducer) else None, buf)
         if plan.reducer is not None:
@@ -241,20 +244,18 @@ class SparseHookState:
         red = plan.reducer
         self.bytes_sent[index] = red.bytes_sent_per_step
         flat = plan.gather(buf)
-        grad, whole = flat[: red.compressed_numel], flat[red.compressed_numel :]
-        rank = None if self.aggregation == "allreduce" else self.rank
-        payload = red.pack(grad, whole, bucket_seed(self.seed, step, index, rank))
-        work = red.communicate(async_op=True)
+        pending = red.start(flat, step)  # the collective is in flight when the hook returns
 
         def finish(fut=None) -> torch.Tensor:
             if fut is not None:
                 fut.value()  # raises if the collective failed
             t0 = time.perf_counter()
-            red.unpack(grad, whole, payload)
+            red.finish(pending)
             plan.scatter(flat, buf)
             self.decompress_ms.append((time.perf_counter() - t0) * 1e3)  # list.append: thread-safe
             return buf
 
+        work, pending.work = pending.work, None  # waited for by the future, not by finish
         if work is None:  # one rank: nothing to wait for
             done = torch.futures.Future()
             done.set_result(finish())

@@ -39,7 +39,7 @@ HEARTBEAT_STALE_S = 300.0
 def logged_step(steps_done: int, log_every: int) -> bool:
     """Whether the trainer logs a step record once ``steps_done`` steps have run: every
     ``train.log_every`` steps, and after the first. The reducer computes its compression
-    statistics on exactly these steps (``SparseReducer.stats_every``); ``log_every`` <= 0: never.
+    statistics on exactly these steps (``TrainStep(want_stats=...)``); ``log_every`` <= 0: never.
 
     >>> [n for n in range(1, 11) if logged_step(n, 4)]
     [1, 4, 8]

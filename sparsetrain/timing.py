@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -128,3 +128,17 @@ class PhaseTimer:
         self.steps_seen = state["steps_seen"]
         self._sum = defaultdict(float, state["sum"])
         self._count = state["count"]
+
+
+class NullTimer:
+    """A timer that times nothing: for code that runs outside a timed step (the DDP hook, inside
+    backward, is timed from outside by ``train.ddp_exchange``)."""
+
+    def phase(self, name: str):
+        return nullcontext()
+
+    def untimed(self):
+        return nullcontext()
+
+
+NULL_TIMER = NullTimer()

@@ -220,7 +220,7 @@ def test_single_process_matches_reference(scheme, scope, agg):
     red = build(scheme, scope, agg, 0, 1)
     for step in range(STEPS):
         flat = grad_of(0, step)
-        stats = red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
+        stats = red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0), want_stats=True)
         torch.testing.assert_close(flat, ref[step], rtol=0, atol=1e-12)
     torch.testing.assert_close(red.memory.memory, memory[0], rtol=0, atol=1e-12)
     assert stats.memory_norm == pytest.approx(float(memory[0].norm()))
@@ -300,7 +300,7 @@ def test_error_feedback_off_keeps_memory_zero():
     red = build_reducer("topk", "global", "allgather", 0.1, LAYOUT, world_size=1, rank=0, seed=0,
                         error_feedback=False, dtype=torch.float64)
     flat = grad_of(0, 0)
-    stats = red.reduce(flat, 0, PhaseTimer("cpu"))
+    stats = red.reduce(flat, 0, PhaseTimer("cpu"), want_stats=True)
     assert torch.count_nonzero(red.memory.memory) == 0 and stats.memory_norm == 0.0
     idx = torch.topk(grad_of(0, 0).abs(), red.compressor.k).indices
     expect = torch.zeros_like(flat)

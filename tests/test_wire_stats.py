@@ -55,14 +55,15 @@ def _counting(monkeypatch):
 
 @pytest.mark.parametrize("error_feedback", [True, False])
 def test_no_statistics_pass_on_unlogged_steps(monkeypatch, error_feedback):
-    red = _reducer("topk", "allgather", 1, stats_every=3, error_feedback=error_feedback)
+    """The caller (the trainer: the steps it logs) asks for statistics; no pass otherwise."""
+    red = _reducer("topk", "allgather", 1, error_feedback=error_feedback)
     calls = _counting(monkeypatch)
     timer = PhaseTimer("cpu", warmup_steps=0)
     logged = []
     for step in range(8):
         before = len(calls)
         with timer.step():
-            stats = red.reduce(torch.randn(LAYOUT.total), step, timer)
+            stats = red.reduce(torch.randn(LAYOUT.total), step, timer, want_stats=logged_step(step + 1, 3))
         done = step + 1
         if logged_step(done, 3):  # after steps 1, 3, 6: the trainer's log steps
             logged.append(done)
@@ -95,8 +96,8 @@ def test_trainer_computes_statistics_on_logged_steps_only(tmp_path):
         passes.append(trainer.step + 1)  # the step being run, 1-based like the log
         return real_stats(*args, **kwargs)
 
-    def reduce(flat, step, timer):
-        out = real_reduce(flat, step, timer)
+    def reduce(flat, step, timer, want_stats=False):
+        out = real_reduce(flat, step, timer, want_stats=want_stats)
         seen.append((step + 1, out))
         return out
 

@@ -92,7 +92,7 @@ def worker(a) -> None:
             sent = 0
         elif name == "reducer_blockk":
             flat, _, reducer = build_exchange(model.parameters(), "blockk", "layerwise", "allreduce",
-                                              a.ratio, world_size=world, rank=rank, seed=0, stats_every=0)
+                                              a.ratio, world_size=world, rank=rank, seed=0)
             sent = reducer.bytes_sent_per_step
         elif name.startswith("ddp"):
             # PowerSGD in one bucket: it starts its second AllReduce from a future callback, so with

@@ -31,7 +31,6 @@ def build_reducer(
     group=None,
     device="cpu",
     dtype=torch.float32,
-    stats_every: int = 1,
     compressor=None,
 ) -> Reducer:
     """The reducer for a scheme/scope/aggregation; ``DenseReducer`` for ``scheme='none'``.
@@ -72,7 +71,6 @@ def build_reducer(
         group=group,
         device=device,
         dtype=dtype,
-        stats_every=stats_every,
     )
 
 
@@ -93,7 +91,7 @@ def build_exchange(
 
     ``uncompressed`` is the rule of ``scheme.uncompressed`` (``"1d"``, ``"none"`` or N); it does
     not apply to dense SGD. ``reducer_options`` go to ``build_reducer`` (world_size, rank, seed,
-    error_feedback, block_size, warmup_steps, group, stats_every, compressor). Returns ``(flat,
+    error_feedback, block_size, warmup_steps, group, compressor). Returns ``(flat,
     params_in_buffer_order, reducer)``.
     """
     params = [p for p in params if p.requires_grad]

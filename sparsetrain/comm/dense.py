@@ -10,6 +10,14 @@ from sparsetrain.compress import Layout
 from sparsetrain.timing import PhaseTimer
 
 
+def average_dense(flat: torch.Tensor, world: int, group=None) -> None:
+    """Dense SGD's exchange, in place: AllReduce (sum) then divide by the number of ranks (also
+    the sparse schemes' warm-up steps)."""
+    if world > 1:
+        dist.all_reduce(flat, group=group)
+        flat.div_(world)
+
+
 class DenseReducer:
     """Plain data-parallel SGD: one AllReduce of the flat gradient, divided by world size.
 
@@ -86,18 +94,19 @@ class DenseReducer:
             h.remove()
         self._hooks, self._buckets, self._flat = [], [], None
 
-    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer) -> ExchangeStats:
+    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer,
+               want_stats: bool = False) -> ExchangeStats:
         with timer.phase("exchange"):
-            if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-                if self._buckets and flat_grad is self._flat:
-                    while self._next < len(self._buckets):  # buckets whose hooks did not fire
-                        self._launch(self._next)
-                    for h in self._handles:
-                        h.wait()
-                    self._reset()
-                else:
-                    dist.all_reduce(flat_grad, group=self.group)
-                flat_grad.div_(dist.get_world_size(self.group))
+            world = dist.get_world_size(self.group) if dist.is_initialized() else 1
+            if world > 1 and self._buckets and flat_grad is self._flat:
+                while self._next < len(self._buckets):  # buckets whose hooks did not fire
+                    self._launch(self._next)
+                for h in self._handles:
+                    h.wait()
+                self._reset()
+                flat_grad.div_(world)
+            else:
+                average_dense(flat_grad, world, self.group)
         return ExchangeStats(self.bytes_sent_per_step, self.dense_bytes_per_step)
 
     def state_dict(self) -> dict:

@@ -21,7 +21,7 @@ class ExchangeStats:
     """What one step sent. Byte counts are per worker: the payload handed to the collective
     (``costmodel.wire_bytes(collective, bytes_sent, world)`` is what crosses the link).
     ``compression_error`` and ``memory_norm`` are None on steps without statistics (the trainer
-    asks for them on logged steps only: ``SparseReducer.stats_every``)."""
+    asks for them on logged steps only: ``Reducer.reduce(..., want_stats=True)``)."""
 
     bytes_sent: int
     dense_bytes: int
@@ -50,8 +50,11 @@ class Reducer(Protocol):
     dense_bytes_per_step: int
     uncompressed_bytes_per_step: int
 
-    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer) -> ExchangeStats:
-        """Overwrite ``flat_grad`` with the averaged update; time the phases it runs."""
+    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer,
+               want_stats: bool = False) -> ExchangeStats:
+        """Overwrite ``flat_grad`` with the averaged update; time the phases it runs.
+        ``want_stats``: also report the compression error and memory norm (the caller asks on
+        the steps it logs; a host sync on CUDA, left out of the step's time)."""
         ...
 
     def attach(self, params, flat_grad: torch.Tensor) -> Reducer:

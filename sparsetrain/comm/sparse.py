@@ -11,14 +11,17 @@ collective: appended to the AllReduce values, or to the packed AllGather message
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.protocol import ExchangeStats
 from sparsetrain.comm.rules import check_aggregation
 from sparsetrain.compress import ErrorFeedback, step_seed
-from sparsetrain.results import logged_step
-from sparsetrain.timing import PhaseTimer
+from sparsetrain.timing import NULL_TIMER, PhaseTimer
 
 
 def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
@@ -29,6 +32,19 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_o
 
 def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+@dataclass
+class SparseStep:
+    """One sparse step in flight, between ``SparseReducer.start`` and ``finish``: the two parts
+    of the flat buffer, what was packed, the collective's ``Work`` (None when it already ran, or
+    on one rank) and the statistics (``(compression_error, memory_norm)``, None when not asked)."""
+
+    grad: torch.Tensor
+    whole: torch.Tensor
+    payload: Any
+    work: Any
+    stats: tuple | None
 
 
 class SparseReducer:
@@ -59,7 +75,6 @@ class SparseReducer:
         group=None,
         device="cpu",
         dtype=torch.float32,
-        stats_every: int = 1,
     ):
         check_aggregation(compressor.name, aggregation)
         self.compressor = compressor
@@ -71,7 +86,6 @@ class SparseReducer:
         self.group = group
         self.device = torch.device(device)
         self.dtype = dtype
-        self.stats_every = int(stats_every)
         self.warmup_steps = int(warmup_steps)
         self.compressed_numel = compressor.numel
         self.uncompressed_numel = int(uncompressed_numel)
@@ -101,25 +115,20 @@ class SparseReducer:
             self._send_positions = self._send[self._positions_start : self._positions_end].view(self.pos_dtype)
             self.bytes_sent_per_step = self._message_nbytes
 
-    def wants_stats(self, step: int) -> bool:
-        """Compression statistics at (0-based) ``step``: when the trainer logs it, i.e. after
-        step 1 and every ``stats_every`` steps (``results.logged_step``; the trainer passes
-        ``stats_every = train.log_every``); ``stats_every`` 1: every step, 0: never."""
-        return logged_step(step + 1, self.stats_every)
-
-    def _step_seed(self, step: int) -> int:
+    def positions_seed(self, step: int) -> int:
+        """The seed of ``step``'s positions: shared by every rank with AllReduce (they must send
+        the same positions), each rank its own with AllGather."""
         rank = None if self.aggregation == "allreduce" else self.rank
         return step_seed(self.seed, step, rank)
 
     def _dense_step(self, flat_grad: torch.Tensor, world: int, timer: PhaseTimer) -> ExchangeStats:
         """Compression warm-up: plain AllReduce of everything; the memory stays untouched."""
         with timer.phase("exchange"):
-            if world > 1:
-                dist.all_reduce(flat_grad, group=self.group)
-                flat_grad.div_(world)
+            average_dense(flat_grad, world, self.group)
         return ExchangeStats(self.dense_bytes_per_step, self.dense_bytes_per_step, 1.0, 0.0, 0.0, "allreduce")
 
-    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer) -> ExchangeStats:
+    def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer,
+               want_stats: bool = False) -> ExchangeStats:
         world = _world(self.group)
         if world != self.world_size:
             raise RuntimeError(
@@ -129,33 +138,48 @@ class SparseReducer:
             raise ValueError(f"the flat gradient has {flat_grad.numel()} entries, the reducer {self.numel}")
         if step < self.warmup_steps:
             return self._dense_step(flat_grad, world, timer)
-        n_compressed = self.compressed_numel
-        grad, whole = flat_grad[:n_compressed], flat_grad[n_compressed:]
-        want_stats = self.wants_stats(step)
+        pending = self.start(flat_grad, step, want_stats=want_stats, timer=timer, async_op=False)
+        with timer.phase("decompress"):
+            self.finish(pending)
+        error, norm = pending.stats or (None, None)
+        return ExchangeStats(
+            self.bytes_sent_per_step,
+            self.dense_bytes_per_step,
+            density=self.density,
+            compression_error=error,
+            memory_norm=norm,
+            collective=self.aggregation,
+        )
+
+    # --- the one sparse step: ``reduce`` and the DDP hook (sparsetrain.ddp) both drive it ---------
+    def start(self, flat: torch.Tensor, step: int, *, want_stats: bool = False,
+              timer: PhaseTimer = NULL_TIMER, async_op: bool = True) -> SparseStep:
+        """Error feedback and compression of ``flat`` (``[compressed | whole]``) into the message,
+        then the one collective, started (``async_op``: not waited for). ``want_stats``: the
+        compression error and memory norm (a host sync on CUDA, left out of the step's time)."""
+        grad, whole = flat[: self.compressed_numel], flat[self.compressed_numel :]
         grad_sq = None
         if want_stats and not self.memory.enabled:
             with timer.untimed():
                 grad_sq = float(torch.dot(grad, grad))
         with timer.phase("compress"):
-            payload = self.pack(grad, whole, self._step_seed(step))
-        stats = (None, None)
-        if want_stats:  # a host sync on CUDA: logged steps only, left out of the step's time
+            payload = self.pack(grad, whole, self.positions_seed(step))
+        stats = None
+        if want_stats:
             with timer.untimed():
                 stats = self.memory.stats(payload, grad_sq)
         with timer.phase("exchange"):
-            self.communicate()
-        with timer.phase("decompress"):
-            self.unpack(grad, whole, payload)
-        return ExchangeStats(
-            self.bytes_sent_per_step,
-            self.dense_bytes_per_step,
-            density=self.density,
-            compression_error=stats[0],
-            memory_norm=stats[1],
-            collective=self.aggregation,
-        )
+            work = self.communicate(async_op=async_op)
+        return SparseStep(grad, whole, payload, work, stats)
 
-    # --- the three phases of ``reduce``, also driven one bucket at a time by sparsetrain.ddp ---
+    def finish(self, pending: SparseStep) -> None:
+        """Wait for the collective (if still in flight) and overwrite the flat buffer with the
+        average over ranks."""
+        if pending.work is not None:
+            pending.work.wait()
+        self.unpack(pending.grad, pending.whole, pending.payload)
+
+    # --- the three phases of a step ------------------------------------------------------------
     def pack(self, grad: torch.Tensor, whole: torch.Tensor, seed: int):
         """Error feedback + compression of ``grad`` (the compressed part) into the message, then
         ``whole`` after the values (and, for AllGather, the positions). Returns the payload."""

@@ -13,13 +13,11 @@ from sparsetrain.models import param_groups_for_weight_decay
 
 
 def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, rank: int,
-                         device="cpu", stats_every: int = 0):
+                         device="cpu"):
     """The flat gradient buffer (each ``.grad`` a view into it) and its reducer for ``model``:
     scheme, scope, aggregation, ratio, ``scheme.uncompressed``, error feedback, block size,
     warm-up steps, seed, the scheme's compressor node and ``dist.overlap``.
 
-    ``stats_every``: compression statistics every so many steps (the trainer passes
-    ``train.log_every``; 0, the default, computes none, as a benchmark step is never logged).
     Returns ``(flat, params_in_buffer_order, reducer)``.
     """
     params = [p for p in model.parameters() if p.requires_grad]
@@ -28,7 +26,7 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
         params, cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
         uncompressed=cfg.scheme.uncompressed, device=device, world_size=world_size, rank=rank,
         seed=cfg.seed, error_feedback=cfg.scheme.error_feedback, block_size=cfg.scheme.block_size,
-        warmup_steps=cfg.scheme.warmup_steps, compressor=compressor, stats_every=stats_every)
+        warmup_steps=cfg.scheme.warmup_steps, compressor=compressor)
     if cfg.dist.overlap:
         reducer.attach(params, flat)
     return flat, params, reducer

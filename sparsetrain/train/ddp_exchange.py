@@ -42,7 +42,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparsetrain.comm import ExchangeStats
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
-from sparsetrain.results import logged_step
 from sparsetrain.timing import PhaseTimer
 
 ONE_BUCKET_MB = 1 << 20  # a bucket cap no model reaches: every parameter in one bucket
@@ -87,10 +86,9 @@ class DDPExchange:
     checkpoints). Sizes (``bytes_sent_per_step``, ``density``, ...) are exact once ``settle`` ran.
     """
 
-    def __init__(self, cfg: Any, model: torch.nn.Module, *, device: torch.device, stats_every: int = 0):
+    def __init__(self, cfg: Any, model: torch.nn.Module, *, device: torch.device):
         self.module = model
         scheme = cfg.scheme
-        self.stats_every = int(stats_every)
         params = [p for p in model.parameters() if p.requires_grad]
         shapes = [tuple(p.shape) for p in params]
         self.numel = sum(p.numel() for p in params)
@@ -171,7 +169,7 @@ class DDPExchange:
             self.density = sizes["density"]
 
     # --- the Reducer surface the trainer uses ----------------------------------------------------
-    def reduce(self, flat_grad: Any, step: int, timer: PhaseTimer) -> ExchangeStats:
+    def reduce(self, flat_grad: Any, step: int, timer: PhaseTimer, want_stats: bool = False) -> ExchangeStats:
         """Account for the exchange DDP ran inside backward at (0-based) ``step``."""
         now = time.perf_counter()
         hook_ms, handoff = self.timed.take()
@@ -186,7 +184,7 @@ class DDPExchange:
         else:
             sent = self.bytes_sent_per_step if compressing else self.dense_bytes_per_step
         memory_norm = None
-        if self.sparse is not None and self.compresses and logged_step(step + 1, self.stats_every):
+        if self.sparse is not None and self.compresses and want_stats:
             with timer.untimed():
                 memory_norm = self.sparse.memory_norm()
         return ExchangeStats(sent, self.dense_bytes_per_step,

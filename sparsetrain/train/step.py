@@ -38,6 +38,8 @@ class TrainStep:
     ``lr``: ``i -> learning rate``, set on every parameter group before the optimizer steps
     (None: leave the optimizer's). ``before_exchange``: called between backward and exchange
     (benchmarks/step.py times the wait for the slowest rank there, as its own phase).
+    ``want_stats``: ``i -> bool``, whether the exchange of step ``i`` reports its compression
+    statistics (the trainer: on the steps it logs; None: never, as a benchmark step is not logged).
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class TrainStep:
         lr: Callable[[int], float] | None = None,
         loss_fn: Callable = F.cross_entropy,
         before_exchange: Callable[[PhaseTimer], Any] | None = None,
+        want_stats: Callable[[int], bool] | None = None,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -62,6 +65,7 @@ class TrainStep:
         self.lr = lr
         self.loss_fn = loss_fn
         self.before_exchange = before_exchange
+        self.want_stats = want_stats
 
     def _zero_grad(self) -> None:
         if self.flat_grad is not None:
@@ -87,7 +91,8 @@ class TrainStep:
             if self.reducer is not None:
                 if self.before_exchange is not None:
                     self.before_exchange(timer)
-                stats = self.reducer.reduce(self.flat_grad, step, timer)
+                want = self.want_stats is not None and self.want_stats(step)
+                stats = self.reducer.reduce(self.flat_grad, step, timer, want_stats=want)
             if self.optimizer is not None:
                 with timer.phase("optimizer"):
                     if self.lr is not None:

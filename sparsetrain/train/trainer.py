@@ -84,13 +84,11 @@ class Trainer:
         # (train.ddp_exchange); the step then runs the DDP model and keeps per-parameter .grad.
         net = self.model
         if cfg.dist.ddp:
-            self.reducer = DDPExchange(cfg, self.model, device=self.device, stats_every=cfg.train.log_every)
+            self.reducer = DDPExchange(cfg, self.model, device=self.device)
             self.flat_grad, self.params, net = None, list(self.model.parameters()), self.reducer.net
         else:
             self.flat_grad, self.params, self.reducer = exchange_from_config(
-                cfg, self.model, world_size=info.world_size, rank=info.rank, device=self.device,
-                stats_every=cfg.train.log_every,  # compression statistics on logged steps only
-            )
+                cfg, self.model, world_size=info.world_size, rank=info.rank, device=self.device)
         self.num_parameters = self.reducer.numel
         self.optimizer = optimizer_from_config(cfg, self.model)
         self.loader = ShardedLoader(
@@ -112,8 +110,10 @@ class Trainer:
             )
         self.timer = PhaseTimer(self.device, cfg.train.timing_warmup)
         schedule = partial(lr_at, steps_per_epoch=len(self.loader), cfg=cfg, world_size=info.world_size)
+        # compression statistics on the steps the loop logs (0-based step i is logged after i + 1)
         self.run_step = TrainStep(net, self.optimizer, self.reducer, self.flat_grad,
-                                  self.timer, self.device, lr=schedule)
+                                  self.timer, self.device, lr=schedule,
+                                  want_stats=lambda i: logged_step(i + 1, cfg.train.log_every))
         self.step = 0
         self.epoch = 0  # epochs completed
         self.batch_in_epoch = 0
