@@ -180,11 +180,12 @@ def check_group_overrides(overrides: list[str]) -> None:
 
 
 def validate(cfg: Any, env: dict | None = None) -> None:
-    """Semantic checks on a composed config, all of them: the one place that says which values
-    and combinations run. Raises ConfigError with one line (key, value, what is allowed)."""
+    """Semantic checks on a composed config: the one place that says which values and
+    combinations run. Raises ConfigError with one line (key, value, what is allowed). Whether
+    ``world_size`` agrees with the launcher's environment is the launcher's check
+    (``launch.env.check_launch_environment``, called by the CLI before any rank starts)."""
     from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES, check_combination
     from sparsetrain.compress import parse_uncompressed
-    from sparsetrain.launch.env import check_launch_environment
 
     env = os.environ if env is None else env
     if cfg.world_size < 1:
@@ -238,7 +239,6 @@ def validate(cfg: Any, env: dict | None = None) -> None:
             "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
             "allowed without one: offline, disabled"
         )
-    check_launch_environment(cfg.world_size, env)
 
 
 def _check_ddp(cfg: Any) -> None:

@@ -116,28 +116,88 @@ def test_both_reducers_implement_the_protocol():
     assert sparse.attach([], None) is sparse
 
 
-def test_old_import_paths_still_work():
-    from sparsetrain.analysis import load_runs  # noqa: F401
-    from sparsetrain.compress import BlockRandomK, ErrorFeedback, get_compressor  # noqa: F401
-    from sparsetrain.config import ConfigError
-    from sparsetrain.dist import RankInfo, launcher_of, spawn_ranks  # noqa: F401
-    from sparsetrain.errors import ConfigError as LeafConfigError
-    from sparsetrain.exchange import (  # noqa: F401
-        DenseReducer,
-        SparseReducer,
-        build_exchange,
-        build_reducer,
-        check_combination,
-        flat_gradients,
-    )
-    from sparsetrain.run import SweepReport, main  # noqa: F401
-    from sparsetrain.train import Trainer, lr_at, worker_main  # noqa: F401
-
-    assert ConfigError is LeafConfigError
-
-
 def test_hydra_plugins_is_declared_as_a_package():
     text = (ROOT / "pyproject.toml").read_text()
     assert '"hydra_plugins*"' in text
     for path in [*PKG.rglob("*.py"), *(ROOT / "hydra_plugins").rglob("*.py")]:
         assert "sys.path" not in path.read_text(), path
+
+
+def _declared_layers() -> list[list[str]]:
+    """The layers README.md's architecture block declares, top (imports nothing of ours) first:
+    each line ``sparsetrain/<name>`` (``, <name>`` for more on the line) is one layer."""
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("## Architecture"):]
+    block = block[block.index("```") + 3:]
+    block = block[: block.index("```")]
+    layers = []
+    for line in block.splitlines():
+        head = line.split("  ")[0].strip()
+        if not head.startswith(("sparsetrain/", "hydra_plugins/")):
+            continue
+        first, *more = [h.strip() for h in head.split(",")]
+        folder = first.rsplit("/", 1)[0] if "/" in first.rstrip("/") else ""
+        names = [first, *(f"{folder}/{m}" for m in more)]
+        layers.append([n.rstrip("/").removesuffix(".py").replace("/", ".") for n in names])
+    return layers
+
+
+def _all_imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """Project modules ``name`` imports anywhere in its file, inside functions too."""
+    out: set[str] = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in mods:
+                t = t.rpartition(".")[0]
+            if t and t != name and not name.startswith(t + "."):
+                out.add(t)
+    return out
+
+
+def test_imports_point_one_way_as_the_readme_declares():
+    """Every import, module level or inside a function, goes to a layer README.md lists above the
+    importer (or to the importer's own layer, without a cycle); every module belongs to a layer."""
+    mods = _modules()
+    layers = _declared_layers()
+    assert len(layers) >= 10, layers
+
+    def layer_of(module: str) -> int:
+        for i, names in enumerate(layers):
+            if any(module == n or module.startswith(n + ".") for n in names):
+                return i
+        return -1
+
+    unplaced = [m for m in mods if m != "sparsetrain" and layer_of(m) < 0]
+    assert not unplaced, f"modules in no layer of README.md's architecture: {unplaced}"
+    upward, graph = [], {}
+    for name, path in mods.items():
+        graph[name] = _all_imports(name, path, mods)
+        for target in graph[name]:
+            if target != "sparsetrain" and layer_of(target) > layer_of(name):
+                upward.append(f"{name} -> {target}")
+    assert not upward, "imports against README.md's layering: " + "; ".join(sorted(upward))
+    state: dict[str, int] = {}
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                pytest.fail("import cycle (function-level imports included): " + " -> ".join(stack + [m, n]))
+            if n not in state:
+                visit(n, stack + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])

@@ -1,5 +1,5 @@
 """The step and DDP benchmarks end to end on a tiny netcluster (one torchrun node per namespace;
-marker netns: root + ip netns + tc), through the old scripts/*.py command lines."""
+marker netns: root + ip netns + tc), through their ``python -m`` command lines."""
 
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def _ours() -> list[str]:
 @requires_netns
 def test_bench_step_tiny_end_to_end(tmp_path):
     before = set(_ours())
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--rates", "2gbit,paper",
-           "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "2", "--visits", "2",
-           "--schemes", "compute,dense,blockk,ddp", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "sparsetrain.benchmarks.step", "--rates", "2gbit,paper",
+           "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--rounds", "2", "--visits", "2",
+           "--schemes", "compute,dense,blockk_ag,blockk_ar,ddp", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "step.json").read_text())
@@ -65,8 +65,8 @@ def test_bench_step_tiny_end_to_end(tmp_path):
 def test_bench_step_cleans_up_when_a_rank_fails(tmp_path):
     before = set(_ours())
     # an invalid ratio makes every rank fail inside its namespace (the config check in the worker)
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_step.py"), "--rates", "1gbit", "--nproc", "2",
-           "--batch", "2", "--steps", "1", "--warmup", "0", "--passes", "1", "--schemes", "compute",
+    cmd = [sys.executable, "-m", "sparsetrain.benchmarks.step", "--rates", "1gbit", "--nproc", "2",
+           "--batch", "2", "--steps", "1", "--warmup", "0", "--rounds", "1", "--schemes", "compute",
            "--override", "ratio=2", "--out", str(tmp_path), "--rate-timeout", "120"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert p.returncode != 0
@@ -127,9 +127,9 @@ def test_dense_reducer_overlap_matches_plain_allreduce():
 @pytest.mark.netns
 @requires_netns
 def test_bench_ddp_tiny_end_to_end(tmp_path):
-    """scripts/bench_ddp.py: 2 ranks, one rate, one round, every configuration runs."""
+    """python -m sparsetrain.benchmarks.ddp: 2 ranks, one rate, one round, every configuration runs."""
     before = set(_ours())
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_ddp.py"), "--rates", "paper", "--paper-rate", "2gbit",
+    cmd = [sys.executable, "-m", "sparsetrain.benchmarks.ddp", "--rates", "paper", "--paper-rate", "2gbit",
            "--nproc", "2", "--batch", "2", "--rounds", "1", "--steps", "1", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -152,26 +152,23 @@ def test_grid_aligns_columns_and_refuses_ragged_rows():
 
 
 def test_parse_rows_expands_a_scheme_to_every_aggregation_the_studies_train():
-    assert step.parse_rows("compute,dense,blockk,ddp") == ["compute", "dense", "blockk_ag", "blockk_ar", "ddp"]
-    assert step.parse_rows("topk,randk_ar") == ["topk_ag", "randk_ar"]
+    assert step.parse_rows("compute,dense,blockk_ag,blockk_ar,ddp") == ["compute", "dense", "blockk_ag", "blockk_ar", "ddp"]
+    assert step.parse_rows("topk_ag,randk_ar,topk_ag") == ["topk_ag", "randk_ar"]
     with pytest.raises(SystemExit):
         step.parse_rows("nosuch")
 
 
-@pytest.mark.parametrize("src", [REPO / "tests" / "data" / "step_v1", REPO / "results" / "bench"],
-                         ids=["first pass, schema 1", "committed run"])
-def test_report_rewrites_a_saved_run_byte_for_byte(src, tmp_path):
-    """`make figures` re-renders results/bench/step.json in place: same bytes, for the first
-    pass's schema-1 file (kept in tests/data) and the committed schema-2 run."""
+def test_report_rewrites_a_saved_run_byte_for_byte(tmp_path):
+    """`make figures` re-renders results/bench/step.json in place: same bytes."""
+    src = REPO / "results" / "bench"
     shutil.copy(src / "step.json", tmp_path / "step.json")
     doc = json.loads((src / "step.json").read_text())
     text = step.render(doc, tmp_path)
     assert (tmp_path / "step.json").read_bytes() == (src / "step.json").read_bytes()
     assert (tmp_path / "step.csv").read_bytes() == (src / "step.csv").read_bytes()
-    if doc.get("schema", 1) == 1:
-        assert "schema 1" in text and "goals at 1172mbit (paper)" in text
-    else:
-        assert "noise check" in text
+    assert "noise check" in text
+    with pytest.raises(SystemExit, match="schema 1 is not supported"):
+        step.render({**doc, "schema": 1}, tmp_path)
 
 
 def _row(med, lo, hi, **kw):

@@ -68,13 +68,15 @@ def test_unknown_group_option_is_one_line():
 
 
 def test_world_size_must_match_launcher_environment():
+    from sparsetrain.launch.env import check_launch_environment
+
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     with pytest.raises(ConfigError, match="world_size=4 contradicts the launcher: torchrun"):
-        validate(make("world_size=4"), env=env)
-    validate(make("world_size=2"), env=env)
+        check_launch_environment(make("world_size=4").world_size, env)
+    check_launch_environment(make("world_size=2").world_size, env)
     slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_JOB_ID": "7"}
     with pytest.raises(ConfigError, match="SLURM_NTASKS=3"):
-        validate(make("world_size=2"), env=slurm)
+        check_launch_environment(make("world_size=2").world_size, slurm)
 
 
 def test_slurm_task_resolvers():

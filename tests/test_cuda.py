@@ -274,7 +274,7 @@ def test_reducer_one_rank_on_device(device, scheme, agg, scope):
         flat = int_grad(MIXED.total, step, device)
         expect = flat + red.memory.memory
         with timer.step():
-            stats = red.reduce(flat, step, timer)
+            stats = red.reduce(flat, step, timer, want_stats=True)
         assert flat.device.type == device
         assert torch.equal(flat + red.memory.memory, expect)
         assert int(torch.count_nonzero(flat)) <= red.compressor.k
@@ -316,7 +316,7 @@ def test_backend_choice():
 def test_checkpoint_per_rank_state_goes_to_cpu(device):
     """What every rank contributes to the checkpoint is moved to the CPU before
     all_gather_object pickles it (a CUDA tensor would be unpickled onto the sender's GPU)."""
-    from sparsetrain.train import _to_cpu
+    from sparsetrain.train.trainer import _to_cpu
 
     t = torch.arange(4.0, device=device)
     state = {"reducer": {"error_feedback": {"enabled": True, "memory": t}}, "epoch_stats": [t, (t, 3)]}

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from test_exchange import COMBOS  # every valid scheme x scope x aggregation
 from torch import nn
 
+from sparsetrain.comm import check_combination
 from sparsetrain.compress import Layout, get_compressor, uncompressed_flags
 from sparsetrain.ddp import SparseHookState, bucket_seed, sparse_hook
-from sparsetrain.exchange import check_combination
 
 CAP_MB = 0.002  # a few KB: several buckets, most holding conv weights and batch-norm vectors
 SEED, RATIO, BLOCK, STEPS, LR = 5, 0.1, 16, 4, 0.1

@@ -278,7 +278,7 @@ def test_stale_running_runs_are_unfinished_in_analysis_and_sweep_report(tmp_path
     assert runs["error"][2] == "no heartbeat since 2024-01-01T00:00:00+00:00 (start)"
     assert "unfinished: " in "\n".join(status_table(runs).missing_lines())
 
-    import sparsetrain.run as cli
+    import sparsetrain.launch.cli as cli
 
     cli._failed_sweep_jobs.clear()
     cli.SweepReport().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))

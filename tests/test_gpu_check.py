@@ -3,7 +3,7 @@ on the CPU, the compressor benchmark's goals per device."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -17,10 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _script(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"sparsetrain.benchmarks.{name}")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: gpu-check would run")
@@ -30,14 +27,14 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
                        env=env, timeout=120)
     assert p.returncode == 2
     assert p.stdout == "" and p.stderr.count("\n") == 1 and "no CUDA GPU" in p.stderr
-    for name in ("bench_compress", "bench_step_device"):
-        q = subprocess.run([sys.executable, str(REPO / "scripts" / f"{name}.py"), "--device", "cuda"],
+    for name in ("compress", "step_device"):
+        q = subprocess.run([sys.executable, "-m", f"sparsetrain.benchmarks.{name}", "--device", "cuda"],
                            capture_output=True, text=True, timeout=120, cwd=REPO)
         assert q.returncode == 2 and "no CUDA GPU" in q.stderr and q.stderr.count("\n") == 1
 
 
 def test_step_table_runs_on_cpu(tmp_path, capsys):
-    mod = _script("bench_step_device")
+    mod = _script("step_device")
     assert mod.main(["--device", "cpu", "--model", "resnet20", "--batch", "2", "--steps", "1",
                      "--warmup", "1", "--threads", "1", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "cpu_step.json").read_text())
@@ -53,7 +50,7 @@ def test_step_table_runs_on_cpu(tmp_path, capsys):
 
 
 def test_compress_goals_per_device():
-    mod = _script("bench_compress")
+    mod = _script("compress")
     rows = [{"scheme": s, "scope": sc, "compress_ef_copies": c, "decompress_copies": 1.0}
             for s, sc, c in [("topk", "layerwise", 4.0), ("topk", "global", 6.0),
                              ("randk", "layerwise", 1.9), ("randk", "global", 2.1),
@@ -70,7 +67,7 @@ def test_compress_goals_per_device():
 
 
 def test_cpu_clock_times_a_call():
-    mod = _script("bench_compress")
+    mod = _script("compress")
     ms = mod.clock(torch.device("cpu"))
     assert ms(lambda: None) >= 0
     assert mod.timeit(lambda: torch.zeros(10).sum(), 3, torch.device("cpu")) >= 0

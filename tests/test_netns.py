@@ -1,4 +1,4 @@
-"""netcluster (``python -m sparsetrain.launch.netcluster``, also ``scripts/netns_cluster.py``): one
+"""netcluster (``python -m sparsetrain.launch.netcluster``): one
 torchrun node per rate-limited network namespace, joined by c10d rendezvous, cleaned up on every
 exit.
 
@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "netns_cluster.py"  # the old command line, a wrapper
 MODULE = ["-m", "sparsetrain.launch.netcluster"]
 pytestmark = pytest.mark.netns
 
@@ -83,11 +82,10 @@ def _leftovers(prefix: str) -> list[str]:
     return [n for n in ns + links + hosts if n.startswith(prefix)]
 
 
-def _run(args, timeout=180, script=False, **kw):
-    launcher = [str(SCRIPT)] if script else MODULE
+def _run(args, timeout=180, **kw):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, *launcher, *args], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, *MODULE, *args], capture_output=True, text=True, timeout=timeout,
         cwd=REPO, env=env, **kw
     )
 
@@ -138,7 +136,6 @@ def test_gloo_allreduce_is_rate_limited_and_cleaned_up(tmp_path):
             sys.executable,
             str(script),
         ],
-        script=True,  # the old command line still works
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = [
@@ -216,7 +213,7 @@ def _wait_for_namespaces(prefix: str, timeout: float = 30) -> None:
 def test_sigterm_to_launcher_cleans_up():
     prefix = _prefix("s")
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
+        [sys.executable, *MODULE, "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -237,7 +234,7 @@ def test_sigterm_to_launcher_cleans_up():
 def test_cleanup_subcommand_removes_leftovers_of_a_killed_run():
     prefix = _prefix("k")
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
+        [sys.executable, *MODULE, "--nproc", "2", "--prefix", prefix, "--", "sleep", "120"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

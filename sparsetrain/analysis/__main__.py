@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", default="8,64", metavar="N,...",
                         help="worker counts for --time-to-accuracy (default 8,64)")
     parser.add_argument("--costmodel", type=Path, metavar="JSON",
-                        help="fitted alpha-beta (scripts/bench_collectives.py's costmodel.json) for "
+                        help="fitted alpha-beta (sparsetrain.benchmarks.collectives' costmodel.json) for "
                              "--time-to-accuracy; default: the cost model's default alpha and beta")
     parser.add_argument("--alpha-us", type=float, default=None,
                         help="per-message latency of the default model in microseconds (default 50)")

@@ -1,8 +1,8 @@
 """The time-to-accuracy prediction checked at one measured point: the emulated cluster.
 
 ``python -m sparsetrain.analysis.cluster_check results/bench`` reads ``step.json``
-(``scripts/bench_step.py``: step time by phase, 4 ranks on tc-shaped links, at several rates) and
-``costmodel.json`` (``scripts/bench_collectives.py``: the alpha-beta fit on the same cluster) and
+(``python -m sparsetrain.benchmarks.step``: step time by phase, 4 ranks on tc-shaped links, at several rates) and
+``costmodel.json`` (``python -m sparsetrain.benchmarks.collectives``: the alpha-beta fit on the same cluster) and
 compares, for every rate and scheme, measured compute + predicted exchange with the measured step,
 exactly as ``time_to_accuracy`` predicts a run's step. Exit 0 when every row is within the
 tolerance (20%). No torch.
@@ -36,8 +36,8 @@ def _collective(row: str, result: dict) -> str | None:
 
 
 def bench_check(step: dict, costmodel: dict, tolerance: float = 0.2) -> pd.DataFrame:
-    """Predicted vs measured step time on the emulated cluster (``scripts/bench_step.py``'s
-    ``step.json``, ``scripts/bench_collectives.py``'s ``costmodel.json``): for every rate and
+    """Predicted vs measured step time on the emulated cluster (``python -m sparsetrain.benchmarks.step``'s
+    ``step.json``, ``python -m sparsetrain.benchmarks.collectives``'s ``costmodel.json``): for every rate and
     scheme, the scheme's own measured compute phases (data, forward, backward, compress,
     decompress, optimizer; mean over ranks) + the exchange the fitted model predicts for its
     payload at that rate and world size, against the measured step (mean over ranks, and the
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     scheme and a summary line."""
     parser = argparse.ArgumentParser(prog="python -m sparsetrain.analysis.cluster_check")
     parser.add_argument("folder", type=Path, metavar="DIR",
-                        help="folder with step.json (bench_step.py) and costmodel.json (bench_collectives.py)")
+                        help="folder with step.json (benchmarks.step) and costmodel.json (benchmarks.collectives)")
     parser.add_argument("--costmodel", type=Path, help="the fit to use (default: DIR/costmodel.json)")
     parser.add_argument("--tolerance", type=float, default=0.2)
     args = parser.parse_args(argv)

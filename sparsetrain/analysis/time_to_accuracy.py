@@ -20,7 +20,7 @@ For each completed run that trained (runs that did not are listed, never ranked)
 
 The alpha-beta parameters are either the cost model's defaults (``DEFAULT_ALPHA_S`` per message,
 ``beta = 1.062 x 8 / B``: TCP/IP framing on a link of B bit/s, no per-byte CPU floor) or a fit
-from ``scripts/bench_collectives.py`` (``costmodel.json``: alpha and the CPU floor of that
+from ``python -m sparsetrain.benchmarks.collectives`` (``costmodel.json``: alpha and the CPU floor of that
 cluster); the table says which. Assumptions, stated under every table: the steps to target are the
 run's own, measured at its worker count and global batch; at another worker count they are
 assumed unchanged (how the number of steps to an accuracy moves with the global batch is not
@@ -74,7 +74,7 @@ def default_model(alpha_s: float = DEFAULT_ALPHA_S) -> ExchangeModel:
 
 
 def fitted_model(path: str | Path) -> ExchangeModel:
-    """The collectives fitted by ``scripts/bench_collectives.py`` (``costmodel.json``): alpha and
+    """The collectives fitted by ``python -m sparsetrain.benchmarks.collectives`` (``costmodel.json``): alpha and
     the per-byte CPU floor of that cluster kept, the wire term set by the chosen bandwidth."""
     data = json.loads(Path(path).read_text())
     cols = {name: Collective(**data["collectives"][name]) for name in COLLECTIVES}

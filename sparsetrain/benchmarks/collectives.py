@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from sparsetrain import costmodel
 from sparsetrain.benchmarks import harness
 from sparsetrain.costmodel import Collective, CostModel, fit, scheme_costs
 
@@ -125,9 +126,7 @@ def model_from(fits: list[dict], rate_bits: float) -> dict[str, Collective]:
 
 
 def step_results(step_doc: dict) -> list[dict]:
-    """step.json's results with the cost model's scheme names (schema 2 rows renamed)."""
-    if step_doc.get("schema", 1) == 1:
-        return step_doc["results"]
+    """step.json's results with the cost model's scheme names (its rows renamed)."""
     out = []
     for r in step_doc["results"]:
         schemes = {STEP_ROWS.get(k, k): v for k, v in r["schemes"].items()
@@ -154,7 +153,7 @@ def check_and_map(fits, step_doc, fit_rate_bits, out: Path) -> dict:
     for coll, name in (("allreduce", "blockk"), ("allgather", "topk")):
         if name in s and coll in cm.collectives:
             c = cm.collectives[coll]
-            a_cnt, b_fac = __import__("sparsetrain.costmodel", fromlist=["terms"]).terms(coll, world)
+            a_cnt, b_fac = costmodel.terms(coll, world)
             meas = s[name]["phases_ms"].get("exchange", 0.0) / 1e3
             alpha = max(0.0, (meas - b_fac * cm.schemes[name].nbytes * c.beta) / a_cnt)
             insitu[coll] = Collective(coll, alpha, c.beta, c.rate_bits, floor_beta=c.floor_beta)

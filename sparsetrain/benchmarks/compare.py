@@ -4,7 +4,7 @@ Dense SGD, top-k, random-k and block-random-k at 1% (layer-wise, AllGather, erro
 Fashion-MNIST with ResNet-20 and 2 ranks, then one table: test accuracy, ms per phase, bytes
 sent per step, and the final train loss with a verdict: a run whose loss is not below ln 10 (a
 uniform guess) "did not train". Extra arguments are passed to every run as Hydra overrides, e.g.
-`python -m sparsetrain.benchmarks.compare train.epochs=3` (or `scripts/compare.py ...`) or `... data=synthetic train.max_steps=20`.
+`python -m sparsetrain.benchmarks.compare train.epochs=3` or `... data=synthetic train.max_steps=20`.
 """
 
 from __future__ import annotations

@@ -235,7 +235,7 @@ def main(argv=None) -> int:
     if args.no_cuda:
         args.device = "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench_compress.py: --device cuda: no CUDA GPU here (torch.cuda.is_available() is False)",
+        print("sparsetrain.benchmarks.compress: --device cuda: no CUDA GPU here (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     devices = [torch.device("cpu")] if args.device in ("auto", "cpu") else []

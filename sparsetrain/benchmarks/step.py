@@ -37,8 +37,7 @@ whether it is (the benchmark's own noise check).
 paper's 375 vs 273 ms), computed from the first rate's dense row (``harness.paper_rate``).
 
 Writes <out>/step.json (schema 2), step.csv, step.txt (the report) and step_vs_bandwidth.png.
-``--report`` re-renders them from a saved step.json, of either schema (the first pass's
-schema-1 files through ``step_v1``, byte-identical to what they were).
+``--report`` re-renders them from a saved step.json.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-from sparsetrain.benchmarks import harness, step_v1
+from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.stats import (
     LEVEL,
     Interval,
@@ -75,20 +74,16 @@ ROWS = {
     "blockk_ar": ["scheme=blockk", "aggregation=allreduce"],
     "ddp": ["scheme=none"],
 }
-# the first pass's names: a scheme alone means every aggregation the studies train it with
-ALIASES = {"topk": ["topk_ag"], "randk": ["randk_ag", "randk_ar"], "blockk": ["blockk_ag", "blockk_ar"]}
 PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "skew", "optimizer")
 
 
 def parse_rows(text: str) -> list[str]:
     out = []
-    for name in (s.strip() for s in text.split(",")):
-        for row in ALIASES.get(name, [name] if name else []):
-            if row not in ROWS:
-                raise SystemExit(f"--schemes: unknown row {row!r}; known: {', '.join(ROWS)} "
-                                 f"(or {', '.join(ALIASES)} for all of a scheme's rows)")
-            if row not in out:
-                out.append(row)
+    for row in (s.strip() for s in text.split(",")):
+        if row and row not in ROWS:
+            raise SystemExit(f"--schemes: unknown row {row!r}; known: {', '.join(ROWS)}")
+        if row and row not in out:
+            out.append(row)
     return out
 
 
@@ -349,16 +344,11 @@ def write_outputs(results: list[dict], out: Path) -> None:
 
 
 def render(doc: dict, out: Path) -> str:
-    """The report of a saved step.json of either schema; rewrites its outputs into ``out``."""
+    """The report of a saved step.json; rewrites its outputs into ``out``."""
+    if doc.get("schema") != SCHEMA:
+        raise SystemExit(f"--report: schema {doc.get('schema')!r} is not supported; this version reads "
+                         f"schema {SCHEMA} (rerun the benchmark)")
     results = doc["results"]
-    if doc.get("schema", 1) == 1:  # the first pass: its own tables, byte for byte
-        text = step_v1.table(results) + "\n" + "\n".join(
-            f"goals at {r['meta']['rate']} ({r['meta']['label']}): " + ", ".join(
-                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in step_v1.goals(r).items())
-            for r in results)
-        step_v1.write_outputs(results, out)
-        return text + ("\n(schema 1: the first pass, one run per scheme, no intervals; random-k and "
-                       "block-k with AllReduce only; not comparable with the accuracy studies' AllGather)")
     write_outputs(results, out)
     return report(results)
 
@@ -376,7 +366,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--burst", default=None, help="tbf burst (default: netcluster's, max(96 KiB, 1 ms at the rate))")
     ap.add_argument("--batch", type=int, default=8, help="images per rank per step")
-    ap.add_argument("--rounds", "--passes", dest="rounds", type=int, default=9,
+    ap.add_argument("--rounds", dest="rounds", type=int, default=9,
                     help="interleaved rounds (>= 5; >= 6 for a 95%% interval; 9 gives [x(2), x(8)])")
     ap.add_argument("--visits", type=int, default=None,
                     help="visit the rates this many times in turn, each time for its share of the "
@@ -398,7 +388,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(harness.REPO / "results" / "bench"))
     ap.add_argument("--rate-timeout", type=float, default=7200)
     ap.add_argument("--report", default=None, metavar="STEP_JSON",
-                    help="print the tables of a saved step.json (either schema) and redraw its outputs into --out")
+                    help="print the tables of a saved step.json and redraw its outputs into --out")
     a = ap.parse_args(argv)
     if a.report:
         print(render(json.loads(Path(a.report).read_text()), Path(a.out)))

@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", default=None, help="file name prefix (default gpu on CUDA, cpu on CPU)")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
-        print("bench_step_device.py: --device cuda: no CUDA GPU here (torch.cuda.is_available() is False)",
+        print("sparsetrain.benchmarks.step_device: --device cuda: no CUDA GPU here (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
     if a.threads:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from sparsetrain.config import CONF_DIR, check_group_overrides, register, validate
 from sparsetrain.errors import CheckpointError, ConfigError, one_line_error, print_error
-from sparsetrain.launch.env import env_rank, launcher_of, under_torchrun
+from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
 from sparsetrain.results import (
     SUMMARY,
     RunWriter,
@@ -52,6 +52,7 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
 
     try:
         validate(cfg)
+        check_launch_environment(cfg.world_size, os.environ)  # world_size vs torchrun / SLURM
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     except ConfigError as exc:
         if is_rank0:

@@ -4,7 +4,6 @@
         .venv/bin/python -m sparsetrain.run world_size=4 ...
     sudo .venv/bin/python -m sparsetrain.launch.netcluster cleanup   # leftovers of killed runs
 
-(``scripts/netns_cluster.py`` and ``scripts/netns_cluster.sh`` are the same program.)
 
 Topology (per invocation, names start with a unique prefix, default st<pid>):
 
