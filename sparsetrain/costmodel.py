@@ -160,22 +160,24 @@ class SchemeCost:
     world_ref: int = 1
 
 
-def scheme_costs(numel: int, ratio: float, measured: dict | None = None, world_ref: int = 4) -> dict[str, SchemeCost]:
-    """Wire bytes of the four schemes (layer-wise k summed like the trainer: here ratio x numel)
-    and their local costs from ``measured[scheme] = {"compress": ms, "decompress": ms}``."""
-    k = max(1, round(ratio * numel))
+def scheme_costs(sent: dict[str, tuple[str, float]], measured: dict | None = None,
+                 world_ref: int = 4) -> dict[str, SchemeCost]:
+    """The schemes' costs: ``sent[scheme] = (collective, bytes per worker per step)`` as the
+    built reducer reports them (``bytes_sent_per_step``: the model never counts bytes itself),
+    local costs from ``measured[scheme] = {"compress": ms, "decompress": ms}`` at ``world_ref``
+    workers. With AllGather the decompression is per received payload, so it grows with workers."""
     m = measured or {}
 
     def mc(s, key):
         return float(m.get(s, {}).get(key, 0.0))
 
-    return {
-        "dense": SchemeCost("dense", "allreduce", 4 * numel, 0.0, mc("dense", "decompress"), 0.0, world_ref),
-        "topk": SchemeCost("topk", "allgather", 8 * k, mc("topk", "compress"), mc("topk", "decompress"),
-                           mc("topk", "decompress") / max(world_ref, 1), world_ref),
-        "randk": SchemeCost("randk", "allreduce", 4 * k, mc("randk", "compress"), mc("randk", "decompress"), 0.0, world_ref),
-        "blockk": SchemeCost("blockk", "allreduce", 4 * k, mc("blockk", "compress"), mc("blockk", "decompress"), 0.0, world_ref),
-    }
+    out = {}
+    for name, (collective, nbytes) in sent.items():
+        per_payload = mc(name, "decompress") / max(world_ref, 1) if collective == "allgather" else 0.0
+        compress = 0.0 if name == "dense" else mc(name, "compress")
+        out[name] = SchemeCost(name, collective, float(nbytes), compress, mc(name, "decompress"),
+                               per_payload, world_ref)
+    return out
 
 
 @dataclass

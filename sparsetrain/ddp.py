@@ -48,7 +48,6 @@ from sparsetrain.comm import SparseReducer, build_reducer, check_combination
 from sparsetrain.compress import (
     Layout,
     compressed_first,
-    k_for,
     parse_uncompressed,
     step_seed,
     uncompressed_flags,
@@ -341,10 +340,15 @@ def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
     return total
 
 
-def hook_numel(shapes, ratio: float) -> int:
-    """Entries the layer-wise hook sends with the default rule (1-D tensors whole): k_i per
-    n-D tensor."""
-    return sum(math.prod(s) if len(s) <= 1 else k_for(ratio, math.prod(s)) for s in shapes)
+def hook_numel(shapes, ratio: float, uncompressed="1d") -> int:
+    """Entries the layer-wise hook sends per step at ``ratio`` (k_i per compressed tensor, the
+    whole tensors of ``uncompressed``), as the reducer it builds counts them."""
+    flags = uncompressed_flags(shapes, parse_uncompressed(uncompressed))
+    order = compressed_first(flags)
+    red = build_reducer("blockk", "layerwise", "allreduce", ratio,
+                        Layout.from_sizes(math.prod(shapes[i]) for i in order),
+                        world_size=1, rank=0, seed=0, uncompressed=[flags[i] for i in order])
+    return red.entries_sent
 
 
 def matched_powersgd_rank(shapes, ratio: float) -> int:

@@ -60,8 +60,10 @@ def test_at_rate_keeps_alpha_and_cpu_part():
 def test_scheme_bytes_and_step_prediction():
     numel, ratio = 11_173_962, 0.01
     k = round(ratio * numel)
-    sc = scheme_costs(numel, ratio, {"blockk": {"compress": 5.0, "decompress": 3.0},
-                                     "topk": {"compress": 30.0, "decompress": 4.0}}, world_ref=4)
+    sent = {"dense": ("allreduce", 4 * numel), "topk": ("allgather", 8 * k), "randk": ("allreduce", 4 * k),
+            "blockk": ("allreduce", 4 * k)}
+    sc = scheme_costs(sent, {"blockk": {"compress": 5.0, "decompress": 3.0},
+                             "topk": {"compress": 30.0, "decompress": 4.0}}, world_ref=4)
     assert sc["dense"].nbytes == 4 * numel and sc["dense"].collective == "allreduce"
     assert sc["topk"].nbytes == 8 * k and sc["topk"].collective == "allgather"
     assert sc["blockk"].nbytes == sc["randk"].nbytes == 4 * k
@@ -77,7 +79,8 @@ def test_scheme_bytes_and_step_prediction():
 
 
 def test_break_even_direction():
-    sc = scheme_costs(10**7, 0.01, {"blockk": {"compress": 5.0, "decompress": 3.0}})
+    sc = scheme_costs({"dense": ("allreduce", 4e7), "blockk": ("allreduce", 4e5)},
+                      {"blockk": {"compress": 5.0, "decompress": 3.0}})
     col = {"allreduce": Collective("allreduce", 1e-5, WIRE_OVERHEAD * 8 / 1e9, 1e9),
            "allgather": Collective("allgather", 1e-5, WIRE_OVERHEAD * 8 / 1e9, 1e9)}
     cm = CostModel(col, compute_ms=100.0, schemes=sc)
@@ -98,3 +101,19 @@ def test_wire_bytes_ring(world, allreduce, allgather):
     # the same byte term the model times the exchange with
     assert allreduce_time(1000, world, 0.0, 1.0) == pytest.approx(allreduce)
     assert allgather_time(1000, world, 0.0, 1.0) == pytest.approx(allgather)
+
+
+def test_the_model_takes_bytes_from_the_built_reducer():
+    """make figures' cost-model check uses the bytes each benchmark row's reducer sent (step.json),
+    not ratio x numel: block-k AllReduce sends its k values and the whole 1-D tensors."""
+    import json
+    from pathlib import Path
+
+    from sparsetrain.benchmarks.collectives import COLLECTIVE, step_results
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "results" / "bench" / "step.json").read_text())
+    s = step_results(doc)[0]["schemes"]
+    sent = {name: (COLLECTIVE[name], s[name]["bytes_sent_per_step"]) for name in COLLECTIVE}
+    sc = scheme_costs(sent)
+    assert sc["blockk"].nbytes == 485_020 and sc["topk"].nbytes == 931_600  # as sent, 1-D whole
+    assert sc["dense"].nbytes == 4 * 11_173_962 and sc["topk"].collective == "allgather"

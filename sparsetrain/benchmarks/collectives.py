@@ -34,8 +34,10 @@ from sparsetrain.benchmarks import harness
 from sparsetrain.costmodel import Collective, CostModel, fit, scheme_costs
 
 REPO = harness.REPO
-# step.json rows (schema 2) as the cost model's schemes: random-k and block-k modelled with AllReduce
+# step.json rows as the cost model's schemes (random-k and block-k modelled with AllReduce) and
+# the collective that carries each
 STEP_ROWS = {"topk_ag": "topk", "randk_ar": "randk", "blockk_ar": "blockk"}
+COLLECTIVE = {"dense": "allreduce", "topk": "allgather", "randk": "allreduce", "blockk": "allreduce"}
 
 
 def worker(a) -> None:
@@ -139,12 +141,14 @@ def check_and_map(fits, step_doc, fit_rate_bits, out: Path) -> dict:
     results = step_results(step_doc)
     ref = min(results, key=lambda r: abs(r["meta"]["rate_bits"] - fit_rate_bits))
     meta, s = ref["meta"], ref["schemes"]
-    world, numel, ratio = meta["world_size"], meta["numel"], meta["ratio"]
+    world = meta["world_size"]
     # compute-only step: the median over all rates (the load on a shared box drifts between rates)
     compute = statistics.median(r["schemes"]["compute"]["step_ms"] for r in results if "compute" in r["schemes"])
     measured = {name: {"compress": s[name]["phases_ms"].get("compress", 0.0),
                        "decompress": s[name]["phases_ms"].get("decompress", 0.0)} for name in s}
-    cm = CostModel(model_from(fits, fit_rate_bits), compute, scheme_costs(numel, ratio, measured, world))
+    # bytes as each row's built reducer sent them (step.json), never recounted here
+    sent = {name: (COLLECTIVE[name], s[name]["bytes_sent_per_step"]) for name in COLLECTIVE if name in s}
+    cm = CostModel(model_from(fits, fit_rate_bits), compute, scheme_costs(sent, measured, world))
     # In-situ latency: on this oversubscribed box a small collective inside a training step costs
     # more than in the idle micro-benchmark (OS scheduling of 4 ranks + background load on 2 cores).
     # Calibrate alpha per collective from the sparse schemes' exchange at the fit rate only; the

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from sparsetrain.benchmarks.stats import COMPUTE, median_interval, paired_ratio
+from sparsetrain.costmodel import wire_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 PAPER_SHARE = 0.27  # exchange / step for dense in the paper: (375 - 273) / 375
@@ -34,8 +35,8 @@ def rate_str(bits: float) -> str:
 
 
 def dense_wire_bits(numel: int, world: int) -> float:
-    """Bits one rank sends in a ring AllReduce of numel float32: 2(N-1)/N x 4 numel bytes."""
-    return 2 * (world - 1) / world * numel * 4 * 8
+    """Bits one rank sends in a ring AllReduce of numel float32 (``costmodel.wire_bytes``)."""
+    return 8 * wire_bytes("allreduce", 4 * numel, world)
 
 
 def paper_rate(first: dict) -> float:

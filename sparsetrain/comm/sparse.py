@@ -95,6 +95,7 @@ class SparseReducer:
         esize = torch.empty((), dtype=dtype).element_size()
         k, num_positions = compressor.k, compressor.num_positions
         num_values = k + self.uncompressed_numel  # sparse values, then the whole tensors
+        self.entries_sent = num_values  # per step once compression runs, whole tensors included
         self.density = num_values / self.numel
         self.pos_dtype = torch.int32 if compressor.max_position < 2**31 else torch.int64
         psize = torch.empty((), dtype=self.pos_dtype).element_size()
