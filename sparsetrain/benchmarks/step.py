@@ -125,7 +125,7 @@ def worker(a) -> None:
             flat, _, reducer = exchange_from_config(cfg, model, world_size=world, rank=rank)
             sent = reducer.bytes_sent_per_step
             if name == "compute":
-                reducer.detach() if hasattr(reducer, "detach") else None
+                reducer.detach()
                 reducer, sent = None, 0
         opt = optimizer_from_config(cfg, model)
         timer = PhaseTimer("cpu", warmup_steps=warmup)
@@ -137,7 +137,7 @@ def worker(a) -> None:
         if measure_mem:
             res["peak_rss_mb"] = harness.rss_mb("VmHWM")
             res["peak_growth_mb"] = res["peak_rss_mb"] - rss0
-        if hasattr(reducer, "detach"):
+        if reducer is not None:
             reducer.detach()
         del net, model, opt, reducer, flat, run_step
         return res

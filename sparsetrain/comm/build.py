@@ -1,5 +1,6 @@
-"""From a scheme, scope, aggregation and ratio to a flat buffer and its reducer; the one place
-that says which combinations are allowed (``check_combination``, also used by config.validate).
+"""From a scheme, scope, aggregation and ratio to a flat buffer and its reducer. Which
+combinations are allowed is ``comm.rules``' to say (``check_combination``, also used by
+config.validate).
 """
 
 from __future__ import annotations

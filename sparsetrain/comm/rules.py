@@ -33,8 +33,6 @@ def check_combination(scheme: str, scope: str, aggregation: str, ratio: float) -
     get_compressor(scheme)  # raises for an unknown scheme, listing the known ones
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is not allowed; allowed: {', '.join(SCOPES)}")
-    if aggregation not in AGGREGATIONS:
-        check_aggregation(scheme, aggregation)
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio={ratio!r} is not allowed; allowed: a number in (0, 1]")
     check_aggregation(scheme, aggregation)

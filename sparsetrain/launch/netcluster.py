@@ -26,7 +26,7 @@ TORCHELASTIC_* from torchrun's c10d rendezvous across the namespaces, exactly as
 the rendezvous numbers nodes by address, so rank r runs in namespace r (up to 9 nodes; beyond, in
 the addresses' string order). netcluster adds only what a node's environment would hold:
 GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME / TP_SOCKET_IFNAME (the namespace's veth), ST_NETNS_*
-(name, interface, address, node, rate, delay, prefix) and SPARSETRAIN_LAUNCHER=external. Output
+(name, interface, address, node, rate, delay, prefix). Output
 lines are prefixed with `[rN]` (N: the namespace).
 
 When a node's torchrun exits non-zero (its worker failed) the other nodes get SIGTERM, then
@@ -333,7 +333,6 @@ def node_env(cl: Cluster, node: int, base: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     env.update(
         {
-            "SPARSETRAIN_LAUNCHER": "external",
             "GLOO_SOCKET_IFNAME": cl.inner(node),
             "NCCL_SOCKET_IFNAME": cl.inner(node),
             "TP_SOCKET_IFNAME": cl.inner(node),
