@@ -4,22 +4,23 @@
 
 4 ranks (default) on a netcluster (one torchrun node per tc-shaped network namespace, through
 ``harness.run_on_cluster``), ResNet-18 (CIFAR variant) shapes, synthetic data, batch 8 per rank, one
-thread per rank. Configurations:
+thread per rank. Configurations, each a list of config overrides (``CONFIGS``) built by the
+trainer's own builder (``train.components.exchange_from_config``): what ``dist.ddp=true`` trains,
+with DDP's buffers left unsynchronised and its buckets settled before step 0 as the trainer does:
 
   compute         forward + backward + optimizer, no exchange (the floor)
   ddp             torch DDP, its own AllReduce (25 MB buckets, overlapped with backward)
   ddp_fp16        DDP + torch's fp16_compress_hook
   ddp_powersgd    DDP + torch's PowerSGD hook (error feedback, warm start) at the rank whose
                   bytes come closest to the block-k hook's (1% + the whole 1-D tensors), in one
-                  DDP bucket: with several, PowerSGD on gloo fails (it starts its second AllReduce
-                  from a future callback, so ranks can issue collectives in different orders:
-                  "Received data size doesn't match expected size"); so it does not overlap
-                  backward here
+                  DDP bucket on gloo as in training (train.ddp_exchange: with several, PowerSGD on
+                  gloo can issue collectives in different orders across ranks); so it does not
+                  overlap backward here
   ddp_blockk      DDP + sparsetrain.ddp hook: block-random-k 1%, layer-wise, AllReduce
   ddp_randk       DDP + sparsetrain.ddp hook: random-k 1%, layer-wise, AllReduce
   ddp_topk        DDP + sparsetrain.ddp hook: top-k 1%, layer-wise, AllGather
-  reducer_blockk  sparsetrain's own reducer (build_exchange, block-k 1%, layer-wise, AllReduce)
-                  after backward, as the trainer runs it
+  reducer_blockk  sparsetrain's own reducer (block-k 1%, layer-wise, AllReduce) after
+                  backward, as the trainer runs it
 
 Every configuration is rebuilt and timed with the trainer's step (``train.step.TrainStep``;
 DDP's own ``.grad`` tensors, or sparsetrain's reducer after backward) once per round, in a
@@ -54,76 +55,67 @@ from pathlib import Path
 from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.stats import median_interval, round_order  # noqa: F401  (re-exported)
 from sparsetrain.benchmarks.tables import grid, num
-from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
+from sparsetrain.ddp import matched_powersgd_rank
 
-CONFIGS = ("compute", "ddp", "ddp_fp16", "ddp_powersgd", "ddp_blockk", "ddp_randk", "ddp_topk",
-           "reducer_blockk")
-HOOKS = {"ddp_blockk": ("blockk", "allreduce"), "ddp_randk": ("randk", "allreduce"),
-         "ddp_topk": ("topk", "allgather")}
+# configuration -> the config overrides that build it (on top of experiment=cpu_scale,
+# model=resnet18, ratio=--ratio): every one through train.components.exchange_from_config, the
+# trainer's own builder, so that each times exactly what training with those keys runs
+CONFIGS = {
+    "compute": ["scheme=none", "dist.overlap=false"],  # the model and buffer, no exchange
+    "ddp": ["scheme=none", "dist.ddp=true"],
+    "ddp_fp16": ["scheme=fp16", "dist.ddp=true"],
+    "ddp_powersgd": ["scheme=powersgd", "dist.ddp=true"],
+    "ddp_blockk": ["scheme=blockk", "aggregation=allreduce", "dist.ddp=true"],
+    "ddp_randk": ["scheme=randk", "aggregation=allreduce", "dist.ddp=true"],
+    "ddp_topk": ["scheme=topk", "aggregation=allgather", "dist.ddp=true"],
+    "reducer_blockk": ["scheme=blockk", "aggregation=allreduce"],
+}
 
 
 # ------------------------------------------------------------------------------------ worker
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from sparsetrain.comm import build_exchange
-    from sparsetrain.ddp import SparseHookState, sparse_hook
-    from sparsetrain.models import build_model, param_groups_for_weight_decay
     from sparsetrain.timing import PhaseTimer
+    from sparsetrain.train.components import exchange_from_config, optimizer_from_config
     from sparsetrain.train.step import TrainStep
 
     rank, world = harness.init_worker(a.threads)
     gen = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(a.batch, 3, 32, 32, generator=gen)
     y = torch.randint(0, 10, (a.batch,), generator=gen)
-    shapes = [tuple(p.shape) for p in build_model("resnet18", 3, 10).parameters()]
+    base = ["experiment=cpu_scale", "model=resnet18", f"ratio={a.ratio}"]
+    unknown = [c for c in a.configs if c not in CONFIGS]
+    if unknown:
+        raise SystemExit(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
+    cfgs = {name: harness.study_config(base + CONFIGS[name], world) for name in {*a.configs, "ddp"}}
+    shapes = [tuple(p.shape) for p in harness.model_from_config(cfgs["ddp"]).parameters()]
     numel = sum(math.prod(s) for s in shapes)
-    psgd_rank = matched_powersgd_rank(shapes, a.ratio)
+    psgd_rank = matched_powersgd_rank(shapes, a.ratio)  # what scheme=powersgd picks (scheme.rank=null)
 
     def run_config(name: str, steps: int) -> tuple[list[float], dict, int]:
         gc.collect()
-        torch.manual_seed(0)
-        model = build_model("resnet18", 3, 10)
-        net, flat, reducer, sent, hook_state = model, None, None, 4 * numel, None
+        cfg = cfgs[name]
+        model = harness.model_from_config(cfg)
+        ex = exchange_from_config(cfg, model, world_size=world, rank=rank)
+        net, flat, reducer = ex.net, ex.flat, ex.reducer
+        if cfg.dist.ddp:  # DDP settles its buckets (and the hook plans them) before step 0
+            reducer.settle(x)
         if name == "compute":
-            sent = 0
-        elif name == "reducer_blockk":
-            flat, _, reducer = build_exchange(model.parameters(), "blockk", "layerwise", "allreduce",
-                                              a.ratio, world_size=world, rank=rank, seed=0)
-            sent = reducer.bytes_sent_per_step
-        elif name.startswith("ddp"):
-            # PowerSGD in one bucket: it starts its second AllReduce from a future callback, so with
-            # several buckets gloo ranks can issue collectives in different orders (size mismatch)
-            net = DDP(model, bucket_cap_mb=a.powersgd_bucket_mb) if name == "ddp_powersgd" else DDP(model)
-            if name == "ddp_fp16":
-                net.register_comm_hook(None, default_hooks.fp16_compress_hook)
-                sent = 2 * numel
-            elif name == "ddp_powersgd":
-                state = powerSGD_hook.PowerSGDState(
-                    process_group=None, matrix_approximation_rank=psgd_rank, start_powerSGD_iter=2,
-                    use_error_feedback=True, warm_start=True)
-                net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-                sent = 4 * powersgd_numel(shapes, psgd_rank)
-            elif name in HOOKS:
-                scheme, agg = HOOKS[name]
-                hook_state = SparseHookState(net, scheme, "layerwise", agg, a.ratio, seed=0)
-                net.register_comm_hook(hook_state, sparse_hook)
-        elif name != "ddp":
-            raise SystemExit(f"unknown configuration {name!r}; known: {', '.join(CONFIGS)}")
-        opt = torch.optim.SGD(param_groups_for_weight_decay(model, 1e-4), lr=0.01, momentum=0.9,
-                              nesterov=True)
+            reducer.detach()
+            reducer = None
+        opt = optimizer_from_config(cfg, model)
         timer = PhaseTimer("cpu", warmup_steps=a.warmup)
         # warm-up >= 2: DDP rebuilds its buckets after iteration 0, PowerSGD compresses from 2 on
         run_step = TrainStep(net, opt, reducer, flat, timer, "cpu")
         batches = ((x.clone(), y.clone()) for _ in itertools.count())
         times = harness.timed_steps(run_step, batches, a.warmup, steps)
-        if hook_state is not None:
-            sent = hook_state.bytes_sent_per_step
+        sent = 0 if reducer is None else reducer.bytes_sent_per_step
         dist.barrier()
         phases = timer.means()
+        if reducer is not None:
+            reducer.detach()
         del net, model, opt, reducer, flat, run_step
         return times, phases, sent
 
@@ -193,9 +185,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--powersgd-bucket-mb", type=float, default=1000.0,
-                    help="DDP bucket size for ddp_powersgd (default: one bucket; with several, torch's "
-                         "PowerSGD hook on gloo fails with a collective size mismatch)")
     ap.add_argument("--out", default=str(harness.REPO / "results" / "bench"))
     ap.add_argument("--rate-timeout", type=float, default=3600)
     a = ap.parse_args(argv)
@@ -212,8 +201,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     worker_cmd = [sys.executable, "-m", "sparsetrain.benchmarks.ddp", "--worker", "--batch", str(a.batch),
                   "--rounds", str(a.rounds), "--steps", str(a.steps), "--warmup", str(a.warmup),
-                  "--threads", str(a.threads), "--ratio", str(a.ratio), "--configs", ",".join(a.configs),
-                  "--powersgd-bucket-mb", str(a.powersgd_bucket_mb)]
+                  "--threads", str(a.threads), "--ratio", str(a.ratio), "--configs", ",".join(a.configs)]
     results, paper = [], a.paper_rate
     for i, label in enumerate(r.strip() for r in a.rates.split(",") if r.strip()):
         rate = label

@@ -72,7 +72,7 @@ ROWS = {
     "randk_ar": ["scheme=randk", "aggregation=allreduce"],
     "blockk_ag": ["scheme=blockk", "aggregation=allgather"],
     "blockk_ar": ["scheme=blockk", "aggregation=allreduce"],
-    "ddp": ["scheme=none"],
+    "ddp": ["scheme=none", "dist.ddp=true"],
 }
 PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "skew", "optimizer")
 
@@ -91,7 +91,6 @@ def parse_rows(text: str) -> list[str]:
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from sparsetrain.timing import PhaseTimer
     from sparsetrain.train.components import exchange_from_config, optimizer_from_config
@@ -116,17 +115,14 @@ def worker(a) -> None:
         cfg = cfgs[name]
         model = harness.model_from_config(cfg)
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        flat = reducer = None
-        if name == "ddp":
-            net = DDP(model)  # its own .grad tensors, exchanged inside backward
-            sent = 4 * numel
-        else:
-            net = model
-            flat, _, reducer = exchange_from_config(cfg, model, world_size=world, rank=rank)
-            sent = reducer.bytes_sent_per_step
-            if name == "compute":
-                reducer.detach()
-                reducer, sent = None, 0
+        ex = exchange_from_config(cfg, model, world_size=world, rank=rank)
+        net, flat, reducer = ex.net, ex.flat, ex.reducer
+        if cfg.dist.ddp:  # DDP's own AllReduce inside backward, as dist.ddp=true trains
+            reducer.settle(x)
+        sent = reducer.bytes_sent_per_step
+        if name == "compute":  # the same model and buffer, no exchange
+            reducer.detach()
+            reducer, sent = None, 0
         opt = optimizer_from_config(cfg, model)
         timer = PhaseTimer("cpu", warmup_steps=warmup)
         run_step = TrainStep(net, opt, reducer, flat, timer, "cpu",

@@ -1,25 +1,40 @@
 """The exchange and the optimizer built from a composed config: one definition for the trainer
-and every benchmark, so that what a benchmark times is what training runs."""
+and every benchmark row (a list of config overrides), so that what a benchmark times is what
+training runs, the DDP path (``dist.ddp=true``) included."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hydra.utils import instantiate
 
-from sparsetrain.comm import build_exchange
+from sparsetrain.comm import Reducer, build_exchange
 from sparsetrain.models import param_groups_for_weight_decay
+from sparsetrain.train.ddp_exchange import DDPExchange
+
+
+@dataclass
+class Exchange:
+    """What the train step runs: ``net`` (the model, or the DDP model wrapping it), the flat
+    gradient buffer (None under DDP: the parameters keep their own ``.grad``), the parameters in
+    buffer order and the reducer (``DDPExchange`` under DDP: call its ``settle`` before step 0)."""
+
+    net: torch.nn.Module
+    flat: torch.Tensor | None
+    params: list
+    reducer: Reducer
 
 
 def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, rank: int,
-                         device="cpu"):
-    """The flat gradient buffer (each ``.grad`` a view into it) and its reducer for ``model``:
-    scheme, scope, aggregation, ratio, ``scheme.uncompressed``, error feedback, block size,
-    warm-up steps, seed, the scheme's compressor node and ``dist.overlap``.
-
-    Returns ``(flat, params_in_buffer_order, reducer)``.
-    """
+                         device="cpu") -> Exchange:
+    """The exchange for ``model``: scheme, scope, aggregation, ratio, ``scheme.uncompressed``,
+    error feedback, block size, warm-up steps, seed, the scheme's compressor node,
+    ``dist.overlap``; with ``dist.ddp`` the model in DDP with the scheme's hook."""
+    if cfg.dist.ddp:
+        red = DDPExchange(cfg, model, device=torch.device(device))
+        return Exchange(red.net, None, list(model.parameters()), red)
     params = [p for p in model.parameters() if p.requires_grad]
     compressor = instantiate(cfg.scheme.compressor) if cfg.scheme.get("compressor") else None
     flat, params, reducer = build_exchange(
@@ -29,7 +44,7 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
         warmup_steps=cfg.scheme.warmup_steps, compressor=compressor)
     if cfg.dist.overlap:
         reducer.attach(params, flat)
-    return flat, params, reducer
+    return Exchange(model, flat, params, reducer)
 
 
 def optimizer_from_config(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:

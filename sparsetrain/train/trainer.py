@@ -82,13 +82,10 @@ class Trainer:
         # the scheme's class with its options, built once the buffer's layout is known.
         # dist.ddp: the model in torch DDP, the exchange in a communication hook during backward
         # (train.ddp_exchange); the step then runs the DDP model and keeps per-parameter .grad.
-        net = self.model
-        if cfg.dist.ddp:
-            self.reducer = DDPExchange(cfg, self.model, device=self.device)
-            self.flat_grad, self.params, net = None, list(self.model.parameters()), self.reducer.net
-        else:
-            self.flat_grad, self.params, self.reducer = exchange_from_config(
-                cfg, self.model, world_size=info.world_size, rank=info.rank, device=self.device)
+        exchange = exchange_from_config(cfg, self.model, world_size=info.world_size, rank=info.rank,
+                                        device=self.device)
+        net, self.flat_grad, self.params, self.reducer = (exchange.net, exchange.flat, exchange.params,
+                                                          exchange.reducer)
         self.num_parameters = self.reducer.numel
         self.optimizer = optimizer_from_config(cfg, self.model)
         self.loader = ShardedLoader(
