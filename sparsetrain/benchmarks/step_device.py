@@ -1,11 +1,12 @@
 """Step time by phase on one device, one rank: dense vs every scheme and scope.
 
 ResNet-18 (CIFAR variant, 11,173,962 parameters) on synthetic CIFAR-shaped batches, timed with
-the trainer's own step (``sparsetrain.train.step.TrainStep``) over the flat gradient buffer and
-reducer of ``sparsetrain.comm.build_exchange`` (world_size 1: no process group, so "exchange" is what a
-rank does around its collective: nothing for AllReduce, the send-to-receive copy for AllGather),
-``PhaseTimer`` (on CUDA the device is synchronised at phase boundaries only) and SGD with
-Nesterov momentum. Rows: dense (``scheme=none``) and top-k (AllGather), random-k and block-k
+the trainer's own step (``sparsetrain.train.step.TrainStep``) over the flat gradient buffer,
+reducer and optimizer the trainer builds from the studies' config (``experiment=cpu_scale`` with
+the row's scheme, scope and aggregation; ``train.components``; world_size 1: no process group, so
+"exchange" is what a rank does around its collective: nothing for AllReduce, the send-to-receive
+copy for AllGather) and ``PhaseTimer`` (on CUDA the device is synchronised at phase boundaries
+only). Rows: dense (``scheme=none``) and top-k (AllGather), random-k and block-k
 (shared seed, AllReduce), each layer-wise and global, 1% kept, error feedback on. Per row:
 median step over the timed steps, mean ms per phase, the phases' sum over the step, and peak
 memory (CUDA: ``max_memory_allocated`` reset per row; CPU: not measured).
@@ -29,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.harness import REPO
-from sparsetrain.comm import build_exchange
-from sparsetrain.models import build_model, param_groups_for_weight_decay
 from sparsetrain.timing import PHASES, PhaseTimer
+from sparsetrain.train.components import exchange_from_config, optimizer_from_config
 from sparsetrain.train.step import TrainStep
 
 ROWS = [("none", "layerwise", "allreduce")] + [
@@ -54,12 +55,12 @@ def time_row(scheme, scope, agg, device, a) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(0)
-    model = build_model(a.model, 3, 10).to(device)
-    flat, params, reducer = build_exchange(model.parameters(), scheme, scope, agg, a.ratio,
-                                           device=device, world_size=1, rank=0, seed=0)
-    opt = torch.optim.SGD(param_groups_for_weight_decay(model, 5e-4), lr=0.01, momentum=0.9,
-                          nesterov=True)
+    cfg = harness.study_config(["experiment=cpu_scale", f"model={a.model}", f"ratio={a.ratio}",
+                                f"scheme={scheme}", f"scope={scope}", f"aggregation={agg}"], 1)
+    model = harness.model_from_config(cfg).to(device)
+    ex = exchange_from_config(cfg, model, world_size=1, rank=0, device=device)
+    flat, reducer = ex.flat, ex.reducer
+    opt = optimizer_from_config(cfg, model)
     gen = torch.Generator().manual_seed(1)
     host_x = torch.randn(a.batch, 3, 32, 32, generator=gen)
     host_y = torch.randint(0, 10, (a.batch,), generator=gen)
