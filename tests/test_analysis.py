@@ -540,12 +540,13 @@ def test_cli_writes_and_prints(results, tmp_path):
     assert (tmp_path / "two" / "rq5_speed" / "rq5_speed.tex").is_file()
 
 
-def test_cli_all_tables_for_unknown_experiment(tmp_path):
+def test_cli_one_runs_table_for_unknown_experiment_and_a_study_on_request(tmp_path):
     write_sweep(tmp_path / "adhoc", {"scheme": "none,blockk", "seed": "0,1"}, experiment="", fixed={})
     proc = _cli(tmp_path / "adhoc", "--out", tmp_path / "o")
     assert proc.returncode == 0, proc.stderr
-    for name in sa.TABLES:
-        assert (tmp_path / "o" / f"{name}.md").is_file(), name
+    assert sorted(p.name for p in (tmp_path / "o").glob("*.md")) == ["runs.md", "status.md"]
+    asked = _cli(tmp_path / "adhoc", "--study", "rq1_scope", "--out", tmp_path / "s")
+    assert asked.returncode == 0 and (tmp_path / "s" / "rq1_scope.md").is_file(), asked.stderr
 
 
 def test_cli_where_keeps_the_slice_and_dense(results, tmp_path):
@@ -611,7 +612,7 @@ def test_cli_exit_codes(tmp_path):
 
 def test_cli_strict_fails_on_missing(results, tmp_path):
     proc = _cli(results / "rq1_scope", "--out", tmp_path / "o", "--strict")
-    assert proc.returncode == 3 and "2 runs did not complete" in proc.stderr
+    assert proc.returncode == 3 and "2 runs are not in the numbers (1 failed, 1 absent)" in proc.stderr
     proc = _cli(results / "rq3_aggregation", "--out", tmp_path / "o3", "--strict")
     assert proc.returncode == 0, proc.stderr
 
@@ -791,3 +792,30 @@ def test_paper_findings_cover_every_research_question():
     for finding in sa.FINDINGS:
         for comparison in finding.comparisons:
             assert comparison.expect in (">", "=") and comparison.a != comparison.b
+
+
+def test_ones_own_sweep_gets_one_table_its_untrained_runs_plotted_and_a_true_warning(tmp_path):
+    """Issue 26, item 6: a 3-point sweep of no study gets one table of its configurations (not
+    every study's), the epochs its runs really ran, runs that completed but did not train named
+    as such and drawn (dashed) in the plots, and --studies on such a tree writes the same."""
+    sweep = write_sweep(tmp_path / "mine" / "sweep", {"scheme": "topk,randk,blockk"}, "mine")
+    capped = json.loads((sweep / "0" / "summary.json").read_text())
+    (sweep / "0" / "summary.json").write_text(json.dumps({**capped, "epochs": 2.5}))  # max_steps
+    bad = json.loads((sweep / "2" / "summary.json").read_text())
+    (sweep / "2" / "summary.json").write_text(json.dumps({**bad, "train_loss": 3.1, "num_classes": 10}))
+    out = tmp_path / "out"
+    proc = _cli(sweep, "--out", out, "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f"{name}.{ext}" for name in ("runs", "status") for ext in ("md", "csv", "tex")]
+        + [f"{name}.{ext}" for name in ("accuracy_vs_bytes", "accuracy_vs_epoch") for ext in ("png", "pdf")])
+    md = (out / "runs.md").read_text()
+    assert "epochs run" in md and "stopped by train.max_steps at" in md
+    assert md.count("did not train: scheme=blockk") == 1
+    assert "1 did not train" in proc.stderr and "did not complete" not in proc.stderr
+    curves = sa.curves_of(sa.load_runs(sweep))
+    assert set(curves[curves["status"] == "did not train"]["scheme"]) == {"blockk"}
+    studies = _cli(tmp_path / "mine", "--studies", "--out", tmp_path / "studies", "--quiet")
+    assert studies.returncode == 0, studies.stderr
+    assert "none of the studies' folders" in studies.stderr
+    assert (tmp_path / "studies" / "runs.md").read_text() == md

@@ -210,7 +210,7 @@ def test_rows_are_built_from_the_studies_config():
     cfg = harness.study_config(["experiment=cpu_scale", "model=resnet20", *step.ROWS["blockk_ag"]], 1)
     model = harness.model_from_config(cfg)
     ex = exchange_from_config(cfg, model, world_size=1, rank=0)
-    flat, params, red = ex.flat, ex.params, ex.reducer
+    params, red = ex.params, ex.reducer
     ones = sum(p.numel() for p in params if p.dim() <= 1)
     assert isinstance(red.compressor, BlockRandomK) and red.aggregation == "allgather"
     assert red.uncompressed_numel == ones > 0  # scheme.uncompressed=1d: the 1-D tensors whole

@@ -71,9 +71,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--studies takes one results tree and no --study or --where (each study has its own)")
         try:
             written = write_studies(args.paths[0], args.out, args.include_failed, None if args.quiet else print)
-        except LookupError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+        except LookupError:  # not the reproduction's tree (one's own sweeps): tables of its runs
+            print(f"{args.paths[0]} holds none of the studies' folders: tables of the runs under it",
+                  file=sys.stderr)
+            try:
+                written = write_report(args.paths[0], out=args.out, include_failed=args.include_failed,
+                                       echo=None if args.quiet else print)
+            except LookupError as err:
+                print(f"error: {err} (a run folder holds summary.json or .hydra/config.yaml)", file=sys.stderr)
+                return 1
         print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
         return 0
     try:
@@ -87,9 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
     missing = not_completed(select(load_runs(*args.paths), where))
     if len(missing):
-        print(f"warning: {len(missing)} runs did not complete and are named under the tables", file=sys.stderr)
+        counts = ", ".join(f"{n} {status}" for status, n in missing["status"].value_counts().items())
+        print(f"warning: {len(missing)} runs are not in the numbers ({counts}); each is named under "
+              "the tables", file=sys.stderr)
         if args.strict:
-            print(f"error: {len(missing)} runs did not complete (--strict)", file=sys.stderr)
+            print(f"error: {len(missing)} runs are not in the numbers ({counts}) (--strict)", file=sys.stderr)
             return 3
     return 0
 

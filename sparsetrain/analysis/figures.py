@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from .loader import DENSE, NOT_APPLICABLE, PHASES, REPLICATE, completed
+from .loader import DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .tables import (
     LABELS,
     SCHEME_NAMES,
@@ -134,18 +134,25 @@ def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", 
         nrows = math.ceil(len(panels) / ncols)
         fig, axes = _new_figure(ncols, nrows)
         scale = 100.0 if "accuracy" in metric else 1.0
+        untrained = curves["status"] == DID_NOT_TRAIN if "status" in curves else pd.Series(False, curves.index)
         for ax, (title, panel) in zip(axes.flat, panels, strict=False):
             for scheme in _scheme_sort(panel["scheme"].unique()):
-                lines = panel[panel["scheme"] == scheme]
-                per_seed = lines.groupby([REPLICATE, "epoch"], dropna=False)[metric].mean().reset_index()
-                stats = per_seed.groupby("epoch")[metric].agg(["mean", "std", "count"]).reset_index()
-                color = SCHEME_COLORS.get(scheme)
-                n = int(stats["count"].max())
-                ax.plot(stats["epoch"], stats["mean"] * scale, color=color, marker="o", markersize=3,
-                        label=f"{SCHEME_NAMES.get(scheme, scheme)} (n={n})")
-                std = stats["std"].fillna(0.0)
-                ax.fill_between(stats["epoch"], (stats["mean"] - std) * scale,
-                                (stats["mean"] + std) * scale, color=color, alpha=0.15, linewidth=0)
+                # runs that did not train: their own dashed line, never averaged with the others
+                for failed in (False, True):
+                    lines = panel[(panel["scheme"] == scheme) & (untrained[panel.index] == failed)]
+                    if lines.empty:
+                        continue
+                    per_seed = lines.groupby([REPLICATE, "epoch"], dropna=False)[metric].mean().reset_index()
+                    stats = per_seed.groupby("epoch")[metric].agg(["mean", "std", "count"]).reset_index()
+                    color = SCHEME_COLORS.get(scheme)
+                    n = int(stats["count"].max())
+                    note = ", did not train" if failed else ""
+                    ax.plot(stats["epoch"], stats["mean"] * scale, color=color, marker="o", markersize=3,
+                            linestyle="--" if failed else "-",
+                            label=f"{SCHEME_NAMES.get(scheme, scheme)} (n={n}{note})")
+                    std = stats["std"].fillna(0.0)
+                    ax.fill_between(stats["epoch"], (stats["mean"] - std) * scale,
+                                    (stats["mean"] + std) * scale, color=color, alpha=0.15, linewidth=0)
             ax.set_title(title)
             ax.set_xlabel("epoch")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))

@@ -566,11 +566,12 @@ def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = 
 
 def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = False) -> pd.DataFrame:
     """``load_curves`` for the runs of a ``load_runs`` frame already in hand (no second walk of
-    the tree); ``include_failed=False`` drops the runs that did not complete."""
+    the tree); ``include_failed=False`` drops the runs that did not complete (a run that completed
+    but did not train keeps its curve, with its ``status``: plots draw it apart, never hide it)."""
     if kind not in ("epoch", "step"):
         raise ValueError(f"kind must be 'epoch' or 'step', not {kind!r}")
-    if not include_failed:
-        runs = completed(runs)
+    if not include_failed and not runs.empty:
+        runs = runs[runs["status"].isin((*STATUSES_DONE, DID_NOT_TRAIN))]
     frames = []
     keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST], "run_dir"]
     for run in runs.itertuples(index=False):

@@ -49,6 +49,8 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
     "ddp_fair": (("headline_dense", "ddp_fair"), {}),
 }
 ALL = (tuple(TABLES), tuple(PLOTS))
+# Runs of no known study (one's own sweep): one table of every configuration, not every study's
+RUNS = (("runs",), ("accuracy_vs_epoch", "accuracy_vs_bytes"))
 
 
 def study_of(experiment) -> str | None:
@@ -141,7 +143,7 @@ def build_figures(runs: pd.DataFrame, curves: pd.DataFrame, names=None) -> dict:
 def report_group(runs: pd.DataFrame, curves: pd.DataFrame, out: Path, study: str | None,
                  include_failed: bool = False) -> tuple[list[Table], list[Path]]:
     """Tables and figures of one study (all of them for runs of no known study) into ``out``."""
-    table_names, figure_names = STUDIES.get(study, ALL) if study else ALL
+    table_names, figure_names = STUDIES.get(study, RUNS) if study else RUNS
     tables = build_tables(runs, table_names, include_failed)
     written: list[Path] = []
     for table in tables:
@@ -188,5 +190,7 @@ def write_report(*paths: str | Path, out: str | Path, include_failed: bool = Fal
     status = status_table(runs)
     written += write_table(status, out).values()
     if echo:
+        if len(groups) == 1:  # its tables already named every run not in the numbers
+            status = Table(status.name, status.title, status.display, status.data, notes=status.notes)
         echo(status.to_markdown())
     return written

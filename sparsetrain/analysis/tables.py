@@ -47,6 +47,7 @@ LABELS = {
     "bytes_mean_per_step": "bytes/step/worker (run mean)",
     "test_accuracy_gain_last_epoch": "gain over the last epoch (points)",
     "epochs_planned": "epochs",
+    "epochs": "epochs run",
     "train_size": "training images",
     "bn_recalibrate": "BN recalibration batches",
     "wire_bytes_per_step": "wire bytes/step/worker",
@@ -385,6 +386,12 @@ def _constant_note(runs: pd.DataFrame, shown: list[str]) -> list[str]:
         values = {v for v in runs[axis].dropna().astype(str) if v != NOT_APPLICABLE}
         if len(values) == 1:
             parts.append(f"{LABELS.get(axis, axis)}={values.pop()}")
+    if "epochs" in runs and "epochs_planned" in runs and "epochs_planned" not in shown:
+        ran = pd.to_numeric(runs["epochs"], errors="coerce")
+        planned = pd.to_numeric(runs["epochs_planned"], errors="coerce")
+        if (ran < planned - 1e-9).any():  # train.max_steps stopped them first
+            span = f"{ran.min():.3g}" if ran.min() == ran.max() else f"{ran.min():.3g}-{ran.max():.3g}"
+            parts.append(f"stopped by train.max_steps at {span} epochs")
     seeds = runs[REPLICATE].nunique() if REPLICATE in runs else 0
     return [f"All runs: {', '.join(parts)}; {seeds} seed(s); mean ± std over seeds."] if parts else []
 
@@ -450,6 +457,16 @@ def plateau_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
         "schedule decays within the last epoch, so part of every gain is the decay's: read a "
         "scheme's gain against dense SGD's; the budget study measures what a longer run buys.")
     return table
+
+
+def runs_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
+    """Any runs of no known study (one's own sweep): one row per configuration (the axes that
+    vary), its test accuracy beside the final train loss, the epochs it ran, time per step,
+    the plateau gain, bytes and how many of its runs blew up and recovered."""
+    return pivot_table(
+        "runs", "Runs: test accuracy per configuration", runs, ["scheme"], None, "test_accuracy",
+        include_failed, extra_metrics=["train_loss", "epochs", "time_step_ms", *ACCURACY_EXTRAS],
+    )
 
 
 def budget_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
@@ -593,4 +610,5 @@ TABLES = {
     "ddp_hooks": ddp_hooks_table,
     "plateau": plateau_table,
     "budget": budget_table,
+    "runs": runs_table,
 }
