@@ -27,11 +27,12 @@ def _modules() -> dict[str, Path]:
     return mods
 
 
-def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """Project modules ``name`` imports at module level (not inside functions)."""
+def _imports(name: str, path: Path, mods: dict[str, Path], anywhere: bool = False) -> set[str]:
+    """Project modules ``name`` imports at module level (``anywhere``: inside functions too)."""
     out: set[str] = set()
     is_pkg = path.name == "__init__.py"
-    for node in ast.parse(path.read_text()).body:
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree) if anywhere else tree.body:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -142,29 +143,6 @@ def _declared_layers() -> list[list[str]]:
     return layers
 
 
-def _all_imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
-    """Project modules ``name`` imports anywhere in its file, inside functions too."""
-    out: set[str] = set()
-    is_pkg = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
-                base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
-        else:
-            continue
-        for t in targets:
-            while t and t not in mods:
-                t = t.rpartition(".")[0]
-            if t and t != name and not name.startswith(t + "."):
-                out.add(t)
-    return out
-
-
 def test_imports_point_one_way_as_the_readme_declares():
     """Every import, module level or inside a function, goes to a layer README.md lists above the
     importer (or to the importer's own layer, without a cycle); every module belongs to a layer."""
@@ -182,7 +160,7 @@ def test_imports_point_one_way_as_the_readme_declares():
     assert not unplaced, f"modules in no layer of README.md's architecture: {unplaced}"
     upward, graph = [], {}
     for name, path in mods.items():
-        graph[name] = _all_imports(name, path, mods)
+        graph[name] = _imports(name, path, mods, anywhere=True)
         for target in graph[name]:
             if target != "sparsetrain" and layer_of(target) > layer_of(name):
                 upward.append(f"{name} -> {target}")
