@@ -19,6 +19,7 @@ from .figures import (
     style,
 )
 from .findings import FINDINGS, findings_tables
+from .group import summarize
 from .loader import (
     AXES,
     DENSE,
@@ -44,9 +45,9 @@ from .report import (
     write_report,
     write_studies,
 )
+from .table import Table, write_table
 from .tables import (
     TABLES,
-    Table,
     budget_table,
     plateau_table,
     rq1_scope_table,
@@ -55,8 +56,6 @@ from .tables import (
     rq4_workers_table,
     rq5_speed_table,
     status_table,
-    summarize,
-    write_table,
 )
 from .time_to_accuracy import plot_time_to_accuracy, time_to_accuracy_table
 from .wandb_runs import load_wandb_runs

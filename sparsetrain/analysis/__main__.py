@@ -114,7 +114,7 @@ def _numbers(parser, flag: str, text: str, kind=float) -> list:
 
 def _time_to_accuracy(parser, args, where) -> int:
     from .figures import save_figure
-    from .tables import write_table
+    from .table import write_table
     from .time_to_accuracy import (
         default_model,
         fitted_model,

@@ -18,16 +18,9 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from .group import expand_dense, sort_rows, summarize, varying_axes
 from .loader import DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
-from .tables import (
-    LABELS,
-    SCHEME_NAMES,
-    SCHEME_ORDER,
-    expand_dense,
-    sort_rows,
-    summarize,
-    varying_axes,
-)
+from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
 # Okabe-Ito colours: distinguishable with colour-blindness and in greyscale print.
 SCHEME_COLORS = {DENSE: "#222222", "topk": "#0072B2", "randk": "#E69F00", "blockk": "#009E73"}

@@ -34,7 +34,7 @@ from sparsetrain.results import BLEW_UP_RECOVERED
 
 from .loader import completed, select
 from .stats import SHOWN, Difference, compare, holm, outside_noise, per_seed
-from .tables import SCHEME_NAMES, Table
+from .table import SCHEME_NAMES, Table
 
 # The second pass's setting (experiment=cpu_scale): every side starts from it. Dense SGD rows
 # carry "-" for the sparse-only axes and pass them.

@@ -10,7 +10,8 @@ import pandas as pd
 from .figures import PLOTS, save_figure
 from .findings import SECOND_PASS_FINDINGS, findings_tables
 from .loader import curves_of, load_runs, select
-from .tables import TABLES, Table, status_table, write_table
+from .table import Table, write_table
+from .tables import TABLES, status_table
 
 # Each study (an experiment preset, a sweep) and the tables and figures that answer it.
 STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -44,8 +44,9 @@ from matplotlib.lines import Line2D
 from sparsetrain.costmodel import Collective, CostModel, SchemeCost
 
 from .figures import LINESTYLES, MARKERS, SCHEME_COLORS, _empty, _label, _new_figure, style
+from .group import _constant_note, _display_axis, sort_rows, varying_axes
 from .loader import REPLICATE, _read_metrics, collective_of, completed, not_completed
-from .tables import LABELS, Table, _constant_note, _display_axis, sort_rows, varying_axes
+from .table import LABELS, Table
 
 #: assumed per-message latency of the default model (s): a small message between two hosts over
 #: datacenter Ethernet with TCP; pass ``alpha_s`` or a fitted ``costmodel.json`` to change it

@@ -38,6 +38,10 @@ paper's 375 vs 273 ms), computed from the first rate's dense row (``harness.pape
 
 Writes <out>/step.json (schema 2), step.csv, step.txt (the report) and step_vs_bandwidth.png.
 ``--report`` re-renders them from a saved step.json.
+
+Over 400 lines on purpose: the worker that times each row, the driver that visits rates and
+rounds on fresh clusters, and the report (tables, goals, figure) of one benchmark, which read
+the same step.json fields.
 """
 
 from __future__ import annotations

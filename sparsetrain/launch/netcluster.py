@@ -35,6 +35,10 @@ from torchrun's failure summary; torchrun's own code otherwise). Namespaces, vet
 any process left inside the namespaces are removed on every exit path (normal, failure, Ctrl-C,
 SIGTERM, SIGHUP). Only a SIGKILL of netcluster itself can leave something behind; `cleanup`
 removes it.
+
+Over 400 lines on purpose: one program whose parts (namespaces, links and their qdiscs, one
+torchrun per node, output relay, cleanup of every trace on any exit) share one ``Cluster`` and
+its naming; each part is short.
 """
 
 from __future__ import annotations
