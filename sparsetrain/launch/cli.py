@@ -4,12 +4,14 @@
 Hydra composes and type-checks the config; ``validate`` checks values and combinations; then
 this process either *is* a rank (torchrun, SLURM task) or spawns ``world_size`` local ranks.
 A job that fails is marked ``failed`` in its run folder; in a sweep the other jobs go on and the
-sweep ends with a report of the failed jobs and a non-zero exit code.
+sweep ends with a report of the failed jobs and a non-zero exit code. A stop signal (Ctrl-C, SIGTERM) ends the command with 128 + the signal and the exact
+command that resumes.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from sparsetrain.config import CONF_DIR, check_group_overrides, register, validate
-from sparsetrain.errors import CheckpointError, ConfigError, one_line_error, print_error
+from sparsetrain.errors import CheckpointError, ConfigError, Preempted, one_line_error, print_error
 from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
 from sparsetrain.results import (
     SUMMARY,
@@ -36,7 +38,9 @@ from sparsetrain.results import (
 
 register()
 _failed_sweep_jobs: list[str] = []
+_argv: list[str] = []  # the command line's arguments, for the command that resumes
 _error = print_error
+CHECKPOINT = "checkpoint.pt"  # sparsetrain.train.checkpoint.CHECKPOINT (that module imports torch)
 
 
 def _run_job(cfg: DictConfig) -> dict[str, Any]:
@@ -78,8 +82,20 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
 
     from sparsetrain.launch.worker import worker_main
 
-    if kind != "spawn":  # torchrun / SLURM: this process is one of the ranks
+    if kind == "torchrun":  # this process is one of the ranks
+        try:
+            return worker_main(cfg_dict, str(run_dir), launcher=kind)
+        except Preempted as exc:
+            if is_rank0:
+                _error(f"{one_line_error(exc)} (run folder: {relative_run_dir(run_dir)})")
+                print(f"to resume: torchrun ... {_resume_command(run_dir, multirun, program='-m sparsetrain.run')}",
+                      file=sys.stderr, flush=True)
+            raise SystemExit(128 + (exc.signum or signal.SIGTERM)) from None
+    if kind != "spawn":  # a SLURM task: one of the ranks; submitit requeues a preempted job
         return worker_main(cfg_dict, str(run_dir), launcher=kind)
+    if not multirun and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
+        _note_interrupted_twins(run_dir, cfg_dict)
+
     if cfg.world_size == 1:
         return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
 
@@ -95,30 +111,88 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     return _guarded(launch, run_dir, multirun)
 
 
+def _note_interrupted_twins(run_dir: Path, cfg_dict: dict) -> None:
+    """A fresh run in a default folder (outputs/DATE/TIME/) says so when an interrupted run of the
+    same configuration waits in another default folder: rerunning a command without its
+    hydra.run.dir starts over, and the checkpoint of the first try would go unnoticed."""
+    from sparsetrain.train.checkpoint import config_differences
+
+    if (run_dir / SUMMARY).exists():
+        return
+    for ckpt in sorted(run_dir.parent.parent.glob(f"*/*/{CHECKPOINT}"), reverse=True):
+        other = ckpt.parent
+        summary = read_summary(other) or {}
+        if other.resolve() == run_dir.resolve() or not isinstance(summary.get("config"), dict):
+            continue
+        if not config_differences(summary["config"], cfg_dict):
+            print(f"note: {relative_run_dir(other)} holds an interrupted run of this configuration "
+                  f"(stopped at step {summary.get('steps')}); this run starts over in "
+                  f"{relative_run_dir(run_dir)}; to resume that one instead, stop this one and run: "
+                  f"{_resume_command(other, multirun=False)}", flush=True)
+            return
+
+
+def _resume_command(folder: Path, multirun: bool, program: str | None = None) -> str:
+    """This command line with its folder set: rerunning it resumes what was interrupted there
+    (``hydra.run.dir`` for a run, ``hydra.sweep.dir`` for a sweep; completed jobs are skipped)."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if multirun:
+        folder = Path(HydraConfig.get().sweep.dir)
+    args = [a for a in _argv if not a.startswith(f"{key}=")]
+    if program is None:
+        python = sys.executable
+        try:
+            python = str(Path(python).relative_to(Path.cwd()))
+        except ValueError:
+            pass
+        program = f"{shlex.quote(python)} -m sparsetrain.run"
+    return " ".join([program, *map(shlex.quote, [*args, f"{key}={relative_run_dir(folder)}"])])
+
+
 def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
     try:
         return fn()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # world_size=1: Ctrl-C before the trainer's own handler was there
         mark_failed(run_dir, "interrupted (Ctrl-C)")
-        raise
+        return _stopped(run_dir, multirun, signal.SIGINT)
+    except Preempted as exc:  # world_size=1: the trainer saved a checkpoint at the step
+        return _stopped(run_dir, multirun, exc.signum or signal.SIGTERM)
     except Exception as exc:  # one line for the user; the rank logs hold the traceback
         sigval = getattr(exc, "sigval", None)  # torch elastic's SignalException: the launcher was signalled
-        if sigval is not None:
-            # The ranks got the signal too and saved a checkpoint; a sweep stops here as well
-            # rather than starting its next job (rerunning the command resumes both).
-            name = signal.Signals(sigval).name
-            error = (read_summary(run_dir) or {}).get("error")  # the ranks' own account
-            if error is None:
-                error = f"Preempted: {name} to the launcher"
-                mark_failed(run_dir, error)
-            _error(f"{error} (run folder: {run_dir}); {name}: not starting further jobs")
-            raise SystemExit(128 + int(sigval)) from None
+        if sigval is not None:  # the ranks got the signal too and saved a checkpoint
+            return _stopped(run_dir, multirun, sigval)
         msg, root_rank = _describe(exc, run_dir)
         if root_rank:  # another rank's failure: rank 0's own account is only its symptom
             replace_error(run_dir, msg)
             return _fail(msg, run_dir, multirun, code=1, own_summary=False)
         mark_failed(run_dir, msg)
         return _fail(msg, run_dir, multirun, code=1)
+
+
+def _stopped(run_dir: Path, multirun: bool, sig: int) -> dict[str, Any]:
+    """A stop signal ended the job: say where it stopped and the command that goes on from there,
+    and exit with 128 + the signal. A sweep stops too rather than starting its next job (which
+    the next signal would stop in turn). A single run that completed before the signal took
+    effect (it came after the last step) ends as a completed run."""
+    name = signal.Signals(sig).name
+    summary = read_summary(run_dir) or {}
+    where = relative_run_dir(run_dir)
+    if summary.get("status") == "completed":
+        print(f"{name} came after the last step: {where} completed", file=sys.stderr, flush=True)
+        if not multirun:
+            return summary
+        line = f"{name}: not starting further jobs (run folder: {where}, completed)"
+    else:
+        error = summary.get("error")  # the ranks' own account
+        if error is None:
+            error = f"Preempted: {name} to the launcher"
+            mark_failed(run_dir, error)
+        line = f"{error} (run folder: {where})" + (f"; {name}: not starting further jobs" if multirun else "")
+    _error(line)
+    what = "the sweep" if multirun else "this run"
+    verb = "resume" if multirun or (run_dir / CHECKPOINT).exists() else "start it again"
+    print(f"to {verb} {what}: {_resume_command(run_dir, multirun)}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + int(sig))
 
 
 def _describe(exc: Exception, run_dir: Path) -> tuple[str, int | None]:
@@ -209,10 +283,12 @@ def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:
 
 
 def main() -> None:
+    global _argv
     args = sys.argv[1:]
     # Let `-m` stand anywhere among the overrides (argparse wants flags before positionals).
     flags = [a for a in args if a in ("-m", "--multirun")]
     sys.argv[1:] = args = flags + [a for a in args if a not in flags]
+    _argv = list(args)
     try:
         check_group_overrides([a for a in args if not a.startswith("-")])
     except ConfigError as exc:
