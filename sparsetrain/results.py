@@ -139,6 +139,22 @@ def mark_failed(run_dir: str | Path, error: str, **fields: Any) -> None:
     write_json_atomic(Path(run_dir) / SUMMARY, summary)
 
 
+def record_refusal(run_dir: str | Path, error: str, **fields: Any) -> None:
+    """Record a run refused before it started (a bad value or combination) as ``failed``. It
+    replaces the summary of an earlier refusal in the folder, so the folder names this attempt's
+    mistake, but never a summary of a run that trained (or is training): completed, running,
+    failed after some steps, or with a checkpoint to resume."""
+    old = read_summary(run_dir)
+    trained = old is not None and (old.get("status") != "failed" or old.get("steps") is not None
+                                   or (Path(run_dir) / "checkpoint.pt").exists())
+    if trained:
+        return
+    now = now_iso()
+    write_json_atomic(Path(run_dir) / SUMMARY, {"run_dir": relative_run_dir(run_dir), "started_at": now,
+                                                 **fields, "status": "failed", "error": error,
+                                                 "finished_at": now})
+
+
 def replace_error(run_dir: str | Path, error: str, **fields: Any) -> None:
     """Set a failed run's error to ``error`` (the root cause found after the fact, such as the
     rank that was killed), keeping what the run itself had recorded as ``error_seen_by_rank0``."""

@@ -135,6 +135,33 @@ def test_ctrl_c_saves_at_the_step_and_prints_the_command_that_resumes(tmp_path):
     assert s["status"] == "completed" and s["resumed_from_step"] == stopped_at and s["steps"] == stopped_at + 1
 
 
+# ---- 2. the new mistake, not the old one -------------------------------------------------------
+def test_rerun_after_a_refusal_names_the_new_mistake(tmp_path):
+    run = tmp_path / "run"
+    first = run_cli(*TINY, "ratio=2", f"hydra.run.dir={run}", timeout=120)
+    assert first.returncode == 2 and "ratio=2.0 is not allowed" in first.stderr
+    second = run_cli(*TINY, "scheme=topk", "aggregation=allreduce", f"hydra.run.dir={run}", timeout=120)
+    assert second.returncode == 2
+    (line,) = _error_lines(second.stderr)
+    assert "aggregation='allreduce' is not available for scheme='topk'" in line, second.stderr
+    assert "ratio" not in line
+    s = read_json(run / "summary.json")
+    assert s["status"] == "failed" and "scheme='topk'" in s["error"]
+
+
+def test_a_refusal_never_replaces_the_record_of_a_run_that_trained(tmp_path):
+    from sparsetrain.results import read_summary, record_refusal, write_json_atomic
+
+    run = tmp_path / "run"
+    trained = {"status": "failed", "error": "Preempted: SIGTERM at step 5: ...", "steps": 5}
+    write_json_atomic(run / "summary.json", trained)
+    record_refusal(run, "ratio=2.0 is not allowed")
+    assert read_summary(run) == trained
+    write_json_atomic(run / "summary.json", {"status": "failed", "error": "world_size=0 is not allowed"})
+    record_refusal(run, "ratio=2.0 is not allowed")
+    assert read_summary(run)["error"] == "ratio=2.0 is not allowed"
+
+
 # ---- 3. stop signals at an epoch boundary --------------------------------------------------------
 def _launch(args: list[str], run: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sparsetrain.run", *args, f"hydra.run.dir={run}"],

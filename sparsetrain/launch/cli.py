@@ -32,6 +32,7 @@ from sparsetrain.results import (
     mark_failed,
     read_heartbeat,
     read_summary,
+    record_refusal,
     relative_run_dir,
     replace_error,
 )
@@ -58,10 +59,10 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         validate(cfg)
         check_launch_environment(cfg.world_size, os.environ)  # world_size vs torchrun / SLURM
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    except ConfigError as exc:
+    except ConfigError as exc:  # this attempt's error, not what the folder held before
         if is_rank0:
-            mark_failed(run_dir, str(exc), config=OmegaConf.to_container(cfg, resolve=False))
-        return _fail(str(exc), run_dir, multirun, code=2)
+            record_refusal(run_dir, str(exc), config=OmegaConf.to_container(cfg, resolve=False))
+        return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
     try:  # a checkpoint here is resumed: it must be readable and from this same configuration
         from sparsetrain.train.checkpoint import check_resume
 
@@ -96,11 +97,11 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     if not multirun and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
         _note_interrupted_twins(run_dir, cfg_dict)
 
+    # Recorded before any rank exists, so a launch that fails early still leaves a summary, and
+    # a failure is never read back from an earlier run's summary in this folder.
+    RunWriter(run_dir).start(config=cfg_dict, run_dir=relative_run_dir(run_dir), world_size=cfg.world_size)
     if cfg.world_size == 1:
         return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
-
-    # Recorded before any rank exists, so a launch that fails early still leaves a summary.
-    RunWriter(run_dir).start(config=cfg_dict, run_dir=relative_run_dir(run_dir), world_size=cfg.world_size)
     log_dir = run_dir / "ranks"
 
     def launch():
