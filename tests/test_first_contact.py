@@ -249,3 +249,19 @@ def test_sigterm_near_an_epoch_boundary_many_times(tmp_path):
             assert torch.load(run / "checkpoint.pt", weights_only=True)["step"] == step == s["steps"]
 
 
+# ---- 4. presets, refused points ------------------------------------------------------------------
+def test_presets_write_under_multirun_unless_told_otherwise():
+    from hydra import compose, initialize_config_dir
+
+    from sparsetrain import config
+
+    config.register()
+    presets = [p.relative_to(config.CONF_DIR / "experiment").with_suffix("").as_posix()
+               for p in (config.CONF_DIR / "experiment").rglob("*.yaml")]
+    with initialize_config_dir(str(config.CONF_DIR), version_base=None):
+        for name in presets:
+            cfg = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+            assert not str(cfg.hydra.sweep.dir).startswith("results"), (name, cfg.hydra.sweep.dir)
+            assert str(cfg.hydra.sweep.dir).startswith("multirun/"), (name, cfg.hydra.sweep.dir)
+    # reproduce.sh asks for the committed tree explicitly
+    assert '"hydra.sweep.dir=results/$study"' in (ROOT / "scripts" / "reproduce.sh").read_text()

@@ -4,7 +4,8 @@
 Hydra composes and type-checks the config; ``validate`` checks values and combinations; then
 this process either *is* a rank (torchrun, SLURM task) or spawns ``world_size`` local ranks.
 A job that fails is marked ``failed`` in its run folder; in a sweep the other jobs go on and the
-sweep ends with a report of the failed jobs and a non-zero exit code. A stop signal (Ctrl-C, SIGTERM) ends the command with 128 + the signal and the exact
+sweep ends with a report of the jobs that did not complete (refused ones too) and a non-zero
+exit code. A stop signal (Ctrl-C, SIGTERM) ends the command with 128 + the signal and the exact
 command that resumes.
 """
 
@@ -39,6 +40,9 @@ from sparsetrain.results import (
 
 register()
 _failed_sweep_jobs: list[str] = []
+# This sweep's own account of the jobs that it refused or that failed, by resolved run folder: a
+# refused job's folder may hold an older run's summary (completed, or another error).
+_job_errors: dict[str, str] = {}
 _argv: list[str] = []  # the command line's arguments, for the command that resumes
 _error = print_error
 CHECKPOINT = "checkpoint.pt"  # sparsetrain.train.checkpoint.CHECKPOINT (that module imports torch)
@@ -230,8 +234,14 @@ def _fail(msg: str, run_dir: Path, multirun: bool, code: int, own_summary: bool 
     if env_rank() == 0:
         _error(f"{msg} (run folder: {run_dir})")
     if multirun:
+        note_job_error(run_dir, msg)
         return {"status": "failed", "error": msg, "run_dir": str(run_dir)}
     sys.exit(code)
+
+
+def note_job_error(run_dir: str | Path, error: str) -> None:
+    """Remember why a sweep job failed or was refused, for the sweep's report (SweepReport)."""
+    _job_errors[str(Path(run_dir).resolve())] = error
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
@@ -241,18 +251,24 @@ def hydra_main(cfg: DictConfig) -> Any:
 
 
 class SweepReport(Callback):
-    """After a sweep: list the jobs whose run folder does not say ``completed``, with their logs."""
+    """After a sweep: list the jobs that did not complete, with their logs: those whose run
+    folder does not say ``completed`` and those this sweep refused (their folder may hold an
+    older run's summary)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        errors = dict(_job_errors)
         for summary_path in sorted(sweep_dir.glob("*/" + SUMMARY), key=lambda p: p.parent.name):
             summary = read_summary(summary_path.parent) or {}
-            if summary.get("status") != "completed":
+            error = errors.get(str(summary_path.parent.resolve()))
+            if summary.get("status") != "completed" or error is not None:
                 where = summary_path.parent
                 logs = _slurm_logs(sweep_dir, where, summary)
                 hint = f"; logs: {logs}" if logs else ""
                 status = summary.get("status")
-                if status == "running":  # the sweep is over: this job died without a word
+                if error is not None:
+                    state = f"failed: {error}"
+                elif status == "running":  # the sweep is over: this job died without a word
                     state = f"unfinished ({_no_heartbeat(summary_path.parent, summary)})"
                 else:
                     state = f"{status}: {summary.get('error')}"
