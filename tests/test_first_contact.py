@@ -133,6 +133,10 @@ def test_ctrl_c_saves_at_the_step_and_prints_the_command_that_resumes(tmp_path):
     assert f"resumed from step {stopped_at} " in resumed.stdout, resumed.stdout[-3000:]
     s = read_json(run / "summary.json")
     assert s["status"] == "completed" and s["resumed_from_step"] == stopped_at and s["steps"] == stopped_at + 1
+    end = resumed.stdout[resumed.stdout.index(f"run folder: {rel} ("):]
+    assert f"resumed from step {stopped_at})" in end.splitlines()[0]
+    assert "| overrides" in end and "| did not train |" in end  # 13 steps of a fresh ResNet
+    assert f"warning: {rel} did not train: final train loss" in end
 
 
 # ---- 2. the new mistake, not the old one -------------------------------------------------------
@@ -220,12 +224,13 @@ def test_sigterm_after_the_last_step_completes_the_run_at_once(tmp_path):
     run = tmp_path / "run"
     proc = _launch([*TINY, "world_size=2", "train.epochs=2", "train.log_every=1", "data.test_size=1024"], run)
     wait_until(lambda: 16 in _steps(run), proc, "the last step", poll=0.02)
-    took, _, err = _signal_and_wait(proc)
+    took, out, err = _signal_and_wait(proc)
     assert proc.returncode == 0, err[-3000:]
     assert took < 25, took
     assert read_json(run / "summary.json")["status"] == "completed"
     assert "SIGTERM came after the last step" in err and "leaked semaphore" not in err, err[-3000:]
     assert not (run / "checkpoint.pt").exists()
+    assert f"run folder: {run} (" in out, out[-3000:]
 
 
 @pytest.mark.slow
@@ -265,3 +270,26 @@ def test_presets_write_under_multirun_unless_told_otherwise():
             assert str(cfg.hydra.sweep.dir).startswith("multirun/"), (name, cfg.hydra.sweep.dir)
     # reproduce.sh asks for the committed tree explicitly
     assert '"hydra.sweep.dir=results/$study"' in (ROOT / "scripts" / "reproduce.sh").read_text()
+
+
+def test_a_preset_sweep_ends_with_its_table_and_refused_points_fail_it(tmp_path):
+    args = ["-m", "experiment=baseline", *TINY, "world_size=1", "train.max_steps=1"]
+    first = run_cli(*args, cwd=tmp_path, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (tmp_path / "results").exists()
+    (sweep,) = (tmp_path / "multirun" / "baseline").iterdir()
+    rel = sweep.relative_to(tmp_path).as_posix()
+    end = first.stdout[first.stdout.index(f"sweep folder: {rel} (3 runs: "):]
+    assert "| job | overrides" in end
+    for seed in range(3):
+        assert re.search(rf"\| {seed} +\| seed={seed} +\| did not train +\| +1 \|", end), end
+    assert end.count("warning: ") == 3
+
+    # The same sweep into that folder with other settings: every point refused, exit code 1.
+    again = run_cli(*args[:-1], "train.max_steps=2", f"hydra.sweep.dir={rel}", cwd=tmp_path, timeout=600)
+    assert again.returncode == 1, again.stderr[-3000:]
+    assert "3 sweep job(s) did not complete" in again.stderr
+    assert again.stderr.count("holds a completed run of a different configuration") == 6  # 3 + the list
+    assert re.search(r"\| 0 +\| seed=0 +\| failed +\| +- \|", again.stdout), again.stdout[-3000:]
+
+

@@ -4,9 +4,9 @@
 Hydra composes and type-checks the config; ``validate`` checks values and combinations; then
 this process either *is* a rank (torchrun, SLURM task) or spawns ``world_size`` local ranks.
 A job that fails is marked ``failed`` in its run folder; in a sweep the other jobs go on and the
-sweep ends with a report of the jobs that did not complete (refused ones too) and a non-zero
-exit code. A stop signal (Ctrl-C, SIGTERM) ends the command with 128 + the signal and the exact
-command that resumes.
+sweep ends with its table and a report of the jobs that did not complete (refused ones too),
+and a non-zero exit code. A run ends with its folder and a one-row table. A stop signal (Ctrl-C,
+SIGTERM) ends the command with 128 + the signal and the exact command that resumes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from sparsetrain.config import CONF_DIR, check_group_overrides, register, validate
 from sparsetrain.errors import CheckpointError, ConfigError, Preempted, one_line_error, print_error
 from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
+from sparsetrain.launch.report import end_of_run, end_of_sweep
 from sparsetrain.results import (
     SUMMARY,
     RunWriter,
@@ -58,6 +59,8 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     is_rank0 = kind == "spawn" or env_rank() == 0
     if multirun and cfg.wandb.group is None:  # a sweep's jobs share one W&B group
         cfg.wandb.group = Path(hc.sweep.dir).as_posix().replace("/", "_")
+    if is_rank0:
+        print(f"run folder: {relative_run_dir(run_dir)}", flush=True)
 
     try:
         validate(cfg)
@@ -247,13 +250,19 @@ def note_job_error(run_dir: str | Path, error: str) -> None:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def hydra_main(cfg: DictConfig) -> Any:
     result = _run_job(cfg)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.RUN and env_rank() == 0:  # a sweep's table comes at its end
+        print(end_of_run(hc.runtime.output_dir), flush=True)
     return result.get("test_accuracy") if isinstance(result, dict) else None
 
 
 class SweepReport(Callback):
-    """After a sweep: list the jobs that did not complete, with their logs: those whose run
-    folder does not say ``completed`` and those this sweep refused (their folder may hold an
-    older run's summary)."""
+    """After a sweep: its folder and table (``table: false`` leaves the table out), then the jobs
+    that did not complete, with their logs: those whose run folder does not say ``completed``
+    and those this sweep refused (their folder may hold an older run's summary)."""
+
+    def __init__(self, table: bool = True):
+        self.table = table
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -273,6 +282,8 @@ class SweepReport(Callback):
                 else:
                     state = f"{status}: {summary.get('error')}"
                 _failed_sweep_jobs.append(f"{where}: {state}{hint}")
+        if self.table:
+            print(end_of_sweep(sweep_dir, errors), flush=True)
         if _failed_sweep_jobs:
             _error(f"{len(_failed_sweep_jobs)} sweep job(s) did not complete:")
             for line in _failed_sweep_jobs:
