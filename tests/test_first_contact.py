@@ -293,3 +293,42 @@ def test_a_preset_sweep_ends_with_its_table_and_refused_points_fail_it(tmp_path)
     assert re.search(r"\| 0 +\| seed=0 +\| failed +\| +- \|", again.stdout), again.stdout[-3000:]
 
 
+# ---- 7. typos and help ---------------------------------------------------------------------------
+@pytest.mark.parametrize("override, needle", [
+    ("sheme=topk", "sheme=topk: there is no key 'sheme'; did you mean scheme=topk?"),
+    ("+sheme=topk", "+sheme=topk: there is no key 'sheme'; did you mean scheme=topk?"),
+    ("+train.lr=0.1", "+train.lr=0.1: there is no key 'train.lr'; did you mean optim.lr=0.1?"),
+    ("train.max_step=10", "did you mean train.max_steps=10?"),
+    ("train.epochs=abc", "train.epochs='abc' is not allowed: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("hydra/launcher=nope", "hydra/launcher='nope' is not allowed; choose one of: basic, slurm, submitit_local, submitit_slurm"),
+])
+def test_typos_stop_with_one_line_before_anything_runs(override, needle, tmp_path):
+    proc = run_cli(*TINY, override, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = _error_lines(proc.stderr)
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert proc.stderr.strip() == lines[0]
+    assert not (tmp_path / "outputs").exists()  # nothing ran, no folder was made
+
+
+def test_check_overrides_leaves_valid_command_lines_alone():
+    from sparsetrain.config import check_overrides
+
+    check_overrides(["-m", "scheme=topk,randk", "seed=range(0,3)", "ratio=interval(0,1)", "++train.epochs=3",
+                     "scheme.compressor.block_size=64", "optim.milestones=[0.3,0.6]", "experiment=null",
+                     "experiment=paper/rq2_scheme", "hydra.run.dir=x/${now:%H}", "hydra/launcher=slurm",
+                     "~wandb.tags", "data.root=${oc.env:X,data}", "train.max_steps=null"])
+
+
+def test_help_lists_every_group_and_key_with_its_description():
+    from sparsetrain.config import GROUP_HELP, GROUPS, HELP, schema_keys
+
+    assert set(HELP) == set(schema_keys()) and set(GROUP_HELP) == set(GROUPS)  # none undescribed
+    proc = run_cli("--help", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for group in GROUPS:
+        assert re.search(rf"^  {group} +{re.escape(GROUP_HELP[group])}$", proc.stdout, re.M), group
+    for key in ("world_size", "ratio", "train.max_steps", "data.test_size", "optim.milestones", "dist.ddp"):
+        assert re.search(rf"^  {re.escape(key)} +{re.escape(HELP[key])} \(default ", proc.stdout, re.M), key
+
+
