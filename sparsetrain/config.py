@@ -439,6 +439,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
+    _check_milestones(list(cfg.optim.milestones))
     for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
                        "train.bn_recalibrate": cfg.train.bn_recalibrate}.items():
         if value < 0:
@@ -453,6 +454,16 @@ def validate(cfg: Any, env: dict | None = None) -> None:
             "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
             "allowed without one: offline, disabled"
         )
+
+
+def _check_milestones(milestones: list[float]) -> None:
+    """Fractions of ``train.epochs`` (lr_at compares them with the step's share of the run): a
+    value of 1 or more, or an unordered list, would silently never decay or decay out of order."""
+    inside = all(0 < m < 1 for m in milestones)
+    if not inside or any(a >= b for a, b in zip(milestones, milestones[1:])):
+        shown = "[" + ",".join(f"{m:g}" for m in milestones) + "]"
+        raise ConfigError(f"optim.milestones={shown} is not allowed; give fractions of train.epochs, "
+                          "each in (0, 1), increasing, e.g. optim.milestones=[0.5,0.8333]")
 
 
 def _check_ddp(cfg: Any) -> None:

@@ -103,6 +103,9 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); a run folder's files are as readable as any
+        # other file the user writes (umask), so collaborators on a shared cluster can read them.
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w") as f:
             json.dump(_clean(obj), f, indent=2, sort_keys=False)
             f.flush()
@@ -111,6 +114,15 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set straight back, once, at import (no threads yet)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
 
 
 def echo(line: str) -> None:

@@ -332,3 +332,51 @@ def test_help_lists_every_group_and_key_with_its_description():
         assert re.search(rf"^  {re.escape(key)} +{re.escape(HELP[key])} \(default ", proc.stdout, re.M), key
 
 
+# ---- 8. small gaps -------------------------------------------------------------------------------
+def test_run_files_are_as_readable_as_any_file_the_user_writes(tmp_path):
+    from sparsetrain.results import write_json_atomic
+
+    old = os.umask(0o022)
+    try:
+        write_json_atomic(tmp_path / "summary.json", {"status": "running"})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_slurm_jobs_are_named_after_the_preset():
+    names = []
+    for extra in ([], ["experiment=rq2_scheme"]):
+        proc = run_cli(*extra, "hydra/launcher=slurm", "--cfg", "hydra", "-p", "hydra.launcher.name", timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        names.append(proc.stdout.strip().splitlines()[-1])
+    assert names == ["sparsetrain", "rq2_scheme"]
+
+
+@pytest.mark.parametrize("milestones", ["[2.0,0.5]", "[0.8,0.5]", "[0.5,1.0]"])
+def test_milestones_must_be_increasing_fractions(milestones):
+    from hydra import compose, initialize_config_dir
+
+    from sparsetrain import config
+
+    config.register()
+    with initialize_config_dir(str(config.CONF_DIR), version_base=None):
+        cfg = compose("config", overrides=[f"optim.milestones={milestones}"])
+        with pytest.raises(config.ConfigError, match=r"optim.milestones=\[.*\] is not allowed; give fractions "
+                                                     r"of train.epochs, each in \(0, 1\), increasing"):
+            config.validate(cfg, env={})
+        config.validate(compose("config", overrides=["optim.milestones=[0.25,0.75]"]), env={})
+
+
+def test_make_notebooks_installs_jupyter_and_opens_the_notebooks(tmp_path):
+    tomllib = pytest.importorskip("tomllib")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(dep.startswith("jupyterlab") for dep in extra["notebooks"])
+    venv = tmp_path / "venv"  # a dry run: nothing is installed or started
+    proc = subprocess.run(["make", "-n", "notebooks", f"VENV={venv}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    install = [i for i, li in enumerate(lines) if f"{venv}/bin/python -m pip install" in li and ".[notebooks]" in li]
+    start = [i for i, li in enumerate(lines) if f"{venv}/bin/jupyter lab" in li and "notebooks" in li]
+    assert install and start and install[0] < start[0], proc.stdout

@@ -112,11 +112,22 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     log_dir = run_dir / "ranks"
 
     def launch():
-        results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
-                              port=cfg.dist.master_port, log_dir=str(log_dir))
+        try:
+            results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
+                                  port=cfg.dist.master_port, log_dir=str(log_dir))
+        finally:
+            _remove_empty_folders(log_dir)  # torch makes one per rank; only failures write there
         return results[0]
 
     return _guarded(launch, run_dir, multirun)
+
+
+def _remove_empty_folders(root: Path) -> None:
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
 
 
 def _note_interrupted_twins(run_dir: Path, cfg_dict: dict) -> None:
@@ -235,7 +246,7 @@ def _fail(msg: str, run_dir: Path, multirun: bool, code: int, own_summary: bool 
     if summary and summary.get("error") and summary["error"] != msg:
         msg = summary["error"]  # the rank's own account is more precise
     if env_rank() == 0:
-        _error(f"{msg} (run folder: {run_dir})")
+        _error(f"{msg} (run folder: {relative_run_dir(run_dir)})")
     if multirun:
         note_job_error(run_dir, msg)
         return {"status": "failed", "error": msg, "run_dir": str(run_dir)}
