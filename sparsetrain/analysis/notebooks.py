@@ -2,7 +2,8 @@
 
 Each notebook reads ``SPARSETRAIN_RESULTS`` (a results tree, or one sweep) and writes its tables and
 figures under ``SPARSETRAIN_OUT/<notebook>``; without them it uses its ``parameters`` cell
-(``../results`` and ``../figures/<study>``). A study notebook takes its points from the folders
+(``../results`` and ``../outputs/notebooks/<notebook>``: never the committed ``figures/``, which
+`make figures` writes). A study notebook takes its points from the folders
 ``report.SOURCES`` names, as `make figures` does. Needs the dev extra (nbclient, ipykernel).
 """
 
