@@ -293,6 +293,35 @@ def test_a_preset_sweep_ends_with_its_table_and_refused_points_fail_it(tmp_path)
     assert re.search(r"\| 0 +\| seed=0 +\| failed +\| +- \|", again.stdout), again.stdout[-3000:]
 
 
+def test_make_run_leaves_the_sweep_table_to_its_own(tmp_path, capsys):
+    """`make run` (benchmarks.compare) prints the table with every phase, so it turns the sweep's
+    own off with hydra.callbacks.sweep_report.table=false, a key the config must have."""
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    import sparsetrain.launch.cli as cli
+    from sparsetrain import config
+    from sparsetrain.benchmarks.compare import main as compare_main  # noqa: F401  (imports cleanly)
+    from sparsetrain.results import write_json_atomic
+
+    sweep = tmp_path / "sweep"
+    write_json_atomic(sweep / "0" / "summary.json", {"status": "completed", "steps": 3, "train_loss": 0.5,
+                                                     "test_accuracy": 0.9})
+    config.register()
+    printed = []
+    for table in ("true", "false"):
+        with initialize_config_dir(str(config.CONF_DIR), version_base=None):
+            cfg = compose("config", overrides=[f"hydra.callbacks.sweep_report.table={table}"],
+                          return_hydra_config=True)
+        report = instantiate(cfg.hydra.callbacks.sweep_report)
+        report.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}}))
+        printed.append(capsys.readouterr().out)
+    cli._failed_sweep_jobs.clear()
+    assert f"sweep folder: {sweep} (1 run: 1 completed)" in printed[0] and "| 0   | -" in printed[0]
+    assert printed[1] == ""
+
+
 # ---- 7. typos and help ---------------------------------------------------------------------------
 @pytest.mark.parametrize("override, needle", [
     ("sheme=topk", "sheme=topk: there is no key 'sheme'; did you mean scheme=topk?"),

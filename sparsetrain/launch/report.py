@@ -124,7 +124,8 @@ def end_of_sweep(sweep_dir: str | Path, errors: dict[str, str] | None = None) ->
     for s in summaries:
         counts[status_of(s)] = counts.get(status_of(s), 0) + 1
     tally = ", ".join(f"{n} {status}" for status, n in counts.items())
-    lines = [f"sweep folder: {relative_run_dir(sweep_dir)} ({len(jobs)} runs: {tally or 'none'})"]
+    runs = f"{len(jobs)} run{'' if len(jobs) == 1 else 's'}"
+    lines = [f"sweep folder: {relative_run_dir(sweep_dir)} ({runs}: {tally or 'none'})"]
     if rows:
         lines.append(runs_table(rows, head=("job", "overrides")))
     return "\n".join(lines + _untrained_lines(list(zip(jobs, summaries))))
