@@ -233,6 +233,24 @@ def test_sigterm_after_the_last_step_completes_the_run_at_once(tmp_path):
     assert f"run folder: {run} (" in out, out[-3000:]
 
 
+def test_sigterm_after_a_sweep_jobs_last_step_stops_the_sweep(tmp_path):
+    """world_size=1 trains in the launcher's own process: a SIGTERM after a job's last step lets
+    that job complete, and the sweep then stops instead of starting its next job."""
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen([sys.executable, "-m", "sparsetrain.run", "-m", *TINY, "world_size=1", "seed=0,1",
+                             "train.max_steps=4", "train.log_every=1", "data.test_size=1024",
+                             f"hydra.sweep.dir={sweep}"], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_until(lambda: 4 in _steps(sweep / "0"), proc, "job 0's last step", poll=0.02)
+    took, _, err = _signal_and_wait(proc)
+    assert proc.returncode == 143 and took < 25, (took, err[-3000:])
+    assert read_json(sweep / "0" / "summary.json")["status"] == "completed"
+    assert not (sweep / "1").exists(), "the sweep started its next job after SIGTERM"
+    assert "SIGTERM: not starting further jobs" in err
+    (line,) = [li for li in err.splitlines() if li.startswith("to resume the sweep: ")]
+    assert line.endswith(f" hydra.sweep.dir={sweep}") and " -m " in line, line
+
+
 @pytest.mark.slow
 def test_sigterm_near_an_epoch_boundary_many_times(tmp_path):
     """The issue's race, tried at several moments around the end of epoch 2 (train.log_every=10:

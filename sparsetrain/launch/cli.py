@@ -170,7 +170,7 @@ def _resume_command(folder: Path, multirun: bool, program: str | None = None) ->
 
 def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
     try:
-        return fn()
+        result = fn()
     except KeyboardInterrupt:  # world_size=1: Ctrl-C before the trainer's own handler was there
         mark_failed(run_dir, "interrupted (Ctrl-C)")
         return _stopped(run_dir, multirun, signal.SIGINT)
@@ -186,6 +186,10 @@ def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
             return _fail(msg, run_dir, multirun, code=1, own_summary=False)
         mark_failed(run_dir, msg)
         return _fail(msg, run_dir, multirun, code=1)
+    from sparsetrain.train.signals import received
+
+    sig = received()  # world_size=1 trains in this process: a signal after the run's last step
+    return _stopped(run_dir, multirun, sig) if sig is not None else result
 
 
 def _stopped(run_dir: Path, multirun: bool, sig: int) -> dict[str, Any]:
@@ -208,9 +212,9 @@ def _stopped(run_dir: Path, multirun: bool, sig: int) -> dict[str, Any]:
             mark_failed(run_dir, error)
         line = f"{error} (run folder: {where})" + (f"; {name}: not starting further jobs" if multirun else "")
     _error(line)
-    what = "the sweep" if multirun else "this run"
-    verb = "resume" if multirun or (run_dir / CHECKPOINT).exists() else "start it again"
-    print(f"to {verb} {what}: {_resume_command(run_dir, multirun)}", file=sys.stderr, flush=True)
+    what = ("resume the sweep" if multirun else "resume this run" if (run_dir / CHECKPOINT).exists()
+            else "run it again")
+    print(f"to {what}: {_resume_command(run_dir, multirun)}", file=sys.stderr, flush=True)
     raise SystemExit(128 + int(sig))
 
 
