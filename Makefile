@@ -8,7 +8,7 @@ RESULTS ?= results
 FIGURES ?= figures
 ANALYSE = $(PY) -m sparsetrain.analysis --quiet
 
-.PHONY: help venv data run test test-full lint figures bench bench-step bench-ddp bench-model gpu-check slurm-up slurm-down clean
+.PHONY: help venv data run test test-full lint figures notebooks bench bench-step bench-ddp bench-model gpu-check slurm-up slurm-down clean
 
 help:  ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -51,6 +51,14 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	@# The timing half, where the results tree holds it (a tree of one's own sweeps may not).
 	$(if $(wildcard $(RESULTS)/bench/step.json),$(PY) -m sparsetrain.benchmarks.step --report $(RESULTS)/bench/step.json --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/step.json: step report skipped")
 	$(if $(wildcard $(RESULTS)/bench/collectives.json),$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/collectives.json: cost model skipped")
+
+$(VENV)/.notebooks: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e '.[notebooks]'
+	@touch $@
+
+notebooks: $(VENV)/.notebooks  ## install JupyterLab into .venv (once) and open notebooks/ (they read results/, write outputs/notebooks/)
+	@echo "notebooks: SPARSETRAIN_RESULTS=<results tree or sweep> and SPARSETRAIN_OUT=<folder> point them elsewhere"
+	$(VENV)/bin/jupyter lab notebooks/
 
 bench: venv  ## compressor micro-benchmark (1 thread, 3 rounds) -> results/bench/compress.json
 	$(PY) -m sparsetrain.benchmarks.compress --threads 1 --json results/bench/compress.json

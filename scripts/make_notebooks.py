@@ -24,6 +24,7 @@ from IPython.display import Image, Markdown, display
 from sparsetrain import analysis as sa
 
 # SPARSETRAIN_RESULTS / SPARSETRAIN_OUT point the notebook elsewhere without editing it (tests do).
+# By default it writes under outputs/notebooks/ (not tracked), never into the committed figures/.
 RESULTS = Path(os.environ.get("SPARSETRAIN_RESULTS", RESULTS))
 OUT = Path(os.environ["SPARSETRAIN_OUT"]) / {name!r} if "SPARSETRAIN_OUT" in os.environ else Path(OUT)
 {load}
@@ -131,7 +132,7 @@ def study_notebook(name: str, title: str, question: str) -> nbformat.NotebookNod
             "or did not train (final train loss above ln 10) are left out of the numbers and listed "
             "under each table."
         ),
-        parameters_cell("../results", f"../figures/{name}"),
+        parameters_cell("../results", f"../outputs/notebooks/{name}"),
         new_code_cell(SETUP.format(name=name, load=LOAD_STUDY.format(study=name))),
         new_code_cell(RUNS_VIEW),
         new_markdown_cell("## Tables\n\nMean ± std over seeds, with the number of seeds n."),
@@ -159,7 +160,7 @@ def overview_notebook() -> nbformat.NotebookNode:
             "the sweeps that hold its points. "
             "`make figures` writes all of it with `python -m sparsetrain.analysis`."
         ),
-        parameters_cell("../results", "../figures"),
+        parameters_cell("../results", "../outputs/notebooks/00_overview"),
         new_code_cell(SETUP.format(name="00_overview", load=LOAD_ALL)),
         new_markdown_cell("## Runs by status\n\nFailed, unfinished and absent runs are named below."),
         new_code_cell('status = sa.status_table(runs)\nsa.write_table(status, OUT)\ndisplay(Markdown(status.to_markdown()))'),

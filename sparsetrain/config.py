@@ -1,14 +1,19 @@
 """Config schemas (Hydra ConfigStore) and the semantic checks that run before any rank starts.
 
-The dataclasses type every key: a typo or a wrong type fails at composition with Hydra's own
-message. ``validate`` then checks what types cannot express (ranges, combinations, the launch
-environment) and raises ``ConfigError`` with one line naming the key, the value and what is allowed.
+The dataclasses type every key and ``HELP`` says what each one does (``--help`` prints it).
+``check_overrides`` reads the command line before Hydra does: an unknown key (with or without
+``+``), a value of the wrong type or an unknown group option stops with one line and a "did you
+mean". ``validate`` then checks what types cannot express (ranges, combinations, the launch
+environment). Both raise ``ConfigError`` with one line naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,22 +166,231 @@ def group_options(group: str) -> list[str]:
     return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
 
 
-def check_group_overrides(overrides: list[str]) -> None:
-    """One-line error for an unknown group option (``scheme=nope``) before Hydra's longer one.
+# One line per group and key: what `--help` prints. tests/test_config.py checks that every key of
+# the schema has one, so a new key cannot be left undescribed.
+GROUP_HELP = {
+    "scheme": "how gradients are compressed: none (dense SGD), topk, randk, blockk; powersgd, fp16 need dist.ddp=true",
+    "scope": "layerwise (k per tensor) or global (one k over the flattened model)",
+    "aggregation": "allgather (own positions, gathered) or allreduce (shared positions, summed; not topk)",
+    "model": "resnet20 (0.27M parameters) or resnet18 (CIFAR variant, 11.2M, the paper's)",
+    "data": "fashion_mnist (offline), cifar10 (downloads into data.root), synthetic (generated)",
+    "experiment": "a preset with its own sweep grid (conf/experiment/), run with -m; writes under multirun/<preset>/",
+    "debug": "tiny: small, fast settings for smoke runs and tests (synthetic data, 512 images, no W&B)",
+}
+HELP = {
+    "world_size": "data-parallel ranks, >= 1",
+    "ratio": "fraction of gradient entries sent per step, 0 < ratio <= 1 (scheme=none ignores it)",
+    "seed": "seeds the weights, the data order and the shared random positions",
+    "scheme.name": "the scheme (set it with scheme=...)",
+    "scheme.compressor": "how the compressor is built (set by scheme=...)",
+    "scheme.error_feedback": "keep what was not sent and add it to the next gradient (false: the ablation)",
+    "scheme.block_size": "blockk with scope=global: entries per contiguous block",
+    "scheme.uncompressed": "tensors sent whole: 1d (biases, batch-norm), none, or N (tensors under N entries)",
+    "scheme.warmup_steps": "exchange densely for the first N steps, then compress (memory starts empty)",
+    "scheme.rank": "powersgd: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
+    "scope.name": "the scope (set it with scope=...)",
+    "aggregation.name": "the aggregation (set it with aggregation=...)",
+    "model._target_": "the function that builds the model (set by model=...)",
+    "model._partial_": "built once the data's shape is known (set by model=...)",
+    "model.name": "the model (set it with model=...)",
+    "data.name": "the data set (set it with data=...)",
+    "data.root": "where data sets live (default: $SPARSETRAIN_DATA, else data/)",
+    "data.download": "download a data set that is not there",
+    "data.train_size": "train on the first N training examples (null: all); for short runs",
+    "data.test_size": "evaluate on the first N test examples (null: all); evaluation dominates short runs",
+    "data.augment": "random crops and flips of the training images",
+    "train.epochs": "epochs to train; the lr warm-up and milestones are fractions of them",
+    "train.max_steps": "stop after N steps (null: no cap); raising it resumes a capped run further",
+    "train.batch_size": "examples per rank per step",
+    "train.eval_every": "evaluate on the test set every N epochs, and at the end",
+    "train.log_every": "log a step record every N steps; stop signals and divergence are checked then",
+    "train.device": "auto, cpu or cuda (one GPU per rank)",
+    "train.threads": "torch threads per rank (null: cores / local ranks)",
+    "train.timing_warmup": "first steps left out of the per-phase time means",
+    "train.checkpoint": "save checkpoint.pt every epoch and on a stop signal, and resume from it",
+    "train.save_model": "write the final weights to model.pt",
+    "train.progress": "progress bar on rank 0 when attached to a terminal",
+    "train.bn_recalibrate": "recompute batch-norm statistics from N training batches before each evaluation (0: off)",
+    "train.allow_code_change": "resume a checkpoint written by other code (another commit, other changes)",
+    "optim.lr": "learning rate per rank (times world_size when optim.scale_lr)",
+    "optim.scale_lr": "scale the lr linearly with world_size",
+    "optim.momentum": "SGD momentum",
+    "optim.nesterov": "Nesterov momentum",
+    "optim.weight_decay": "weight decay (not on batch-norm parameters and biases)",
+    "optim.warmup_epochs": "linear lr warm-up over this many epochs",
+    "optim.milestones": "fractions of train.epochs, increasing, each in (0, 1): the lr is multiplied by optim.gamma there",
+    "optim.gamma": "lr factor at each milestone",
+    "wandb.mode": "offline (files in the run folder), online (needs a key), disabled",
+    "wandb.project": "W&B project",
+    "wandb.entity": "W&B entity (null: your default)",
+    "wandb.group": "W&B group (null: the sweep folder, shared by a sweep's jobs)",
+    "wandb.tags": "W&B tags",
+    "dist.backend": "auto (nccl on cuda, gloo on cpu), gloo or nccl",
+    "dist.timeout_s": "collective timeout in seconds: a dead rank cannot hang the job longer",
+    "dist.ranks_per_node": "SLURM: ranks per node (null: all on one node)",
+    "dist.master_port": "local ranks: rendezvous port (null: a free one)",
+    "dist.overlap": "dense: start bucketed AllReduces during backward, as DDP does",
+    "dist.ddp": "train through torch DDP, the exchange in a communication hook",
+    "dist.bucket_cap_mb": "DDP's bucket size in MB",
+}
 
-    Sweep values (``scheme=topk,randk``) are checked one by one; anything fancier is left to Hydra.
-    """
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.lstrip("+~")
-        if not sep or key not in GROUPS or any(c in value for c in "()[]{}$*"):
+
+def schema_keys(cls: type = None, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of the schema with its default (``MISSING`` where a group sets it)."""
+    cls = cls or Config
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(schema_keys(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            out[f"{prefix}{f.name}"] = default
+    return out
+
+
+# Keys whose value is free-form (the scheme's class and its options): any key below them is allowed.
+FREE_FORM = ("scheme.compressor",)
+
+
+def _known(key: str, keys: dict[str, Any]) -> bool:
+    head = key.split(".")
+    if key in keys or key in GROUPS:
+        return True
+    if any(key.startswith(f"{k}.") for k in FREE_FORM):
+        return True
+    parent = ".".join(head[:-1])  # an item of a list: optim.milestones.0
+    return head[-1].isdigit() and isinstance(keys.get(parent), list)
+
+
+def did_you_mean(key: str, keys: list[str]) -> str | None:
+    """The known key closest to ``key``: one with the same last part in another section
+    (train.lr -> optim.lr), else the closest whole name, else the closest last part."""
+    leaf = key.rpartition(".")[2]
+    same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf]
+    if same_leaf:
+        return same_leaf[0]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    by_leaf = {k.rpartition(".")[2]: k for k in keys}
+    close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
+    return by_leaf[close[0]] if close else None
+
+
+def _typed_schema():
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(Config(scheme=SchemeConfig(), scope=NamedConfig(),
+                                       aggregation=NamedConfig(), model=ModelConfig(), data=DataConfig()))
+
+
+def launcher_options() -> list[str]:
+    """The options of Hydra's ``hydra/launcher`` group: Hydra's own, the installed plugins', ours."""
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # the plugins register their launchers' configs
+    repo = ConfigRepository(create_config_search_path(str(CONF_DIR)))
+    return sorted(repo.get_group_options("hydra/launcher"))
+
+
+def check_overrides(args: list[str]) -> None:
+    """Check the command line's overrides before Hydra composes them, so that a mistake stops with
+    one line: an unknown key (``sheme=topk``, ``+train.lr=0.1``: Hydra would add it, and nothing
+    reads it) with the closest key, a value of the wrong type, an unknown option of a group
+    (``scheme=nope``, ``hydra/launcher=nope``). Sweeps (``a,b``, ``range(...)``) are checked value
+    by value; keys under ``hydra.`` and Hydra's other groups are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    items = [a for a in args if "=" in a and not a.startswith("-")]
+    if not items:
+        return
+    parser = OverridesParser.create()
+    keys = schema_keys()
+    schema = None
+    for item in items:
+        try:
+            (override,) = parser.parse_overrides([item])
+        except HydraException as exc:
+            raise ConfigError(f"{item} cannot be read: {str(exc).splitlines()[0]}") from None
+        key, text = override.key_or_group, item.partition("=")[2]
+        if override.package is not None or key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            if key == "hydra/launcher" and not override.is_sweep_override():
+                allowed = launcher_options()
+                if text not in allowed:
+                    raise ConfigError(f"hydra/launcher={text!r} is not allowed; choose one of: {', '.join(allowed)}")
             continue
-        allowed = group_options(key)
-        for choice in value.split(","):
-            if choice not in allowed and not (key in ("experiment", "debug") and choice == "null"):
-                raise ConfigError(
-                    f"{key}={choice!r} is not allowed; choose one of: {', '.join(allowed)}"
-                )
+        if not _known(key, keys):
+            hint = did_you_mean(key, [*keys, *GROUPS])
+            hint = f"did you mean {hint}={text}? " if hint else ""
+            raise ConfigError(f"{item}: there is no key {key!r}; {hint}`python -m sparsetrain.run --help` lists every key")
+        if override.is_add() and key in keys:
+            raise ConfigError(f"{item}: {key} exists already; drop the '+' ({key}={text})")
+        if override.is_delete() or override.value_type in (ValueType.INTERVAL_SWEEP, ValueType.GLOB_CHOICE_SWEEP):
+            continue
+        if override.is_sweep_override():
+            values = list(override.sweep_iterator())
+        else:
+            values = [override.value()]
+        if key in GROUPS:
+            allowed = group_options(key)
+            for choice in values:
+                if str(choice) not in allowed and not (key in ("experiment", "debug") and choice is None):
+                    raise ConfigError(f"{key}={choice!r} is not allowed; choose one of: {', '.join(allowed)}")
+            continue
+        schema = schema if schema is not None else _typed_schema()
+        for value in values:
+            if isinstance(value, str) and "${" in value:  # an interpolation: resolved later
+                continue
+            try:
+                OmegaConf.update(schema, key, value, merge=True)
+            except OmegaConfBaseException as exc:
+                reason = str(exc).splitlines()[0]
+                raise ConfigError(f"{key}={value!r} is not allowed: {reason}") from None
+
+
+def help_text() -> str:
+    """What ``python -m sparsetrain.run --help`` prints: usage, the groups, every key."""
+    import textwrap
+
+    from omegaconf import OmegaConf
+
+    defaults = {}
+    for entry in OmegaConf.to_container(OmegaConf.load(CONF_DIR / "config.yaml"))["defaults"]:
+        if isinstance(entry, dict):
+            defaults.update(entry)
+    lines = [
+        "python -m sparsetrain.run [key=value ...]        one run, in outputs/DATE/TIME/",
+        "python -m sparsetrain.run -m [key=a,b ...]       a sweep, one run per combination, in multirun/DATE/TIME/N/",
+        "",
+        "Groups (group=option; conf/<group>/<option>.yaml):",
+    ]
+    for group in GROUPS:
+        default = defaults.get(group) or "null"
+        options = textwrap.wrap(f"{' | '.join(group_options(group))} (default {default})", 86)
+        lines += [f"  {group:<12} {GROUP_HELP[group]}", *(f"  {'':<12} {line}" for line in options)]
+    lines += ["", "Keys (key=value):"]
+    keys = schema_keys()
+    for key in sorted(keys, key=lambda k: "." in k):  # the top-level keys first
+        if key in FREE_FORM or key.endswith((".name", "._target_", "._partial_")):
+            continue  # set by their group
+        default = keys[key]
+        shown = ("null" if default is None else str(default).lower() if isinstance(default, bool)
+                 else "see left" if "${" in str(default) else default)
+        lines.append(f"  {key:<24} {HELP[key]} (default {shown})")
+    lines += [
+        "",
+        "Folders: hydra.run.dir=... (a run), hydra.sweep.dir=... (a sweep); rerunning into a folder",
+        "resumes what was interrupted and skips what completed. More: README.md, conf/config.yaml;",
+        "Hydra's own options: --hydra-help; the composed config: --cfg job.",
+    ]
+    return "\n".join(lines)
 
 
 def validate(cfg: Any, env: dict | None = None) -> None:
@@ -225,6 +439,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
+    _check_milestones(list(cfg.optim.milestones))
     for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
                        "train.bn_recalibrate": cfg.train.bn_recalibrate}.items():
         if value < 0:
@@ -239,6 +454,16 @@ def validate(cfg: Any, env: dict | None = None) -> None:
             "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
             "allowed without one: offline, disabled"
         )
+
+
+def _check_milestones(milestones: list[float]) -> None:
+    """Fractions of ``train.epochs`` (lr_at compares them with the step's share of the run): a
+    value of 1 or more, or an unordered list, would silently never decay or decay out of order."""
+    inside = all(0 < m < 1 for m in milestones)
+    if not inside or any(a >= b for a, b in zip(milestones, milestones[1:])):
+        shown = "[" + ",".join(f"{m:g}" for m in milestones) + "]"
+        raise ConfigError(f"optim.milestones={shown} is not allowed; give fractions of train.epochs, "
+                          "each in (0, 1), increasing, e.g. optim.milestones=[0.5,0.8333]")
 
 
 def _check_ddp(cfg: Any) -> None:

@@ -24,7 +24,12 @@ class CheckpointError(RuntimeError):
 
 
 class Preempted(Exception):
-    """SIGTERM arrived: the loop saved a checkpoint and stops."""
+    """A stop signal (SIGTERM, SIGINT, SLURM's preemption signal) arrived: the loop saved a
+    checkpoint and stops. ``signum`` is the signal, so the launcher can exit with 128 + it."""
+
+    def __init__(self, message: str, signum: int | None = None):
+        super().__init__(message)
+        self.signum = signum
 
 
 class Diverged(RuntimeError):

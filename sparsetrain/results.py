@@ -103,6 +103,9 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); a run folder's files are as readable as any
+        # other file the user writes (umask), so collaborators on a shared cluster can read them.
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "w") as f:
             json.dump(_clean(obj), f, indent=2, sort_keys=False)
             f.flush()
@@ -111,6 +114,15 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; set straight back, once, at import (no threads yet)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
 
 
 def echo(line: str) -> None:
@@ -137,6 +149,22 @@ def mark_failed(run_dir: str | Path, error: str, **fields: Any) -> None:
     summary.update(fields)
     summary.update(status="failed", error=error, finished_at=now_iso())
     write_json_atomic(Path(run_dir) / SUMMARY, summary)
+
+
+def record_refusal(run_dir: str | Path, error: str, **fields: Any) -> None:
+    """Record a run refused before it started (a bad value or combination) as ``failed``. It
+    replaces the summary of an earlier refusal in the folder, so the folder names this attempt's
+    mistake, but never a summary of a run that trained (or is training): completed, running,
+    failed after some steps, or with a checkpoint to resume."""
+    old = read_summary(run_dir)
+    trained = old is not None and (old.get("status") != "failed" or old.get("steps") is not None
+                                   or (Path(run_dir) / "checkpoint.pt").exists())
+    if trained:
+        return
+    now = now_iso()
+    write_json_atomic(Path(run_dir) / SUMMARY, {"run_dir": relative_run_dir(run_dir), "started_at": now,
+                                                 **fields, "status": "failed", "error": error,
+                                                 "finished_at": now})
 
 
 def replace_error(run_dir: str | Path, error: str, **fields: Any) -> None:

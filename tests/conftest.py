@@ -10,14 +10,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def cli_env(**extra: str) -> dict:
+    """The environment of a command a test runs: this checkout's package first on the path, also
+    from another working directory (an editable install may point at another checkout), and no
+    W&B key."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", "PYTHONPATH": path, **extra}
+    if "WANDB_API_KEY" not in extra:
+        env.pop("WANDB_API_KEY", None)
+    return env
+
+
 def run_cli(*overrides: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
     """Run ``python -m sparsetrain.run`` as a user would; returns the CompletedProcess."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
-    full_env.pop("WANDB_API_KEY", None) if env is None or "WANDB_API_KEY" not in env else None
     return subprocess.run(
         [sys.executable, "-m", "sparsetrain.run", *overrides],
         cwd=cwd or ROOT,
-        env=full_env,
+        env=cli_env(**(env or {})),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -640,7 +640,7 @@ def test_experiment_presets_compose_and_every_grid_point_validates(name):
     config.register()
     with initialize_config_dir(str(config.CONF_DIR), version_base=None):
         base = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
-        assert base.hydra.sweep.dir == f"results/{name}"
+        assert base.hydra.sweep.dir.startswith(f"multirun/{name}/")  # results/: reproduce.sh
         if name.startswith("paper/"):
             assert (base.model.name, base.data.name, base.world_size) == ("resnet18", "cifar10", 8)
             assert base.train.epochs == 300 and base.train.batch_size == 128

@@ -48,6 +48,9 @@ def test_two_rank_dense_run_writes_complete_run_folder(tmp_path):
     assert records[-1]["kind"] == "epoch" and records[-1]["test_accuracy"] == s["test_accuracy"]
     assert (run / ".hydra" / "config.yaml").exists()
     assert not (run / "wandb").exists()  # wandb.mode=disabled
+    # nothing empty: no Hydra job log (sparsetrain prints), no per-rank folders of a run that
+    # did not fail
+    assert not list(run.glob("*.log")) and not (run / "ranks").exists(), sorted(p.name for p in run.iterdir())
 
 
 def test_multirun_failing_job_is_marked_and_others_complete(tmp_path):

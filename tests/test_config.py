@@ -5,7 +5,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sparsetrain.config import CONF_DIR, ConfigError, check_group_overrides, register, validate
+from sparsetrain.config import CONF_DIR, ConfigError, check_overrides, register, validate
 from sparsetrain.train import lr_at
 
 register()
@@ -63,8 +63,8 @@ def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
 
 def test_unknown_group_option_is_one_line():
     with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: blockk, fp16, none, powersgd, randk, topk"):
-        check_group_overrides(["scheme=topk,nope"])
-    check_group_overrides(["scheme=topk,randk", "ratio=0.1", "hydra.run.dir=x"])
+        check_overrides(["scheme=topk,nope"])
+    check_overrides(["scheme=topk,randk", "ratio=0.1", "hydra.run.dir=x"])
 
 
 def test_world_size_must_match_launcher_environment():

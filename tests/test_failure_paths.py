@@ -28,15 +28,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ROOT, TINY, read_json, read_jsonl, run_cli, wait_until
+from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, run_cli, wait_until
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
-def _env(**extra: str) -> dict:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **extra}
-    env.pop("WANDB_API_KEY", None)
-    return env
+_env = cli_env
 
 
 def _start(*args: str, cwd: Path = ROOT, cmd: list[str] | None = None) -> subprocess.Popen:

@@ -10,15 +10,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ROOT, TINY, read_json, read_jsonl, run_cli
+from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, run_cli
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-
-
-def _env():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("WANDB_API_KEY", None)
-    return env
+_env = cli_env
 
 
 def _wait_for_steps(run: Path, n: int, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -25,6 +25,8 @@ def test_notebooks_committed_without_outputs_and_parameterised(name):
     assert all(not c.outputs and c.execution_count is None for c in code), f"{name} has outputs"
     params = [c for c in code if "parameters" in c.metadata.get("tags", [])]
     assert len(params) == 1 and params[0].source.startswith('RESULTS = "../results')
+    # by default a notebook writes under the untracked outputs/, never into the committed figures/
+    assert f'OUT = "../outputs/notebooks/{name}"' in params[0].source
     assert any("SPARSETRAIN_RESULTS" in c.source for c in code)
     assert "import torch" not in "".join(c.source for c in code)
 

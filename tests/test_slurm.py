@@ -147,7 +147,7 @@ def test_preempted_job_requeues_and_resumes_at_the_step(tmp_path):
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
     assert stopped["status"] == "failed", stopped
-    match = re.fullmatch(r"Preempted: SIGUSR2 at step (\d+): checkpoint saved; rerun to resume",
+    match = re.fullmatch(r"Preempted: SIGUSR2 at step (\d+): checkpoint saved; rerun into this folder to resume",
                          stopped["error"] or "")
     assert match, stopped
     saved_at = int(match.group(1))

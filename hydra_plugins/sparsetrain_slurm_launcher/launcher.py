@@ -95,9 +95,16 @@ class GroupedSlurmLauncher(SlurmLauncher):
                          f"for jobs {', '.join('#' + str(initial_job_idx + i) for i in members)}")
 
         _wait([j for j in jobs if j is not None])
-        return [_failed(list(o), run_dir, refused[i]) if i in refused
-                else self._outcome(job, list(o), run_dir)
-                for i, (job, o, run_dir) in enumerate(zip(jobs, job_overrides, run_dirs, strict=True))]
+        returns = [_failed(list(o), run_dir, refused[i]) if i in refused
+                   else self._outcome(job, list(o), run_dir)
+                   for i, (job, o, run_dir) in enumerate(zip(jobs, job_overrides, run_dirs, strict=True))]
+        from sparsetrain.launch.cli import note_job_error
+
+        for ret, run_dir in zip(returns, run_dirs, strict=True):  # for the sweep's report
+            value = ret._return_value
+            if isinstance(value, dict) and value.get("status") == "failed":
+                note_job_error(run_dir, str(value.get("error")))
+        return returns
 
     # ---- helpers -------------------------------------------------------------------------------
     def _resolve_job(self, overrides: list[str], idx: int,
@@ -132,11 +139,11 @@ class GroupedSlurmLauncher(SlurmLauncher):
                 HydraConfig.instance().cfg = previous
         run_dir = run_dir.absolute()
         if error is not None:
-            from sparsetrain.results import mark_failed
+            from sparsetrain.results import record_refusal
 
             config = OmegaConf.to_container(cfg, resolve=False)
             config.pop("hydra", None)
-            mark_failed(run_dir, error, config=config)
+            record_refusal(run_dir, error, config=config)
             log.error(f"\t#{idx} not submitted: {error}")
         return params, run_dir, error
 

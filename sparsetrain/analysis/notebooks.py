@@ -2,7 +2,8 @@
 
 Each notebook reads ``SPARSETRAIN_RESULTS`` (a results tree, or one sweep) and writes its tables and
 figures under ``SPARSETRAIN_OUT/<notebook>``; without them it uses its ``parameters`` cell
-(``../results`` and ``../figures/<study>``). A study notebook takes its points from the folders
+(``../results`` and ``../outputs/notebooks/<notebook>``: never the committed ``figures/``, which
+`make figures` writes). A study notebook takes its points from the folders
 ``report.SOURCES`` names, as `make figures` does. Needs the dev extra (nbclient, ipykernel).
 """
 
@@ -45,7 +46,12 @@ def run_notebook(name: str, results: str | Path, out: str | Path, timeout: int =
 
     path = Path(notebooks_dir) / f"{name}.ipynb"
     notebook = nbformat.read(path, as_version=4)
-    with _environ(SPARSETRAIN_RESULTS=str(Path(results).resolve()), SPARSETRAIN_OUT=str(Path(out).resolve())):
+    # The kernel imports the same sparsetrain as this process: an editable install may point at
+    # another checkout (a git worktree's tests would otherwise run the main checkout's analysis).
+    package_root = str(Path(__file__).resolve().parents[2])
+    python_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    with _environ(SPARSETRAIN_RESULTS=str(Path(results).resolve()), SPARSETRAIN_OUT=str(Path(out).resolve()),
+                  PYTHONPATH=python_path):
         client = NotebookClient(notebook, timeout=timeout, kernel_name="python3",
                                 resources={"metadata": {"path": str(path.parent)}})
         client.execute()

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 from sparsetrain.benchmarks.harness import REPO as ROOT
-from sparsetrain.benchmarks.tables import grid
-from sparsetrain.results import DID_NOT_TRAIN, untrained_reason  # no torch
+from sparsetrain.launch.report import runs_table, sweep_jobs  # no torch
 
 SCHEMES = "none,topk,randk,blockk"
 DEFAULTS = [
@@ -37,31 +36,22 @@ DEFAULTS = [
 
 
 def table(sweep: Path) -> str:
+    """The sweep's table, one row per scheme, with every phase: what `make run` prints."""
     rows = []
-    for path in sorted(sweep.glob("*/summary.json"), key=lambda p: int(p.parent.name)):
-        s = json.loads(path.read_text())
-        t = s.get("time_ms") or {}
-        name = s["config"]["scheme"]["name"] if "config" in s else path.parent.name
-        loss = s.get("train_loss")
-        rows.append([
-            "dense" if name == "none" else name,
-            DID_NOT_TRAIN if untrained_reason(s) else s["status"],
-            f"{loss:.3f}" if loss is not None else "-",
-            f"{100 * s['test_accuracy']:.2f}" if s.get("test_accuracy") is not None else "-",
-            *(f"{t.get(k, 0):.1f}" for k in ("forward", "backward", "compress", "exchange",
-                                               "decompress", "step")),
-            f"{s.get('bytes_sent_per_step', 0):,}",
-            f"{s.get('bytes_sent_per_step', 0) / max(1, s.get('dense_bytes_per_step', 1)):.4f}",
-        ])
-    head = ["scheme", "status", "train loss", "test acc %", "fwd ms", "bwd ms", "compress ms", "exchange ms",
-            "decompress ms", "step ms", "bytes/step", "vs dense"]
-    return grid(head, rows)
+    for job in sweep_jobs(sweep):
+        path = job / "summary.json"
+        s = json.loads(path.read_text()) if path.exists() else None
+        name = s["config"]["scheme"]["name"] if s and "config" in s else job.name
+        rows.append((["dense" if name == "none" else name], s))
+    return runs_table(rows, head=("scheme",),
+                      phases=("forward", "backward", "compress", "exchange", "decompress", "step"))
 
 
 def main(argv: list[str]) -> int:
     sweep = ROOT / "outputs" / "compare" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    # The sweep's own short table is left out: the one below has every phase.
     cmd = [sys.executable, "-m", "sparsetrain.run", "-m", f"scheme={SCHEMES}", *DEFAULTS, *argv,
-           f"hydra.sweep.dir={sweep}"]
+           f"hydra.sweep.dir={sweep}", "hydra.callbacks.sweep_report.table=false"]
     print("$", " ".join(cmd[1:]), flush=True)
     t0 = time.time()
     code = subprocess.call(cmd, cwd=ROOT)

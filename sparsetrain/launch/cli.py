@@ -4,12 +4,15 @@
 Hydra composes and type-checks the config; ``validate`` checks values and combinations; then
 this process either *is* a rank (torchrun, SLURM task) or spawns ``world_size`` local ranks.
 A job that fails is marked ``failed`` in its run folder; in a sweep the other jobs go on and the
-sweep ends with a report of the failed jobs and a non-zero exit code.
+sweep ends with its table and a report of the jobs that did not complete (refused ones too),
+and a non-zero exit code. A run ends with its folder and a one-row table. A stop signal (Ctrl-C,
+SIGTERM) ends the command with 128 + the signal and the exact command that resumes.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -21,22 +24,29 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sparsetrain.config import CONF_DIR, check_group_overrides, register, validate
-from sparsetrain.errors import CheckpointError, ConfigError, one_line_error, print_error
+from sparsetrain.config import CONF_DIR, check_overrides, help_text, register, validate
+from sparsetrain.errors import CheckpointError, ConfigError, Preempted, one_line_error, print_error
 from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
+from sparsetrain.launch.report import end_of_run, end_of_sweep
 from sparsetrain.results import (
     SUMMARY,
     RunWriter,
     mark_failed,
     read_heartbeat,
     read_summary,
+    record_refusal,
     relative_run_dir,
     replace_error,
 )
 
 register()
 _failed_sweep_jobs: list[str] = []
+# This sweep's own account of the jobs that it refused or that failed, by resolved run folder: a
+# refused job's folder may hold an older run's summary (completed, or another error).
+_job_errors: dict[str, str] = {}
+_argv: list[str] = []  # the command line's arguments, for the command that resumes
 _error = print_error
+CHECKPOINT = "checkpoint.pt"  # sparsetrain.train.checkpoint.CHECKPOINT (that module imports torch)
 
 
 def _run_job(cfg: DictConfig) -> dict[str, Any]:
@@ -49,15 +59,17 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     is_rank0 = kind == "spawn" or env_rank() == 0
     if multirun and cfg.wandb.group is None:  # a sweep's jobs share one W&B group
         cfg.wandb.group = Path(hc.sweep.dir).as_posix().replace("/", "_")
+    if is_rank0:
+        print(f"run folder: {relative_run_dir(run_dir)}", flush=True)
 
     try:
         validate(cfg)
         check_launch_environment(cfg.world_size, os.environ)  # world_size vs torchrun / SLURM
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-    except ConfigError as exc:
+    except ConfigError as exc:  # this attempt's error, not what the folder held before
         if is_rank0:
-            mark_failed(run_dir, str(exc), config=OmegaConf.to_container(cfg, resolve=False))
-        return _fail(str(exc), run_dir, multirun, code=2)
+            record_refusal(run_dir, str(exc), config=OmegaConf.to_container(cfg, resolve=False))
+        return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
     try:  # a checkpoint here is resumed: it must be readable and from this same configuration
         from sparsetrain.train.checkpoint import check_resume
 
@@ -78,47 +90,132 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
 
     from sparsetrain.launch.worker import worker_main
 
-    if kind != "spawn":  # torchrun / SLURM: this process is one of the ranks
+    if kind == "torchrun":  # this process is one of the ranks
+        try:
+            return worker_main(cfg_dict, str(run_dir), launcher=kind)
+        except Preempted as exc:
+            if is_rank0:
+                _error(f"{one_line_error(exc)} (run folder: {relative_run_dir(run_dir)})")
+                print(f"to resume: torchrun ... {_resume_command(run_dir, multirun, program='-m sparsetrain.run')}",
+                      file=sys.stderr, flush=True)
+            raise SystemExit(128 + (exc.signum or signal.SIGTERM)) from None
+    if kind != "spawn":  # a SLURM task: one of the ranks; submitit requeues a preempted job
         return worker_main(cfg_dict, str(run_dir), launcher=kind)
+    if not multirun and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
+        _note_interrupted_twins(run_dir, cfg_dict)
+
+    # Recorded before any rank exists, so a launch that fails early still leaves a summary, and
+    # a failure is never read back from an earlier run's summary in this folder.
+    RunWriter(run_dir).start(config=cfg_dict, run_dir=relative_run_dir(run_dir), world_size=cfg.world_size)
     if cfg.world_size == 1:
         return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
-
-    # Recorded before any rank exists, so a launch that fails early still leaves a summary.
-    RunWriter(run_dir).start(config=cfg_dict, run_dir=relative_run_dir(run_dir), world_size=cfg.world_size)
     log_dir = run_dir / "ranks"
 
     def launch():
-        results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
-                              port=cfg.dist.master_port, log_dir=str(log_dir))
+        try:
+            results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
+                                  port=cfg.dist.master_port, log_dir=str(log_dir))
+        finally:
+            _remove_empty_folders(log_dir)  # torch makes one per rank; only failures write there
         return results[0]
 
     return _guarded(launch, run_dir, multirun)
 
 
+def _remove_empty_folders(root: Path) -> None:
+    for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+
+
+def _note_interrupted_twins(run_dir: Path, cfg_dict: dict) -> None:
+    """A fresh run in a default folder (outputs/DATE/TIME/) says so when an interrupted run of the
+    same configuration waits in another default folder: rerunning a command without its
+    hydra.run.dir starts over, and the checkpoint of the first try would go unnoticed."""
+    from sparsetrain.train.checkpoint import config_differences
+
+    if (run_dir / SUMMARY).exists():
+        return
+    for ckpt in sorted(run_dir.parent.parent.glob(f"*/*/{CHECKPOINT}"), reverse=True):
+        other = ckpt.parent
+        summary = read_summary(other) or {}
+        if other.resolve() == run_dir.resolve() or not isinstance(summary.get("config"), dict):
+            continue
+        if not config_differences(summary["config"], cfg_dict):
+            print(f"note: {relative_run_dir(other)} holds an interrupted run of this configuration "
+                  f"(stopped at step {summary.get('steps')}); this run starts over in "
+                  f"{relative_run_dir(run_dir)}; to resume that one instead, stop this one and run: "
+                  f"{_resume_command(other, multirun=False)}", flush=True)
+            return
+
+
+def _resume_command(folder: Path, multirun: bool, program: str | None = None) -> str:
+    """This command line with its folder set: rerunning it resumes what was interrupted there
+    (``hydra.run.dir`` for a run, ``hydra.sweep.dir`` for a sweep; completed jobs are skipped)."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    if multirun:
+        folder = Path(HydraConfig.get().sweep.dir)
+    args = [a for a in _argv if not a.startswith(f"{key}=")]
+    if program is None:
+        python = sys.executable
+        try:
+            python = str(Path(python).relative_to(Path.cwd()))
+        except ValueError:
+            pass
+        program = f"{shlex.quote(python)} -m sparsetrain.run"
+    return " ".join([program, *map(shlex.quote, [*args, f"{key}={relative_run_dir(folder)}"])])
+
+
 def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
     try:
-        return fn()
-    except KeyboardInterrupt:
+        result = fn()
+    except KeyboardInterrupt:  # world_size=1: Ctrl-C before the trainer's own handler was there
         mark_failed(run_dir, "interrupted (Ctrl-C)")
-        raise
+        return _stopped(run_dir, multirun, signal.SIGINT)
+    except Preempted as exc:  # world_size=1: the trainer saved a checkpoint at the step
+        return _stopped(run_dir, multirun, exc.signum or signal.SIGTERM)
     except Exception as exc:  # one line for the user; the rank logs hold the traceback
         sigval = getattr(exc, "sigval", None)  # torch elastic's SignalException: the launcher was signalled
-        if sigval is not None:
-            # The ranks got the signal too and saved a checkpoint; a sweep stops here as well
-            # rather than starting its next job (rerunning the command resumes both).
-            name = signal.Signals(sigval).name
-            error = (read_summary(run_dir) or {}).get("error")  # the ranks' own account
-            if error is None:
-                error = f"Preempted: {name} to the launcher"
-                mark_failed(run_dir, error)
-            _error(f"{error} (run folder: {run_dir}); {name}: not starting further jobs")
-            raise SystemExit(128 + int(sigval)) from None
+        if sigval is not None:  # the ranks got the signal too and saved a checkpoint
+            return _stopped(run_dir, multirun, sigval)
         msg, root_rank = _describe(exc, run_dir)
         if root_rank:  # another rank's failure: rank 0's own account is only its symptom
             replace_error(run_dir, msg)
             return _fail(msg, run_dir, multirun, code=1, own_summary=False)
         mark_failed(run_dir, msg)
         return _fail(msg, run_dir, multirun, code=1)
+    from sparsetrain.train.signals import received
+
+    sig = received()  # world_size=1 trains in this process: a signal after the run's last step
+    return _stopped(run_dir, multirun, sig) if sig is not None else result
+
+
+def _stopped(run_dir: Path, multirun: bool, sig: int) -> dict[str, Any]:
+    """A stop signal ended the job: say where it stopped and the command that goes on from there,
+    and exit with 128 + the signal. A sweep stops too rather than starting its next job (which
+    the next signal would stop in turn). A single run that completed before the signal took
+    effect (it came after the last step) ends as a completed run."""
+    name = signal.Signals(sig).name
+    summary = read_summary(run_dir) or {}
+    where = relative_run_dir(run_dir)
+    if summary.get("status") == "completed":
+        print(f"{name} came after the last step: {where} completed", file=sys.stderr, flush=True)
+        if not multirun:
+            return summary
+        line = f"{name}: not starting further jobs (run folder: {where}, completed)"
+    else:
+        error = summary.get("error")  # the ranks' own account
+        if error is None:
+            error = f"Preempted: {name} to the launcher"
+            mark_failed(run_dir, error)
+        line = f"{error} (run folder: {where})" + (f"; {name}: not starting further jobs" if multirun else "")
+    _error(line)
+    what = ("resume the sweep" if multirun else "resume this run" if (run_dir / CHECKPOINT).exists()
+            else "run it again")
+    print(f"to {what}: {_resume_command(run_dir, multirun)}", file=sys.stderr, flush=True)
+    raise SystemExit(128 + int(sig))
 
 
 def _describe(exc: Exception, run_dir: Path) -> tuple[str, int | None]:
@@ -153,35 +250,55 @@ def _fail(msg: str, run_dir: Path, multirun: bool, code: int, own_summary: bool 
     if summary and summary.get("error") and summary["error"] != msg:
         msg = summary["error"]  # the rank's own account is more precise
     if env_rank() == 0:
-        _error(f"{msg} (run folder: {run_dir})")
+        _error(f"{msg} (run folder: {relative_run_dir(run_dir)})")
     if multirun:
+        note_job_error(run_dir, msg)
         return {"status": "failed", "error": msg, "run_dir": str(run_dir)}
     sys.exit(code)
+
+
+def note_job_error(run_dir: str | Path, error: str) -> None:
+    """Remember why a sweep job failed or was refused, for the sweep's report (SweepReport)."""
+    _job_errors[str(Path(run_dir).resolve())] = error
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def hydra_main(cfg: DictConfig) -> Any:
     result = _run_job(cfg)
+    hc = HydraConfig.get()
+    if hc.mode == RunMode.RUN and env_rank() == 0:  # a sweep's table comes at its end
+        print(end_of_run(hc.runtime.output_dir), flush=True)
     return result.get("test_accuracy") if isinstance(result, dict) else None
 
 
 class SweepReport(Callback):
-    """After a sweep: list the jobs whose run folder does not say ``completed``, with their logs."""
+    """After a sweep: its folder and table (``table: false`` leaves the table out), then the jobs
+    that did not complete, with their logs: those whose run folder does not say ``completed``
+    and those this sweep refused (their folder may hold an older run's summary)."""
+
+    def __init__(self, table: bool = True):
+        self.table = table
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
+        errors = dict(_job_errors)
         for summary_path in sorted(sweep_dir.glob("*/" + SUMMARY), key=lambda p: p.parent.name):
             summary = read_summary(summary_path.parent) or {}
-            if summary.get("status") != "completed":
+            error = errors.get(str(summary_path.parent.resolve()))
+            if summary.get("status") != "completed" or error is not None:
                 where = summary_path.parent
                 logs = _slurm_logs(sweep_dir, where, summary)
                 hint = f"; logs: {logs}" if logs else ""
                 status = summary.get("status")
-                if status == "running":  # the sweep is over: this job died without a word
+                if error is not None:
+                    state = f"failed: {error}"
+                elif status == "running":  # the sweep is over: this job died without a word
                     state = f"unfinished ({_no_heartbeat(summary_path.parent, summary)})"
                 else:
                     state = f"{status}: {summary.get('error')}"
                 _failed_sweep_jobs.append(f"{where}: {state}{hint}")
+        if self.table:
+            print(end_of_sweep(sweep_dir, errors), flush=True)
         if _failed_sweep_jobs:
             _error(f"{len(_failed_sweep_jobs)} sweep job(s) did not complete:")
             for line in _failed_sweep_jobs:
@@ -209,12 +326,17 @@ def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:
 
 
 def main() -> None:
+    global _argv
     args = sys.argv[1:]
     # Let `-m` stand anywhere among the overrides (argparse wants flags before positionals).
     flags = [a for a in args if a in ("-m", "--multirun")]
     sys.argv[1:] = args = flags + [a for a in args if a not in flags]
+    if "--help" in args or "-h" in args:  # Hydra's own help: --hydra-help
+        print(help_text())
+        return
+    _argv = list(args)
     try:
-        check_group_overrides([a for a in args if not a.startswith("-")])
+        check_overrides(args)
     except ConfigError as exc:
         _error(str(exc))
         sys.exit(2)

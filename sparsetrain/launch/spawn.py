@@ -41,7 +41,11 @@ def spawn_ranks(fn: Callable, args: tuple, world_size: int, *, port: int | None,
     )
     # The agent logs every child's traceback at ERROR; the rank logs and the run's summary
     # already hold the failure, so keep the console to our one-line report.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torch gives each of its modules' loggers a level of its own, so set theirs too (the
+    # agent's "Received 15 death signal" among them: the command line says what happened).
+    for name in ["torch.distributed.elastic", *logging.root.manager.loggerDict]:
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     return elastic_launch(config, entrypoint=_rank_main)(fn, *args)
 
 
@@ -60,12 +64,24 @@ def _rank_main(fn: Callable, *args):
     """A local rank. One that fails only because a peer vanished waits a moment before exiting,
     so the agent (polling every ``monitor_interval``) sees the peer's death first and reports
     *that* rank ("rank 1 died (SIGKILL)") rather than this one's "Connection reset by peer"; the
-    agent then stops this rank."""
+    agent then stops this rank.
+
+    A rank that got a stop signal but finished its run anyway (the signal came after the run's
+    last check) exits with 128 + the signal once its files are written: the agent that passed
+    the signal on no longer collects return values, and a rank waiting to hand its own over would
+    hang until the agent kills it 30 s later. (An exit, not the signal's default action, so that
+    the process cleans up its semaphores instead of leaking them.)"""
     try:
-        return fn(*args)
+        result = fn(*args)
     except Exception as exc:
         if peer_lost(exc):
             import time
 
             time.sleep(PEER_LOST_GRACE_S)
         raise
+    from sparsetrain.train.signals import received
+
+    sig = received()
+    if sig is not None:
+        raise SystemExit(128 + int(sig))
+    return result

@@ -134,7 +134,7 @@ class Trainer:
         # Which code this run runs, and every version a resumed run ran on (sparsetrain.provenance)
         self.code = code_version()
         self.code_commits = [describe(self.code, full=True)]
-        self._stop_requested = False
+        self._stop_requested = 0  # the stop signal's number, once one arrived (signals.StopSignals)
         if info.world_size > 1:  # robust to seeding differences: start from rank 0's weights
             for t in self.model.state_dict().values():
                 dist.broadcast(t, src=0)
@@ -222,13 +222,13 @@ class Trainer:
 
     # ---- loop ----------------------------------------------------------------------------
     def _request_stop(self, signum, frame) -> None:
-        self._stop_requested = signal.Signals(signum).name
+        self._stop_requested = self._stop_requested or int(signum)
 
-    def _stop_agreed(self) -> bool:
-        """All ranks learn, at the same step, of a SIGTERM that reached any of them and of a
+    def _stop_agreed(self) -> int:
+        """All ranks learn, at the same step, of a stop signal that reached any of them and of a
         non-finite loss on any of them (one tiny collective). Raises ``Diverged`` on every rank
-        for the earliest non-finite loss; returns whether to stop for a SIGTERM."""
-        mine = torch.cat([torch.tensor([1.0 if self._stop_requested else 0.0], dtype=torch.float64,
+        for the earliest non-finite loss; returns the stop signal's number (0: none)."""
+        mine = torch.cat([torch.tensor([float(self._stop_requested)], dtype=torch.float64,
                                        device=self.device), self.nonfinite])
         rows = [mine]
         if self.info.world_size > 1:
@@ -240,7 +240,7 @@ class Trainer:
             step, loss = int(table[first, 1].item()), table[first, 2].item()
             where = f" on rank {first}" if self.info.world_size > 1 else ""
             raise Diverged(f"diverged at step {step} (loss={loss:g}{where})")
-        return bool(table[:, 0].max().item() > 0)
+        return int(table[:, 0].max().item())
 
     def _recalibrate_batch_norm(self) -> None:
         """Recompute batch-norm running statistics from ``train.bn_recalibrate`` training batches
@@ -373,7 +373,6 @@ class Trainer:
 
     def _end_epoch(self) -> None:
         """Close an epoch (or the partial one a max_steps cap ended): log, maybe evaluate."""
-        self._stop_agreed()  # raises Diverged before a diverged state is evaluated or saved
         full = self.batch_in_epoch >= len(self.loader)
         if full:
             self.epoch += 1
@@ -408,6 +407,9 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         resumed = self.maybe_resume()
+        if resumed and self.info.is_main:
+            echo(f"resumed from step {self.step} (epoch {self.step / len(self.loader):.3g}) of "
+                 f"{relative_run_dir(self.checkpoint_path)}")
         if isinstance(self.reducer, DDPExchange):  # the same DDP buckets for every step, resumed or not
             inputs, _ = next(iter(self.loader.batches(self.epoch)))  # seeded order: no global RNG drawn
             self.reducer.settle(inputs.to(self.device))
@@ -475,20 +477,37 @@ class Trainer:
                 if logged_step(self.step, cfg.train.log_every):  # the reducer's stats steps too
                     self._log_step(loss, stats, lr)
                     # Every rank checks at the same steps, so all stop together.
-                    if self._stop_agreed():
+                    signum = self._stop_agreed()
+                    if signum:
                         self.elapsed_s += time.perf_counter() - t0
-                        self.save_checkpoint()
-                        raise Preempted(f"{self._stop_requested or 'stop signal on another rank'} at step "
-                                        f"{self.step}: checkpoint saved; rerun to resume")
+                        self._preempt(signum)
                 if self._hit_max_steps():
                     break
             self.elapsed_s += time.perf_counter() - t0
+            # And at every epoch end (this also raises Diverged before a diverged state is
+            # evaluated or saved): a signal after an epoch's last logged step is acted on here,
+            # not lost, unless this epoch ends the run, which then completes.
+            signum = self._stop_agreed()
+            if signum and not self._ends_run():
+                self._preempt(signum)
             self._end_epoch()
             gc.collect()
             if cfg.train.checkpoint and not self._finished():
                 self.save_checkpoint()
         if bar is not None:
             bar.close()
+
+    def _ends_run(self) -> bool:
+        """Whether the epoch being closed is the run's last (checked before ``_end_epoch``)."""
+        full = self.batch_in_epoch >= len(self.loader)
+        return self._hit_max_steps() or (full and self.epoch + 1 >= self.cfg.train.epochs)
+
+    def _preempt(self, signum: int) -> None:
+        """Save the checkpoint at this step and stop every rank (the launcher says how to resume)."""
+        self.save_checkpoint()
+        name = signal.Signals(signum).name
+        raise Preempted(f"{name} at step {self.step}: checkpoint saved; rerun into this folder to "
+                        "resume", signum=signum)
 
     def _wire_bytes(self, collective: str | None, nbytes: int) -> int:
         """Bytes this rank puts on its link for ``nbytes`` through ``collective`` (ring model)."""
