@@ -67,3 +67,28 @@ TINY = ("debug=tiny",)
 @pytest.fixture
 def tiny():
     return TINY
+
+
+def read_terminal(master: int, proc, timeout: float, each=None) -> bytes:
+    """Everything a process writes to the pty ``master`` until it closes the terminal or exits
+    (or ``timeout`` seconds pass). ``each()`` is called after every read or idle poll (the
+    tests type keys from it)."""
+    import os
+    import select
+
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 0.2)[0]:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif proc.poll() is not None:
+            break
+        if each is not None:
+            each()
+    return out

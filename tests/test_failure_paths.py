@@ -16,7 +16,6 @@ import fcntl
 import os
 import pty
 import re
-import select
 import signal
 import struct
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, run_cli, wait_until
+from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, read_terminal, run_cli, wait_until
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 _env = cli_env
@@ -293,21 +292,8 @@ def test_epoch_lines_never_land_in_the_progress_bar(tmp_path):
                             env=_env(TERM="xterm"), stdin=slave, stdout=slave, stderr=slave,
                             close_fds=True)
     os.close(slave)
-    out = b""
-    deadline = time.monotonic() + 300
     try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 1.0)
-            if ready:
-                try:
-                    chunk = os.read(master, 65536)
-                except OSError:  # EIO: the process closed the terminal
-                    break
-                if not chunk:
-                    break
-                out += chunk
-            elif proc.poll() is not None:
-                break
+        out = read_terminal(master, proc, 300)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:

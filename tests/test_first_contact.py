@@ -18,7 +18,6 @@ import fcntl
 import os
 import pty
 import re
-import select
 import shlex
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, run_cli, wait_until
+from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, read_terminal, run_cli, wait_until
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -64,27 +63,21 @@ def _ctrl_c_after(args: list[str], cwd: Path, ready, timeout: float = 300) -> tu
                             stdin=slave, stdout=slave, stderr=slave, preexec_fn=controlling_terminal,
                             close_fds=True)
     os.close(slave)
-    out, sent = b"", False
-    deadline = time.monotonic() + timeout
+    sent = False
+
+    def type_ctrl_c_once_ready():
+        nonlocal sent
+        if sent:
+            return
+        try:
+            sent = bool(ready())
+        except (OSError, ValueError, KeyError, IndexError):  # not there yet
+            return
+        if sent:
+            os.write(master, b"\x03")
+
     try:
-        while time.monotonic() < deadline:
-            if select.select([master], [], [], 0.2)[0]:
-                try:
-                    chunk = os.read(master, 65536)
-                except OSError:  # EIO: the session closed the terminal
-                    break
-                if not chunk:
-                    break
-                out += chunk
-            elif proc.poll() is not None:
-                break
-            if not sent:
-                try:
-                    sent = ready()
-                except (OSError, ValueError, KeyError, IndexError):  # not there yet
-                    sent = False
-                if sent:
-                    os.write(master, b"\x03")
+        out = read_terminal(master, proc, timeout, each=type_ctrl_c_once_ready)
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
