@@ -121,6 +121,10 @@ class DistConfig:
     # Dense only: start bucketed AllReduces during backward, as DDP does. Part of the exchange
     # then hides inside the backward phase; false times it as a phase of its own (the paper's view).
     overlap: bool = True
+    # dist.overlap's buckets, in the order backward fills them: the first small (it is ready
+    # earliest and its AllReduce starts first), the others larger
+    overlap_bucket_mb: float = 4.0
+    overlap_first_bucket_mb: float = 1.0
     # Train through torch DistributedDataParallel: the exchange runs in a DDP communication hook
     # during backward, overlapped with it (sparsetrain.train.ddp_exchange): the scheme as
     # sparsetrain.ddp.sparse_hook (scope=global: global within a bucket), dense SGD as DDP's own
@@ -230,6 +234,8 @@ HELP = {
     "dist.ranks_per_node": "SLURM: ranks per node (null: all on one node)",
     "dist.master_port": "local ranks: rendezvous port (null: a free one)",
     "dist.overlap": "dense: start bucketed AllReduces during backward, as DDP does",
+    "dist.overlap_bucket_mb": "dist.overlap: bucket size in MB (all buckets but the first)",
+    "dist.overlap_first_bucket_mb": "dist.overlap: size in MB of the first bucket backward fills",
     "dist.ddp": "train through torch DDP, the exchange in a communication hook",
     "dist.bucket_cap_mb": "DDP's bucket size in MB",
 }
@@ -436,6 +442,8 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     if cfg.scheme.get("rank") is not None:
         positive["scheme.rank"] = cfg.scheme.rank
     positive["dist.bucket_cap_mb"] = cfg.dist.bucket_cap_mb
+    positive["dist.overlap_bucket_mb"] = cfg.dist.overlap_bucket_mb
+    positive["dist.overlap_first_bucket_mb"] = cfg.dist.overlap_first_bucket_mb
     for key, value in positive.items():
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")

@@ -57,7 +57,7 @@ class Reducer(Protocol):
         the steps it logs; a host sync on CUDA, left out of the step's time)."""
         ...
 
-    def attach(self, params, flat_grad: torch.Tensor) -> Reducer:
+    def attach(self, params, flat_grad: torch.Tensor, **buckets) -> Reducer:
         """Start exchanging during backward where the reducer can (dense: bucketed AllReduces);
         a no-op otherwise. Same result either way. Returns the reducer."""
         ...

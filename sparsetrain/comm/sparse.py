@@ -225,7 +225,7 @@ class SparseReducer:
                     comp.decompress_add(values[:k], positions, grad)
                 whole.add_(values[k:])
 
-    def attach(self, params, flat_grad: torch.Tensor) -> SparseReducer:
+    def attach(self, params, flat_grad: torch.Tensor, **buckets) -> SparseReducer:
         """Nothing to start during backward: compression needs the whole gradient."""
         return self
 

@@ -32,7 +32,7 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> di
             shared = [run_dir]
             dist.broadcast_object_list(shared, src=0)
             run_dir = shared[0]
-        trainer = Trainer(cfg, info, run_dir)
+        trainer = Trainer(cfg, info, run_dir, device=device)
     except Exception as exc:  # set-up failed before the trainer could record it
         if info.is_main:
             mark_failed(run_dir, one_line_error(exc), config=cfg_dict, world_size=info.world_size)

@@ -43,7 +43,8 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
         seed=cfg.seed, error_feedback=cfg.scheme.error_feedback, block_size=cfg.scheme.block_size,
         warmup_steps=cfg.scheme.warmup_steps, compressor=compressor)
     if cfg.dist.overlap:
-        reducer.attach(params, flat)
+        reducer.attach(params, flat, bucket_mb=cfg.dist.overlap_bucket_mb,
+                       first_bucket_mb=cfg.dist.overlap_first_bucket_mb)
     return Exchange(model, flat, params, reducer)
 
 

@@ -44,7 +44,9 @@ from sparsetrain.comm import ExchangeStats
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
 from sparsetrain.timing import PhaseTimer
 
-ONE_BUCKET_MB = 1 << 20  # a bucket cap no model reaches: every parameter in one bucket
+# DDP's bucket cap for PowerSGD on gloo: larger than any model, so every parameter is in one
+# bucket (with several, torch's hook can issue collectives in different orders across ranks)
+ONE_BUCKET_MB = float(1 << 20)
 
 
 class _TimedHook:
@@ -192,7 +194,7 @@ class DDPExchange:
                              memory_norm=memory_norm,
                              collective=self.collective if compressing else "allreduce")
 
-    def attach(self, params, flat_grad) -> "DDPExchange":
+    def attach(self, params, flat_grad, **buckets) -> "DDPExchange":
         return self  # DDP overlaps by itself
 
     def detach(self) -> None:

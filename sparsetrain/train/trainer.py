@@ -58,11 +58,12 @@ __all__ = ["CHECKPOINT", "Diverged", "Preempted", "Trainer", "lr_at"]
 
 
 class Trainer:
-    def __init__(self, cfg: Any, info: RankInfo, run_dir: str | Path):
+    def __init__(self, cfg: Any, info: RankInfo, run_dir: str | Path, device: torch.device | None = None):
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(run_dir)
-        self.device = pick_device(cfg.train.device, info.local_rank)
+        # the rank's device, as its process group was set up on it (worker_main passes it)
+        self.device = device if device is not None else pick_device(cfg.train.device, info.local_rank)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
 
         data = load_dataset(
