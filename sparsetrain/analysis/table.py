@@ -38,10 +38,13 @@ LABELS = {
     "bn_recalibrate": "BN recalibration batches",
     "wire_bytes_per_step": "wire bytes/step/worker",
     "blew_up": "blew up, recovered",
+    "loss_peak": "largest batch loss from step 20",
 }
 # Beside every accuracy: how far from a plateau, what it cost on the wire, and how many of its
 # runs blew up early and recovered (``sparsetrain.results.stability_of``).
-ACCURACY_EXTRAS = ["test_accuracy_gain_last_epoch", "bytes_sent_per_step", "wire_bytes_per_step", "blew_up"]
+# ``loss_peak`` says how far: just above ln 10 on one batch, or a real blow-up.
+ACCURACY_EXTRAS = ["test_accuracy_gain_last_epoch", "bytes_sent_per_step", "wire_bytes_per_step", "blew_up",
+                   "loss_peak"]
 BYTES = ("bytes_sent_per_step", "dense_bytes_per_step", "wire_bytes_per_step")
 SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "fp16": 5}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
