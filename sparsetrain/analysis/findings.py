@@ -197,6 +197,9 @@ def verdict(outcomes: list[str]) -> str:
     pending = outcomes.count("pending")
     if pending:
         return f"pending ({len(outcomes) - pending} of {len(outcomes)} comparisons measured)"
+    unjudged = outcomes.count("not judged")
+    if unjudged:  # a side with one run: no verdict from a finding not yet judged in full
+        return f"not judged yet ({len(outcomes) - unjudged} of {len(outcomes)} comparisons judged)"
     if all(o == "agrees" for o in outcomes):
         return "reproduced"
     if all(o in ("reversed", "differs") for o in outcomes):
