@@ -50,25 +50,23 @@ def logged_step(steps_done: int, log_every: int) -> bool:
 # A run's stability, from its final numbers and its largest batch loss from this step on (the
 # first steps of a fresh network sit near ln C and are not a blow-up).
 STABILITY_FROM_STEP = 20
-CHANCE_LOSS = math.log(10)  # a uniform guess over 10 classes
 MIN_TRAINED_ACCURACY = 0.20
 TRAINED_THROUGHOUT, BLEW_UP_RECOVERED, DID_NOT_TRAIN = (
     "trained throughout", "blew up, recovered", "did not train")
 
 
 def stability_of(final_train_loss: float | None, test_accuracy: float | None,
-                 peak_loss: float | None, chance_loss: float = CHANCE_LOSS) -> str:
-    """``did not train`` (final train loss not below a uniform guess, or test accuracy below 20 %),
-    ``blew up, recovered`` (trained, but its batch loss rose above ln 10 from step 20 on), or
-    ``trained throughout``.
+                 peak_loss: float | None, num_classes: int = 10) -> str:
+    """``did not train`` (``untrained_why``: final train loss not below a uniform guess, or test
+    accuracy below 20 %), ``blew up, recovered`` (trained, but its batch loss rose above
+    ln(classes) from step 20 on), or ``trained throughout``.
 
     >>> stability_of(0.3, 0.9, 1.2), stability_of(0.3, 0.9, 7.9), stability_of(0.3, 0.15, 1.0)
     ('trained throughout', 'blew up, recovered', 'did not train')
     """
-    loss_ok = final_train_loss is not None and math.isfinite(final_train_loss) and final_train_loss < chance_loss
-    if not loss_ok or test_accuracy is None or test_accuracy < MIN_TRAINED_ACCURACY:
+    if untrained_why(final_train_loss, test_accuracy, num_classes):
         return DID_NOT_TRAIN
-    if peak_loss is not None and peak_loss > chance_loss:
+    if peak_loss is not None and peak_loss > math.log(num_classes):
         return BLEW_UP_RECOVERED
     return TRAINED_THROUGHOUT
 
@@ -320,23 +318,26 @@ TORCH_HOOK_SCHEMES = ("powersgd", "fp16")
 # accuracy says nothing about the scheme. Tables list it apart and never rank it.
 
 
-def untrained_reason(summary: dict) -> str | None:
-    """Why a completed run counts as not trained (one line), or None when it trained: its final
-    train loss is not below a uniform guess (ln classes), or its final test accuracy is below
-    20 %, whatever its loss."""
-    if summary.get("status") != "completed":
-        return None
-    classes = summary.get("num_classes") or 10
-    loss = summary.get("train_loss")
-    bound = math.log(classes)
+def untrained_why(loss: float | None, accuracy: float | None, num_classes: int = 10) -> str | None:
+    """Why final numbers count as not trained (one line), or None: the final train loss is not
+    below a uniform guess (ln classes), or the final test accuracy is below 20 %, whatever the
+    loss (an accuracy not known does not count against the run)."""
+    bound = math.log(num_classes)
     if loss is None or not math.isfinite(float(loss)):
         return f"final train loss {loss} is not finite"
     if float(loss) >= bound:
-        return f"final train loss {float(loss):.3g} >= ln({classes}) = {bound:.2f}, a uniform guess"
-    accuracy = summary.get("test_accuracy")
+        return f"final train loss {float(loss):.3g} >= ln({num_classes}) = {bound:.2f}, a uniform guess"
     if accuracy is not None and float(accuracy) < MIN_TRAINED_ACCURACY:
         return f"final test accuracy {100 * float(accuracy):.1f}% < {100 * MIN_TRAINED_ACCURACY:g}%"
     return None
+
+
+def untrained_reason(summary: dict) -> str | None:
+    """``untrained_why`` of a completed run's summary; None for a run that did not complete."""
+    if summary.get("status") != "completed":
+        return None
+    return untrained_why(summary.get("train_loss"), summary.get("test_accuracy"),
+                         summary.get("num_classes") or 10)
 
 
 def peak_loss_of(summary: dict) -> float | None:

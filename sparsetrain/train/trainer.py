@@ -541,7 +541,7 @@ class Trainer:
             "train_loss_peak": peaks,
             "stability": stability_of(self.last_train_loss, self.last_eval.get("test_accuracy"),
                                       peaks[f"after_step_{STABILITY_FROM_STEP}"]["train_loss"],
-                                      chance_loss=math.log(self.data.num_classes)),
+                                      num_classes=self.data.num_classes),
             "test_loss": self.last_eval.get("test_loss"),
             "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
             "timed_steps": self.timer.counted_steps,
