@@ -787,6 +787,40 @@ def test_findings_tables_judge_sides_of_completed_runs(results):
     assert table.display["A: test accuracy (%)"].iloc[0].endswith("(n=2)")
 
 
+def test_beyond_the_paper_judges_the_ddp_fair_study_from_its_presets_configs():
+    """The DDP comparison's sides select exactly the runs experiment=ddp_fair and
+    experiment=headline_dense write (composed from the presets, so a preset and its comparison
+    cannot drift apart), and a finding with no claim reads what was measured."""
+    config = pytest.importorskip("sparsetrain.config")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from sparsetrain.analysis.findings import BEYOND_FINDINGS, verdict
+    from sparsetrain.analysis.loader import row_from_summary
+
+    accuracy = {"none": 0.92, "blockk": 0.89, "powersgd": 0.895}
+    rows = []
+    config.register()
+    with initialize_config_dir(str(config.CONF_DIR), version_base=None):
+        for name in ("ddp_fair", "headline_dense"):
+            base = compose("config", overrides=[f"experiment={name}"], return_hydra_config=True)
+            for point in _grid(base.hydra.sweeper.params):
+                cfg = OmegaConf.to_container(compose("config", overrides=[f"experiment={name}", *point]), resolve=True)
+                acc = accuracy[cfg["scheme"]["name"]] + 0.001 * cfg["seed"] ** 2  # seeds differ, pairs do not
+                rows.append(row_from_summary({"status": "completed", "test_accuracy": acc, "train_loss": 0.2,
+                                                 "config": cfg}, None))
+    verdicts, comparisons = sa.findings_tables(pd.DataFrame(rows), BEYOND_FINDINGS, name="beyond_")
+    shown = comparisons.display
+    assert list(shown["A: test accuracy (%)"].str.extract(r"\(n=(\d)\)")[0]) == ["3", "5", "5"]
+    assert list(shown["B: test accuracy (%)"].str.extract(r"\(n=(\d)\)")[0]) == ["3", "3", "3"]
+    assert list(shown["test"]) == ["paired t (n=3)", "Welch t", "Welch t"]
+    assert list(shown["outcome"]) == ["B higher", "A higher", "A higher"]
+    assert set(shown["paper"]) == {"no claim"}
+    assert verdicts.display["verdict"].iloc[0] == "measured: 2 A higher, 1 B higher"
+    assert verdicts.title.startswith("Beyond the paper")
+    assert verdict(["within noise", "within noise"], claimed=False) == "measured: 2 within noise"
+
+
 def test_paper_findings_cover_every_research_question():
     keys = [f.key for f in sa.FINDINGS]
     assert keys == ["rq1_scope", "rq2_order", "rq2_random", "rq3_aggregation", "rq4_workers"]

@@ -53,7 +53,7 @@ class Comparison:
     label: str
     a: dict
     b: dict
-    expect: str  # ">": A above B; "=": no visible difference
+    expect: str  # ">": A above B; "=": no visible difference; "?": no claim (beyond the paper)
     setting: dict = field(default_factory=dict)  # on top of the base setting (e.g. HEADLINE)
 
 
@@ -140,6 +140,28 @@ FINDINGS: tuple[Finding, ...] = (
     _rq4(),
 )
 
+# Beyond the paper: comparisons the paper did not make, measured with the same test and no expected
+# outcome ("?"). DDP_FAIR (experiment=ddp_fair): the exchange inside DDP's backward, at the headline
+# budget, with the 2 dense warm-up steps torch's PowerSGD hook needs; block-k at the ratio whose bytes
+# match PowerSGD at rank 1 (31,132 B against 31,092 B per step), each also against dense SGD (the
+# trainer's exchange, experiment=headline_dense).
+DDP_FAIR = {**HEADLINE, "exchange": "ddp hook", "warmup_steps": 2}
+BLOCKK_AT_POWERSGD_BYTES = 0.0238
+_DDP_BLOCKK = {"scheme": "blockk", "ratio": BLOCKK_AT_POWERSGD_BYTES, "scope": "layerwise", **TWO_WORKERS}
+_DDP_POWERSGD = {"scheme": "powersgd", "ratio": BLOCKK_AT_POWERSGD_BYTES, "world_size": 2}
+_DENSE_HEADLINE = {"scheme": "dense", "world_size": 2, "exchange": "trainer", "warmup_steps": 0}
+BEYOND_FINDINGS: tuple[Finding, ...] = (
+    Finding("ddp_fair", "Inside DDP at equal bytes: block-random-k (AllGather) against torch's PowerSGD "
+            "hook at rank 1, and each against dense SGD.", (
+        Comparison("block-random-k vs PowerSGD rank 1, DDP hook, equal bytes, 2 workers, 4 epochs",
+                   _DDP_BLOCKK, _DDP_POWERSGD, "?", DDP_FAIR),
+        Comparison("dense SGD vs block-random-k (DDP hook, 2.38%), 2 workers, 4 epochs",
+                   _DENSE_HEADLINE, _DDP_BLOCKK, "?", DDP_FAIR),
+        Comparison("dense SGD vs PowerSGD rank 1 (DDP hook), 2 workers, 4 epochs",
+                   _DENSE_HEADLINE, _DDP_POWERSGD, "?", DDP_FAIR),
+    )),
+)
+
 # The second pass's comparisons (every one at 2 epochs, 3 seeds), judged by the same test.
 SECOND_PASS_FINDINGS: tuple[Finding, ...] = (
     Finding("rq1_scope", RQ1_CLAIM, tuple(_scope(s, "1%, 2 workers, 2 epochs", {}) for s in SPARSE)),
@@ -185,6 +207,8 @@ def judge(d: Difference, p_adjusted: float, expect: str) -> str:
     if d.test == SHOWN:
         return "not judged"
     apart = outside_noise(p_adjusted)
+    if expect == "?":
+        return ("A higher" if d.diff > 0 else "B higher") if apart else "within noise"
     if expect == "=":
         return "differs" if apart else "agrees"
     if not apart:
@@ -192,19 +216,22 @@ def judge(d: Difference, p_adjusted: float, expect: str) -> str:
     return "agrees" if d.diff > 0 else "reversed"
 
 
-def verdict(outcomes: list[str]) -> str:
-    """One finding's verdict from its comparisons' outcomes."""
+def verdict(outcomes: list[str], claimed: bool = True) -> str:
+    """One finding's verdict from its comparisons' outcomes; ``claimed=False`` for a finding
+    beyond the paper (no expected outcome: the verdict counts what was measured)."""
     pending = outcomes.count("pending")
     if pending:
         return f"pending ({len(outcomes) - pending} of {len(outcomes)} comparisons measured)"
     unjudged = outcomes.count("not judged")
     if unjudged:  # a side with one run: no verdict from a finding not yet judged in full
         return f"not judged yet ({len(outcomes) - unjudged} of {len(outcomes)} comparisons judged)"
+    counts = pd.Series(outcomes).value_counts()
+    if not claimed:
+        return "measured: " + ", ".join(f"{count} {outcome}" for outcome, count in counts.items())
     if all(o == "agrees" for o in outcomes):
         return "reproduced"
     if all(o in ("reversed", "differs") for o in outcomes):
         return "not reproduced: every comparison goes the other way"
-    counts = pd.Series(outcomes).value_counts()
     return "partly: " + ", ".join(f"{count} {outcome}" for outcome, count in counts.items())
 
 
@@ -250,17 +277,27 @@ def findings_tables(runs: pd.DataFrame, findings: tuple[Finding, ...] = FINDINGS
             outcomes.append(outcome)
             rows.append({
                 "finding": finding.key, "comparison (A vs B)": comparison.label,
-                "paper": "A > B" if comparison.expect == ">" else "A = B",
+                "paper": {">": "A > B", "=": "A = B"}.get(comparison.expect, "no claim"),
                 "A: test accuracy (%)": _show(acc_a, side_a), "B: test accuracy (%)": _show(acc_b, side_b),
                 "A − B (points)": _num(d.diff, signed=True),
                 "95% interval": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
                 "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""),
                 "p": _p(d.p), "p (Holm)": _p(p_adj), "outcome": outcome,
             })
-        verdict_rows.append({"finding": finding.key, "the paper": finding.claim, "verdict": verdict(outcomes)})
+        claimed = any(c.expect != "?" for c in finding.comparisons)
+        verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
+                             "verdict": verdict(outcomes, claimed)})
     comparisons = pd.DataFrame(rows)
     verdicts = pd.DataFrame(verdict_rows)
-    when = "second pass (2 epochs), " if name else ""
-    return (Table(f"{name}verdicts", f"The paper's findings, {when}verdicts", verdicts, verdicts, notes=[RULE]),
-            Table(f"{name}findings", f"The paper's findings, {when}every comparison", comparisons, comparisons,
-                  notes=[RULE]))
+    what = TITLES.get(name, "The paper's findings")
+    notes = [RULE, *NOTES.get(name, ())]
+    return (Table(f"{name}verdicts", f"{what}, verdicts", verdicts, verdicts, notes=notes),
+            Table(f"{name}findings", f"{what}, every comparison", comparisons, comparisons, notes=notes))
+
+
+# Table titles by file-name prefix (findings_tables' ``name``).
+TITLES = {"second_pass_": "The paper's findings, second pass (2 epochs)",
+          "beyond_": "Beyond the paper (no claim to reproduce: A higher, B higher or within noise)"}
+NOTES = {"beyond_": ("DDP hook runs (experiment=ddp_fair): the exchange inside DDP's backward, 2 dense "
+                     "warm-up steps (torch's PowerSGD hook needs 2); dense SGD: the trainer's exchange, no "
+                     "warm-up (experiment=headline_dense).",)}

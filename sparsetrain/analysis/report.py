@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from .figures import PLOTS, save_figure
-from .findings import SECOND_PASS_FINDINGS, findings_tables
+from .findings import BEYOND_FINDINGS, SECOND_PASS_FINDINGS, findings_tables
 from .loader import curves_of, load_runs, select
 from .table import Table, write_table
 from .tables import TABLES, status_table
@@ -118,10 +118,11 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
     status = status_table(everything)
     # The paper's findings, each judged from the runs of its setting (the headline protocol for
     # RQ1 and RQ2 at 1%, the second pass's for the rest), and the second pass's own comparisons
-    # judged by the same test, to read what changed.
+    # judged by the same test, to read what changed; comparisons beyond the paper (no claim).
     shutil.rmtree(out / "findings", ignore_errors=True)
     verdicts, comparisons = findings_tables(everything)
-    for table in (verdicts, comparisons, *findings_tables(everything, SECOND_PASS_FINDINGS, name="second_pass_")):
+    for table in (verdicts, comparisons, *findings_tables(everything, SECOND_PASS_FINDINGS, name="second_pass_"),
+                  *findings_tables(everything, BEYOND_FINDINGS, name="beyond_")):
         written += write_table(table, out / "findings").values()
     written += write_table(status, out).values()
     if echo:
