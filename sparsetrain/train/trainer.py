@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from sparsetrain.comm.group import RankInfo, pick_device
 from sparsetrain.costmodel import wire_bytes
 from sparsetrain.data import ShardedLoader, eval_batches, load_dataset
 from sparsetrain.errors import ConfigError, Diverged, Preempted, one_line_error
 from sparsetrain.provenance import code_version, describe
+from sparsetrain.rank import RankInfo
 from sparsetrain.results import (
     PHASES,
     STABILITY_FROM_STEP,
@@ -58,12 +58,11 @@ __all__ = ["CHECKPOINT", "Diverged", "Preempted", "Trainer", "lr_at"]
 
 
 class Trainer:
-    def __init__(self, cfg: Any, info: RankInfo, run_dir: str | Path, device: torch.device | None = None):
+    def __init__(self, cfg: Any, info: RankInfo, run_dir: str | Path, device: torch.device):
         self.cfg = cfg
         self.info = info
         self.run_dir = Path(run_dir)
-        # the rank's device, as its process group was set up on it (worker_main passes it)
-        self.device = device if device is not None else pick_device(cfg.train.device, info.local_rank)
+        self.device = device  # the rank's, as its process group was set up on it (launch.worker)
         torch.manual_seed(cfg.seed)  # same initial weights on every rank
 
         data = load_dataset(
