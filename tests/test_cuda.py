@@ -316,7 +316,7 @@ def test_backend_choice():
 def test_checkpoint_per_rank_state_goes_to_cpu(device):
     """What every rank contributes to the checkpoint is moved to the CPU before
     all_gather_object pickles it (a CUDA tensor would be unpickled onto the sender's GPU)."""
-    from sparsetrain.train.trainer import _to_cpu
+    from sparsetrain.train.record import _to_cpu
 
     t = torch.arange(4.0, device=device)
     state = {"reducer": {"error_feedback": {"enabled": True, "memory": t}}, "epoch_stats": [t, (t, 3)]}

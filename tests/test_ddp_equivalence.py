@@ -11,9 +11,9 @@ from conftest import TINY
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from sparsetrain.comm.group import RankInfo
 from sparsetrain.config import CONF_DIR, register
 from sparsetrain.launch.spawn import free_port
+from sparsetrain.rank import RankInfo
 
 STEPS = 3
 
@@ -29,7 +29,8 @@ def _worker(rank: int, world: int, port: int, cfg_dict: dict, out_dir: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     cfg = OmegaConf.create(cfg_dict)
-    trainer = Trainer(cfg, RankInfo(rank, world, rank, world, "spawn"), os.path.join(out_dir, "run"))
+    trainer = Trainer(cfg, RankInfo(rank, world, rank, world, "spawn"), os.path.join(out_dir, "run"),
+                      torch.device("cpu"))
     trainer.fit()
     ours = [p.detach().clone() for p in trainer.model.parameters()]
 

@@ -11,10 +11,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from sparsetrain.comm import build_reducer
-from sparsetrain.comm.group import RankInfo
 from sparsetrain.compress import Layout
 from sparsetrain.config import CONF_DIR, register
 from sparsetrain.costmodel import wire_bytes
+from sparsetrain.rank import RankInfo
 from sparsetrain.results import logged_step
 from sparsetrain.timing import PhaseTimer
 
@@ -87,7 +87,7 @@ def test_trainer_computes_statistics_on_logged_steps_only(tmp_path):
             *TINY, "scheme=blockk", "world_size=1", "train.max_steps=8", "train.log_every=3",
             "scheme.warmup_steps=2", "train.checkpoint=false", "train.eval_every=1"])
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    trainer = Trainer(cfg, RankInfo(0, 1, 0, 1, "single"), tmp_path / "run")
+    trainer = Trainer(cfg, RankInfo(0, 1, 0, 1, "single"), tmp_path / "run", torch.device("cpu"))
     red = trainer.reducer
     passes, seen = [], []
     real_stats, real_reduce = red.memory.stats, red.reduce

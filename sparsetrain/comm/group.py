@@ -1,39 +1,15 @@
-"""A rank (``RankInfo``), its device, and its place in the process group (backend, init,
-teardown). ``launch.env`` decides the ``RankInfo``; everything here takes it as given."""
+"""A rank's place in the process group: backend, init, teardown. ``launch.env`` decides the
+``RankInfo`` (``sparsetrain.rank``) and ``launch.worker`` the device; both are taken as given."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from sparsetrain.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    launcher: str  # torchrun | slurm | spawn | single
-    slurm_job_id: str | None = None  # the SLURM job this rank runs in, if any
-    preempt_signal: str | None = None  # SLURM: the signal announcing preemption (e.g. USR2)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device='cuda' is not allowed here: no CUDA device; use cpu or auto")
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+from sparsetrain.rank import RankInfo
 
 
 def resolve_backend(backend: str, device: torch.device, local_world_size: int,

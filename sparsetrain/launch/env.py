@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from sparsetrain.comm.group import RankInfo
 from sparsetrain.errors import ConfigError
+from sparsetrain.rank import RankInfo
 
 
 def launcher_of(env: Mapping[str, str]) -> str:

@@ -10,11 +10,22 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from sparsetrain.comm.group import destroy_process_group, init_process_group, pick_device
-from sparsetrain.errors import one_line_error
+from sparsetrain.comm.group import destroy_process_group, init_process_group
+from sparsetrain.errors import ConfigError, one_line_error
 from sparsetrain.launch.env import rank_info
 from sparsetrain.results import mark_failed
 from sparsetrain.train import Trainer
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """The rank's device for ``train.device`` (``auto``: its local GPU when there is one), made
+    the current CUDA device. Picked once per rank, here; the process group and the trainer take it."""
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device='cuda' is not allowed here: no CUDA device; use cpu or auto")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> dict:
@@ -32,7 +43,7 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> di
             shared = [run_dir]
             dist.broadcast_object_list(shared, src=0)
             run_dir = shared[0]
-        trainer = Trainer(cfg, info, run_dir, device=device)
+        trainer = Trainer(cfg, info, run_dir, device)
     except Exception as exc:  # set-up failed before the trainer could record it
         if info.is_main:
             mark_failed(run_dir, one_line_error(exc), config=cfg_dict, world_size=info.world_size)

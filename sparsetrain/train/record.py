@@ -1,0 +1,257 @@
+"""The run record: what a run leaves in its folder (rank 0 writes; every rank calls the same
+methods, other ranks' calls do nothing but take part in the collectives).
+
+- ``summary.json``: ``running`` from ``start``, then ``completed`` or ``failed`` with the fields
+  the README lists (``results.RunWriter`` writes it atomically);
+- ``metrics.jsonl``: a record per logged step and per epoch (and the same to W&B);
+- ``heartbeat.json`` while the loop runs (``results.Heartbeat``);
+- ``checkpoint.pt``: every rank's own state (``PER_RANK_STATE``) gathered, one file written
+  atomically by rank 0 (``train.checkpoint``); read back, checked, by ``load_checkpoint``;
+- ``model.pt`` (``train.save_model``).
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from sparsetrain.errors import one_line_error
+from sparsetrain.provenance import code_version, describe
+from sparsetrain.rank import RankInfo
+from sparsetrain.results import (
+    PHASES,
+    STABILITY_FROM_STEP,
+    Heartbeat,
+    NullWriter,
+    RunWriter,
+    echo,
+    relative_run_dir,
+    stability_of,
+)
+from sparsetrain.tracking import NullTracker, make_tracker
+from sparsetrain.train import checkpoint as ckpt
+from sparsetrain.train.build import Parts
+from sparsetrain.train.tally import Tally
+
+# What differs between ranks and is saved for each: error-feedback memory, local epoch sums.
+PER_RANK_STATE = ("reducer", "epoch_stats")
+
+
+class RunRecord:
+    """The files of the run in ``run_dir``, written from the built ``parts`` (reducer, timer,
+    loader, data, optimizer) and the steps' ``tally``."""
+
+    def __init__(self, cfg: Any, info: RankInfo, run_dir: str | Path, device: torch.device,
+                 parts: Parts, tally: Tally):
+        self.cfg = cfg
+        self.info = info
+        self.run_dir = Path(run_dir)
+        self.device = device
+        self.parts = parts
+        self.tally = tally
+        self.writer = RunWriter(run_dir) if info.is_main else NullWriter()
+        self.tracker = NullTracker()
+        self.heartbeat: Heartbeat | None = None
+        self.records_logged = 0
+        self.last_eval: dict[str, float] = {}
+        self.last_train_loss: float | None = None
+        # Which code this run runs, and every version a resumed run ran on (sparsetrain.provenance)
+        self.code = code_version()
+        self.code_commits = [describe(self.code, full=True)]
+
+    # ---- checkpoints -------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / ckpt.CHECKPOINT
+
+    def state_dict(self) -> dict:
+        return {"records_logged": self.records_logged, "last_eval": dict(self.last_eval),
+                "code": self.code, "code_commits": list(self.code_commits)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.records_logged = state["records_logged"]
+        self.last_eval = dict(state["last_eval"])
+        # The versions it ran on, then this one (check_same_code has refused a change unless allowed)
+        here = describe(self.code, full=True)
+        self.code_commits = [*state.get("code_commits", []), here]
+        if len(self.code_commits) > 1 and self.code_commits[-2] == here:
+            self.code_commits.pop()
+
+    def save_checkpoint(self, state: dict) -> None:
+        """Every rank contributes its own ``PER_RANK_STATE`` of ``state``; rank 0 writes one file."""
+        # On the CPU: all_gather_object pickles, and a CUDA tensor would be unpickled on rank 0
+        # onto the sender's GPU (cuda:1 in rank 0's process), where it has no business being.
+        own = {key: _to_cpu(state.pop(key)) for key in PER_RANK_STATE}
+        gathered = [own]
+        if self.info.world_size > 1:
+            gathered = [None] * self.info.world_size
+            dist.all_gather_object(gathered, own)
+        state["per_rank"] = gathered
+        state["config"] = OmegaConf.to_container(self.cfg, resolve=True)  # resume checks it
+        if self.info.is_main:
+            ckpt.save(state, self.checkpoint_path)  # atomic; a full disk keeps the old one
+
+    def load_checkpoint(self) -> dict | None:
+        """This rank's state from the run folder's checkpoint, once it is known to be this run's
+        on this code (or ``train.allow_code_change``); None where there is none to resume."""
+        if not (self.cfg.train.checkpoint and self.checkpoint_path.exists()):
+            return None
+        state = ckpt.load(self.checkpoint_path, map_location=self.device)
+        ckpt.check_same_run(state.pop("config", None), OmegaConf.to_container(self.cfg, resolve=True),
+                            self.checkpoint_path)
+        ckpt.check_same_code(state.pop("code", None), self.code, self.cfg.train.allow_code_change,
+                             self.checkpoint_path)
+        state.update(state.pop("per_rank")[self.info.rank])
+        return state
+
+    # ---- the run's start and end -----------------------------------------------------------
+    def start(self, step: int, resumed: bool, step_fn: Callable[[], int]) -> None:
+        """``summary.json`` says running; ``metrics.jsonl`` keeps what the checkpoint had seen;
+        W&B and the heartbeat (reading the step through ``step_fn``) start."""
+        red = self.parts.reducer
+        config = OmegaConf.to_container(self.cfg, resolve=True)
+        self.writer.open_metrics(keep_records=self.records_logged if resumed else None)
+        self.writer.start(
+            config=config,
+            run_dir=relative_run_dir(self.run_dir),
+            world_size=self.info.world_size,
+            launcher=self.info.launcher,
+            device=str(self.device),
+            num_parameters=red.numel,
+            num_classes=self.parts.data.num_classes,
+            bytes_sent_per_step=red.bytes_sent_per_step,
+            wire_bytes_per_step=self.tally.wire_bytes(red.collective, red.bytes_sent_per_step),
+            dense_bytes_per_step=red.dense_bytes_per_step,
+            **self._exchange_fields(),
+            resumed_from_step=step if resumed else None,
+            code=self.code,
+            code_commits=self.code_commits,
+            slurm_job_id=self.info.slurm_job_id,
+        )
+        if self.info.is_main:
+            self.tracker = make_tracker(dict(config["wandb"]), config, str(self.run_dir), self.run_dir.name)
+            self.heartbeat = Heartbeat(self.run_dir, step_fn).start()
+
+    def stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+
+    def fail(self, exc: BaseException, step: int, elapsed_s: float) -> None:
+        self.writer.finish("failed", error=one_line_error(exc), **self._summary_fields(step, elapsed_s))
+        self.tracker.finish(self.writer.summary, failed=True)
+
+    def complete(self, model: torch.nn.Module, step: int, elapsed_s: float) -> dict:
+        """``model.pt`` if asked for, ``summary.json`` completed; the checkpoint goes (a finished
+        run needs no resume point). Returns the summary (rank 0's; empty on other ranks)."""
+        if self.cfg.train.save_model and self.info.is_main:
+            torch.save(model.state_dict(), self.run_dir / "model.pt")
+        self.writer.finish("completed", **self._summary_fields(step, elapsed_s))
+        self.tracker.finish(self.writer.summary)
+        if self.info.is_main and self.checkpoint_path.exists():
+            self.checkpoint_path.unlink()
+        return self.writer.summary
+
+    # ---- metrics ---------------------------------------------------------------------------
+    def log_step(self, step: int, loss: torch.Tensor, stats: Any, lr: float | None) -> None:
+        self._emit({
+            "kind": "step",
+            "step": step,
+            "epoch": step / len(self.parts.loader),
+            "lr": lr,
+            "train_loss": loss.item(),
+            "time_ms": dict(self.parts.timer.last),
+            "bytes_sent": stats.bytes_sent,
+            "wire_bytes": self.tally.wire_bytes(stats.collective, stats.bytes_sent),
+            "density": stats.density,
+            "compression_error": stats.compression_error,
+            "memory_norm": stats.memory_norm,
+            "compressing": step > self.parts.reducer.warmup_steps,
+        }, step)
+
+    def log_epoch(self, epoch: float, step: int, train_loss: float | None,
+                  train_accuracy: float | None, elapsed_s: float) -> None:
+        """The epoch's record (with ``last_eval``) and rank 0's line on the console."""
+        self.last_train_loss = train_loss
+        record = {
+            "kind": "epoch",
+            "epoch": epoch,
+            "step": step,
+            "train_loss": train_loss,
+            "train_accuracy": train_accuracy,
+            **self.last_eval,
+            "lr": self.parts.optimizer.param_groups[0]["lr"],
+            "elapsed_s": elapsed_s,
+        }
+        self._emit(record, step)
+        if self.info.is_main:
+            acc = self.last_eval.get("test_accuracy", float("nan"))
+            echo(  # through tqdm: never into the progress bar's line
+                f"epoch {epoch:.3g} | step {step} | train_loss {train_loss:.4f} | test_acc {acc:.4f} | "
+                f"{self.parts.timer.means().get('step', float('nan')):.1f} ms/step",
+            )
+
+    def _emit(self, record: dict, step: int) -> None:
+        self.writer.log(record)
+        self.records_logged += 1
+        # W&B merges what is logged at one step: epoch metrics get their own prefix.
+        prefix = "" if record["kind"] == "step" else f"{record['kind']}/"
+        self.tracker.log({f"{prefix}{k}": v for k, v in record.items() if k != "kind"}, step=step)
+
+    # ---- summary.json's fields -------------------------------------------------------------
+    def _exchange_fields(self) -> dict:
+        """What the exchange sends once compression runs, and when it started."""
+        red = self.parts.reducer
+        return {
+            "density": red.density,  # entries sent / entries, uncompressed tensors included
+            "uncompressed_bytes_per_step": red.uncompressed_bytes_per_step,
+            "uncompressed_share": red.uncompressed_bytes_per_step / red.bytes_sent_per_step,
+            "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
+        }
+
+    def _summary_fields(self, step: int, elapsed_s: float) -> dict:
+        timer, tally = self.parts.timer, self.tally
+        means = timer.means()
+        on_cuda = self.device.type == "cuda"
+        peak_mb = (
+            torch.cuda.max_memory_allocated(self.device) / 2**20
+            if on_cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        )
+        peaks = tally.peaks()
+        return {
+            "steps": step,
+            "epochs": step / len(self.parts.loader),
+            "train_loss": self.last_train_loss,
+            "test_accuracy": self.last_eval.get("test_accuracy"),
+            "train_loss_peak": peaks,
+            "stability": stability_of(self.last_train_loss, self.last_eval.get("test_accuracy"),
+                                      peaks[f"after_step_{STABILITY_FROM_STEP}"]["train_loss"],
+                                      num_classes=self.parts.data.num_classes),
+            "test_loss": self.last_eval.get("test_loss"),
+            "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
+            "timed_steps": timer.counted_steps,
+            "peak_memory_mb": peak_mb,
+            "peak_memory_of": "cuda_max_allocated" if on_cuda else "process_max_rss",
+            "bytes_sent_total": tally.bytes_sent_total,
+            "wire_bytes_total": tally.wire_bytes_total,
+            "memory_norm_max": tally.memory_norm_max,  # None: never measured (dense, torch's hooks)
+            "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
+            "duration_s": elapsed_s,
+        }
+
+
+def _to_cpu(obj):
+    """``obj`` with every tensor in it (nested dicts, lists, tuples) copied to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
