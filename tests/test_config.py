@@ -1,11 +1,19 @@
 """Config composition, schema rejection and semantic checks (no ranks started)."""
 
 import pytest
+from conftest import SCHEME_CLASSES
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sparsetrain.config import CONF_DIR, ConfigError, check_overrides, register, validate
+from sparsetrain.config import (
+    CONF_DIR,
+    ConfigError,
+    check_overrides,
+    register,
+    scheme_compressor,
+    validate,
+)
 from sparsetrain.train import lr_at
 
 register()
@@ -28,6 +36,17 @@ def test_every_scheme_composes(scheme):
     cfg = make(f"scheme={scheme}", "scope=global")
     assert cfg.scheme.name == scheme
     validate(cfg, env={})
+
+
+@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk"])
+def test_the_schemes_class_comes_from_its_yaml(scheme):
+    """One route from scheme=<name> to its class: the yaml's compressor node (the tests' own table
+    in conftest.py agrees with it)."""
+    factory = scheme_compressor(make(f"scheme={scheme}").scheme)
+    if scheme == "none":
+        assert factory is None
+    else:
+        assert factory.func.__name__ == SCHEME_CLASSES[scheme]
 
 
 @pytest.mark.parametrize(
