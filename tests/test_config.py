@@ -8,10 +8,13 @@ from omegaconf import OmegaConf
 
 from sparsetrain.config import (
     CONF_DIR,
+    HELP,
+    SCHEME_SCHEMAS,
     ConfigError,
     check_overrides,
     register,
     scheme_compressor,
+    scheme_options,
     validate,
 )
 from sparsetrain.train import lr_at
@@ -49,6 +52,21 @@ def test_the_schemes_class_comes_from_its_yaml(scheme):
         assert factory.func.__name__ == SCHEME_CLASSES[scheme]
 
 
+def test_each_scheme_has_only_its_own_keys():
+    blockk = make("scheme=blockk", "scheme.block_size=64", "scope=global")
+    assert blockk.scheme.block_size == 64 and "rank" not in blockk.scheme
+    assert scheme_compressor(blockk.scheme).keywords == {"block_size": 64}  # the node passes it on
+    assert make("scheme=powersgd", "scheme.rank=2").scheme.rank == 2
+    for scheme in ("none", "topk", "randk", "fp16"):
+        node = make(f"scheme={scheme}").scheme
+        assert "block_size" not in node and "rank" not in node, scheme
+    with pytest.raises(ConfigCompositionException):  # Hydra refuses it too, where the CLI does not check
+        make("scheme=topk", "scheme.block_size=64")
+    assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd",)}
+    assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd"}
+    assert "scheme=blockk" in HELP["scheme.block_size"] and "scheme=powersgd" in HELP["scheme.rank"]
+
+
 @pytest.mark.parametrize(
     "override", ["world_size=abc", "ratio=high", "train.epochz=3", "scheme.error_feedback=maybe"]
 )
@@ -70,6 +88,7 @@ def test_schema_rejects_typos_and_types(override):
         (["scheme=powersgd"], "scheme=powersgd is not allowed with dist.ddp=false"),
         (["scheme=fp16"], "scheme=fp16 is not allowed with dist.ddp=false"),
         (["scheme=powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=blockk", "scheme.block_size=0"], "scheme.block_size=0 is not allowed"),
         (["dist.ddp=true", "dist.bucket_cap_mb=0"], "dist.bucket_cap_mb=0.0"),
     ],
 )
