@@ -396,8 +396,9 @@ def check_overrides(args: list[str]) -> None:
     one line: an unknown key (``sheme=topk``, ``+train.lr=0.1``: Hydra would add it, and nothing
     reads it) with the closest key, a value of the wrong type, an unknown option of a group
     (``scheme=nope``, ``hydra/launcher=nope``), a scheme's own key with another scheme
-    (``scheme=topk scheme.block_size=64``: block_size belongs to scheme=blockk). Sweeps (``a,b``, ``range(...)``) are checked value
-    by value; keys under ``hydra.`` and Hydra's other groups are left to Hydra."""
+    (``scheme=topk scheme.block_size=64``: block_size belongs to scheme=blockk). Sweeps (``a,b``,
+    ``range(...)``) are checked value by value; keys under ``hydra.`` and Hydra's other groups are
+    left to Hydra."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
