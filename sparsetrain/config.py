@@ -1,10 +1,16 @@
 """Config schemas (Hydra ConfigStore) and the semantic checks that run before any rank starts.
 
-The dataclasses type every key and ``HELP`` says what each one does (``--help`` prints it).
+The dataclasses type every key and ``HELP`` says what each one does (``--help`` prints it). A
+scheme's keys are its structured config's: ``SchemeConfig`` (the keys every scheme has) or, for a
+scheme with options of its own, its subclass in ``SCHEME_SCHEMAS`` (``BlockKConfig``:
+``block_size``; ``PowerSGDConfig``: ``rank``), which conf/scheme/<name>.yaml names in its defaults
+list (``base_scheme``, ``base_<name>``).
+
 ``check_overrides`` reads the command line before Hydra does: an unknown key (with or without
-``+``), a value of the wrong type or an unknown group option stops with one line and a "did you
-mean". ``validate`` then checks what types cannot express (ranges, combinations, the launch
-environment). Both raise ``ConfigError`` with one line naming the key, the value and what is allowed.
+``+``), a value of the wrong type, an unknown group option or a scheme's own key with another
+scheme stops with one line (and a "did you mean"). ``validate`` then checks what types cannot
+express (ranges, combinations, the launch environment). Both raise ``ConfigError`` with one line
+naming the key, the value and what is allowed.
 
 Over 400 lines on purpose: the schema, the help for each key and both checks describe the same
 keys, and are read together when one changes.
@@ -32,21 +38,55 @@ GROUPS = ("scheme", "scope", "aggregation", "model", "data", "experiment", "debu
 
 @dataclass
 class SchemeConfig:
+    """The keys every scheme has (conf/scheme/<name>.yaml names this schema, ``base_scheme``, or
+    one that extends it, first in its defaults list)."""
+
     name: str = MISSING
     # How to build the compressor once the flat buffer's layout is known: a node with
     # ``_target_`` (the scheme's class in sparsetrain.compress), ``_partial_: true`` and the
-    # scheme's own options; None for dense SGD (scheme=none). Set by conf/scheme/<name>.yaml.
+    # scheme's own options; None for dense SGD (scheme=none) and torch's hooks. The one route from
+    # a scheme to its class. Set by conf/scheme/<name>.yaml.
     compressor: Any = None
     error_feedback: bool = True
-    block_size: int = 256  # blockk: entries per contiguous block (scope=global); others ignore it
     # Tensors that travel whole, in the same collective: "1d" (biases, batch-norm weights and
     # biases, as the reference code does), "none" (compress every tensor), or an integer N
     # (tensors with fewer than N entries).
     uncompressed: str = "1d"
     warmup_steps: int = 0  # dense exchange for the first N steps, then compression (memory empty)
-    # scheme=powersgd: the matrix rank (None: the rank whose bytes come closest to the layer-wise
-    # sparse schemes' at `ratio`); other schemes ignore it
+
+
+@dataclass
+class BlockKConfig(SchemeConfig):
+    """scheme=blockk (``base_blockk``)."""
+
+    block_size: int = 256  # entries per contiguous block (scope=global); passed to BlockRandomK
+
+
+@dataclass
+class PowerSGDConfig(SchemeConfig):
+    """scheme=powersgd (``base_powersgd``)."""
+
+    # the matrix rank (None: the rank whose bytes come closest to the layer-wise sparse schemes'
+    # at `ratio`)
     rank: int | None = None
+
+
+# The schemes with keys of their own, and their schema: conf/scheme/<name>.yaml names
+# ``base_<name>`` in its defaults list (the others name ``base_scheme``). A scheme's option is
+# ``scheme.<option>`` on the command line; with another scheme it is refused in one line.
+SCHEME_SCHEMAS: dict[str, type[SchemeConfig]] = {"blockk": BlockKConfig, "powersgd": PowerSGDConfig}
+
+
+def scheme_options() -> dict[str, tuple[str, ...]]:
+    """Every key a scheme has beyond ``SchemeConfig``'s (``scheme.block_size``), with the schemes
+    that have it."""
+    common = {f.name for f in dataclasses.fields(SchemeConfig)}
+    out: dict[str, tuple[str, ...]] = {}
+    for name, cls in SCHEME_SCHEMAS.items():
+        for f in dataclasses.fields(cls):
+            if f.name not in common:
+                out[f"scheme.{f.name}"] = (*out.get(f"scheme.{f.name}", ()), name)
+    return out
 
 
 @dataclass
@@ -162,7 +202,11 @@ def _tasks_per_node(world_size: int, ranks_per_node: int | None) -> int:
 
 def register() -> None:
     """Register schemas and resolvers; idempotent (tests compose configs many times)."""
-    ConfigStore.instance().store(name="base_config", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    store.store(group="scheme", name="base_scheme", node=SchemeConfig)
+    for name, cls in SCHEME_SCHEMAS.items():
+        store.store(group="scheme", name=f"base_{name}", node=cls)
     for name, fn in (("st_nodes", _nodes), ("st_tasks_per_node", _tasks_per_node)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
@@ -191,10 +235,10 @@ HELP = {
     "scheme.name": "the scheme (set it with scheme=...)",
     "scheme.compressor": "how the compressor is built (set by scheme=...)",
     "scheme.error_feedback": "keep what was not sent and add it to the next gradient (false: the ablation)",
-    "scheme.block_size": "blockk with scope=global: entries per contiguous block",
+    "scheme.block_size": "scheme=blockk only, with scope=global: entries per contiguous block",
     "scheme.uncompressed": "tensors sent whole: 1d (biases, batch-norm), none, or N (tensors under N entries)",
     "scheme.warmup_steps": "exchange densely for the first N steps, then compress (memory starts empty)",
-    "scheme.rank": "powersgd: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
+    "scheme.rank": "scheme=powersgd only: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
     "scope.name": "the scope (set it with scope=...)",
     "aggregation.name": "the aggregation (set it with aggregation=...)",
     "model._target_": "the function that builds the model (set by model=...)",
@@ -245,10 +289,14 @@ HELP = {
 
 
 def schema_keys(cls: type = None, prefix: str = "") -> dict[str, Any]:
-    """Every leaf key of the schema with its default (``MISSING`` where a group sets it)."""
-    cls = cls or Config
-    hints = typing.get_type_hints(cls)
+    """Every leaf key of the schema with its default (``MISSING`` where a group sets it); the
+    schemes' own keys (``scheme.block_size``: ``SCHEME_SCHEMAS``) included."""
+    hints = typing.get_type_hints(cls or Config)
     out: dict[str, Any] = {}
+    if cls is None:
+        for scheme_cls in SCHEME_SCHEMAS.values():
+            out.update(schema_keys(scheme_cls, "scheme."))
+        cls = Config
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
             out.update(schema_keys(hints[f.name], f"{prefix}{f.name}."))
@@ -287,11 +335,52 @@ def did_you_mean(key: str, keys: list[str]) -> str | None:
     return by_leaf[close[0]] if close else None
 
 
-def _typed_schema():
+def _typed_schema(scheme: type[SchemeConfig] = SchemeConfig):
     from omegaconf import OmegaConf
 
-    return OmegaConf.structured(Config(scheme=SchemeConfig(), scope=NamedConfig(),
+    return OmegaConf.structured(Config(scheme=scheme(), scope=NamedConfig(),
                                        aggregation=NamedConfig(), model=ModelConfig(), data=DataConfig()))
+
+
+def _chosen_schemes(overrides: list, multirun: bool) -> list[str]:
+    """The scheme(s) a command line runs: its ``scheme=`` (each value of a sweep); without one,
+    what ``conf/config.yaml`` and the ``experiment=`` preset choose (a preset's own sweep with
+    ``-m``), read from the defaults as Hydra composes them. [] when that cannot be read (Hydra
+    then reports what is wrong)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.types import RunMode
+
+    def values(override, options: list[str]) -> list[str]:
+        if override.value_type == ValueType.GLOB_CHOICE_SWEEP:
+            return [str(v) for v in override.value().filter(options)]
+        if override.is_sweep_override():
+            return [str(v) for v in override.sweep_iterator()]
+        return [str(override.value())]
+
+    by_key = {o.key_or_group: o for o in overrides if o.package is None and not o.is_delete()}
+    if "scheme" in by_key:
+        return values(by_key["scheme"], group_options("scheme"))
+    presets = values(by_key["experiment"], group_options("experiment")) if "experiment" in by_key else [None]
+    register()
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF_DIR)))
+    parser = OverridesParser.create()
+    out: list[str] = []
+    for preset in presets:
+        try:
+            cfg = loader.load_configuration(
+                "config", [] if preset in (None, "None", "null") else [f"experiment={preset}"],
+                run_mode=RunMode.MULTIRUN if multirun else RunMode.RUN)
+        except Exception:  # noqa: BLE001  (Hydra says what is wrong when it composes)
+            return []
+        swept = OmegaConf.select(cfg, "hydra.sweeper.params.scheme") if multirun else None
+        if swept is not None:
+            out += values(parser.parse_overrides([f"scheme={swept}"])[0], group_options("scheme"))
+        else:
+            out.append(str(cfg.hydra.runtime.choices.scheme))
+    return out
 
 
 def launcher_options() -> list[str]:
@@ -309,8 +398,10 @@ def check_overrides(args: list[str]) -> None:
     """Check the command line's overrides before Hydra composes them, so that a mistake stops with
     one line: an unknown key (``sheme=topk``, ``+train.lr=0.1``: Hydra would add it, and nothing
     reads it) with the closest key, a value of the wrong type, an unknown option of a group
-    (``scheme=nope``, ``hydra/launcher=nope``). Sweeps (``a,b``, ``range(...)``) are checked value
-    by value; keys under ``hydra.`` and Hydra's other groups are left to Hydra."""
+    (``scheme=nope``, ``hydra/launcher=nope``), a scheme's own key with another scheme
+    (``scheme=topk scheme.block_size=64``: block_size belongs to scheme=blockk). Sweeps (``a,b``,
+    ``range(...)``) are checked value by value; keys under ``hydra.`` and Hydra's other groups are
+    left to Hydra."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
     from hydra.errors import HydraException
@@ -322,12 +413,17 @@ def check_overrides(args: list[str]) -> None:
         return
     parser = OverridesParser.create()
     keys = schema_keys()
-    schema = None
+    owners = scheme_options()
+    schemas: dict[type, Any] = {}
+    parsed = []
     for item in items:
         try:
             (override,) = parser.parse_overrides([item])
         except HydraException as exc:
             raise ConfigError(f"{item} cannot be read: {str(exc).splitlines()[0]}") from None
+        parsed.append((item, override))
+    own = []  # (item, key) of the schemes' own keys: checked against the schemes the line runs
+    for item, override in parsed:
         key, text = override.key_or_group, item.partition("=")[2]
         if override.package is not None or key == "hydra" or key.startswith(("hydra.", "hydra/")):
             if key == "hydra/launcher" and not override.is_sweep_override():
@@ -341,6 +437,8 @@ def check_overrides(args: list[str]) -> None:
             raise ConfigError(f"{item}: there is no key {key!r}; {hint}`python -m sparsetrain.run --help` lists every key")
         if override.is_add() and key in keys:
             raise ConfigError(f"{item}: {key} exists already; drop the '+' ({key}={text})")
+        if key in owners:
+            own.append((item, key))
         if override.is_delete() or override.value_type in (ValueType.INTERVAL_SWEEP, ValueType.GLOB_CHOICE_SWEEP):
             continue
         if override.is_sweep_override():
@@ -353,15 +451,25 @@ def check_overrides(args: list[str]) -> None:
                 if str(choice) not in allowed and not (key in ("experiment", "debug") and choice is None):
                     raise ConfigError(f"{key}={choice!r} is not allowed; choose one of: {', '.join(allowed)}")
             continue
-        schema = schema if schema is not None else _typed_schema()
+        scheme_cls = SCHEME_SCHEMAS[owners[key][0]] if key in owners else SchemeConfig
+        if scheme_cls not in schemas:
+            schemas[scheme_cls] = _typed_schema(scheme_cls)
         for value in values:
             if isinstance(value, str) and "${" in value:  # an interpolation: resolved later
                 continue
             try:
-                OmegaConf.update(schema, key, value, merge=True)
+                OmegaConf.update(schemas[scheme_cls], key, value, merge=True)
             except OmegaConfBaseException as exc:
                 reason = str(exc).splitlines()[0]
                 raise ConfigError(f"{key}={value!r} is not allowed: {reason}") from None
+    if own:  # a scheme's own key (scheme.block_size) goes with that scheme only
+        chosen = _chosen_schemes([o for _, o in parsed], "-m" in args or "--multirun" in args)
+        for item, key in own:
+            for scheme in chosen:
+                if scheme not in owners[key]:
+                    leaf = key.rpartition(".")[2]
+                    belongs = " or ".join(f"scheme={name}" for name in owners[key])
+                    raise ConfigError(f"{item}: scheme={scheme} has no key {leaf!r}; {leaf} belongs to {belongs}")
 
 
 def help_text() -> str:
@@ -417,10 +525,10 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         if cfg.scheme.name in TORCH_HOOK_SCHEMES:  # no scope or aggregation of ours; ratio: matching
             check_combination("none", cfg.scope.name, cfg.aggregation.name, cfg.ratio)
         else:
-            check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+            check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
+                              scheme_compressor(cfg.scheme))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    _check_compressor_node(cfg.scheme)
     choices = {
         "wandb.mode": (cfg.wandb.mode, ("offline", "online", "disabled")),
         "train.device": (cfg.train.device, ("auto", "cpu", "cuda")),
@@ -436,8 +544,9 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         "train.eval_every": cfg.train.eval_every,
         "optim.lr": cfg.optim.lr,
         "dist.timeout_s": cfg.dist.timeout_s,
-        "scheme.block_size": cfg.scheme.block_size,
     }
+    if cfg.scheme.get("block_size") is not None:
+        positive["scheme.block_size"] = cfg.scheme.block_size
     if cfg.train.max_steps is not None:
         positive["train.max_steps"] = cfg.train.max_steps
     if cfg.dist.ranks_per_node is not None:
@@ -489,20 +598,32 @@ def _check_ddp(cfg: Any) -> None:
                           "DDP communication hook; add dist.ddp=true")
 
 
-def _check_compressor_node(scheme: Any) -> None:
-    """``scheme.compressor._target_`` must be the class registered as ``scheme.name``."""
-    from sparsetrain.compress import get_compressor
+def scheme_compressor(scheme: Any) -> Any:
+    """What the scheme's ``compressor`` node builds: a ``functools.partial`` of its class with its
+    options (``.func`` is the class), called with (ratio, layout, scope) once the flat buffer is
+    known; None when the node is null (dense SGD, torch's hooks). ``ConfigError`` (one line) when
+    the node cannot be built."""
+    from hydra.utils import instantiate
 
     node = scheme.get("compressor") if hasattr(scheme, "get") else None
-    if scheme.name == "none" or not node:
-        return
-    target = str(node.get("_target_", ""))
-    cls = get_compressor(scheme.name)
-    if target.rsplit(".", 1)[-1] != cls.__name__:
-        raise ConfigError(
-            f"scheme.compressor._target_={target!r} does not build scheme.name={scheme.name!r}; "
-            f"use sparsetrain.compress.{cls.__name__}"
-        )
+    if not node:
+        return None
+    try:
+        return instantiate(node)
+    except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"scheme.compressor of scheme={scheme.name} cannot be built: {reason}") from None
+
+
+def compose(overrides: list[str] = ()) -> Any:
+    """The config ``python -m sparsetrain.run`` composes from these overrides, unchecked: what a
+    benchmark row or a test builds (``validate`` checks it as the command line does)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
 
 
 def _wandb_logged_in(env: Any) -> bool:

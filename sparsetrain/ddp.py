@@ -1,7 +1,9 @@
 """DDP communication hooks: sparsetrain's schemes inside any torch DistributedDataParallel model.
 
+    from sparsetrain.compress import BlockRandomK
     from sparsetrain.ddp import SparseHookState, sparse_hook
-    state = SparseHookState(ddp_model, "blockk", aggregation="allreduce", ratio=0.01)
+    state = SparseHookState(ddp_model, "blockk", aggregation="allreduce", ratio=0.01,
+                            compressor=BlockRandomK)
     ddp_model.register_comm_hook(state, sparse_hook)
 
 DDP calls the hook once per gradient bucket as soon as backward has filled it, so compression
@@ -46,6 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from sparsetrain.comm import SparseReducer, build_reducer, check_combination
 from sparsetrain.compress import (
+    BlockRandomK,
     Layout,
     compressed_first,
     parse_uncompressed,
@@ -106,8 +109,9 @@ class SparseHookState:
     ``blockk``; ``scope``: ``layerwise`` or ``global`` (global within a bucket);
     ``aggregation``: ``allgather`` or ``allreduce`` (not for top-k); ``ratio`` in (0, 1];
     ``error_feedback``; ``uncompressed``: ``"1d"``, ``"none"`` or N; ``warmup_steps``: dense
-    iterations first; ``seed``; ``block_size``: block-k global; ``compressor``: what
-    ``scheme.compressor`` instantiates to (default: the scheme's own class);
+    iterations first; ``seed``; ``compressor``: the scheme's class, or what ``scheme.compressor``
+    in its conf/scheme/<scheme>.yaml instantiates to (a ``functools.partial`` of the class with
+    its options, e.g. ``partial(BlockRandomK, block_size=64)``); required unless ``scheme='none'``;
     ``process_group``: default WORLD.
     Invalid values raise ``ValueError`` with the config check's one-line message.
     """
@@ -124,11 +128,10 @@ class SparseHookState:
         uncompressed="1d",
         warmup_steps: int = 0,
         seed: int = 0,
-        block_size: int = 256,
         compressor=None,
         process_group=None,
     ):
-        check_combination(scheme, scope, aggregation, ratio)
+        check_combination(scheme, scope, aggregation, ratio, compressor)
         if int(warmup_steps) != warmup_steps or warmup_steps < 0:
             raise ValueError(f"scheme.warmup_steps={warmup_steps} is not allowed; it must be >= 0")
         self.scheme, self.scope, self.aggregation, self.ratio = scheme, scope, aggregation, float(ratio)
@@ -136,7 +139,6 @@ class SparseHookState:
         self.uncompressed = parse_uncompressed(uncompressed)
         self.warmup_steps = int(warmup_steps)
         self.seed = int(seed)
-        self.block_size = int(block_size)
         self.compressor = compressor
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -205,7 +207,7 @@ class SparseHookState:
             self.scheme, self.scope, self.aggregation, self.ratio,
             Layout.from_sizes(shapes[i].numel() for i in order),
             world_size=self.world_size, rank=self.rank, seed=step_seed(self.seed, index),
-            error_feedback=self.error_feedback, block_size=self.block_size,
+            error_feedback=self.error_feedback,
             uncompressed=[flags[i] for i in order], group=self.process_group,
             device=buf.device, dtype=buf.dtype, compressor=self.compressor,
         )
@@ -347,7 +349,8 @@ def hook_numel(shapes, ratio: float, uncompressed="1d") -> int:
     order = compressed_first(flags)
     red = build_reducer("blockk", "layerwise", "allreduce", ratio,
                         Layout.from_sizes(math.prod(shapes[i]) for i in order),
-                        world_size=1, rank=0, seed=0, uncompressed=[flags[i] for i in order])
+                        world_size=1, rank=0, seed=0, uncompressed=[flags[i] for i in order],
+                        compressor=BlockRandomK)
     return red.entries_sent
 
 

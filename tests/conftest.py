@@ -8,6 +8,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The tests' own table from a scheme's name to its class; training has no such table, it takes the
+# class from conf/scheme/<name>.yaml (tests/test_config.py checks that the two agree).
+SCHEME_CLASSES = {"none": "NoCompression", "topk": "TopK", "randk": "RandomK", "blockk": "BlockRandomK"}
+
+
+def compressor_for(scheme: str, block_size: int | None = None):
+    """What ``scheme.compressor`` instantiates to for ``scheme`` (a ``functools.partial`` of the
+    class; ``block_size`` applies to block-k only), for the library calls tests make by hand;
+    None for dense SGD (``scheme='none'``)."""
+    from functools import partial
+
+    import sparsetrain.compress as compress
+
+    if scheme == "none":
+        return None
+    options = {"block_size": block_size} if scheme == "blockk" and block_size is not None else {}
+    return partial(getattr(compress, SCHEME_CLASSES[scheme]), **options)
 
 
 def cli_env(**extra: str) -> dict:

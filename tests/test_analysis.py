@@ -257,6 +257,22 @@ def test_run_without_summary_is_flagged(tmp_path):
     assert sa.load_runs(tmp_path, include_failed=False).empty
 
 
+def test_old_and_new_run_folders_give_the_same_block_size_cells(tmp_path):
+    """Runs written before block_size became block-k's own key carry scheme.block_size (256) for
+    every scheme; newer runs of the other schemes carry none and read as before, so old and new
+    runs of a configuration stay one group."""
+    old = make_config()  # BASE_CONFIG: topk with block_size 256, as the old code wrote it
+    new = make_config()
+    del new["scheme"]["block_size"]
+    blockk = make_config(scheme="blockk")
+    blockk["scheme"]["block_size"] = 64
+    for name, config in (("old", old), ("new", new), ("blockk", blockk)):
+        write_run(tmp_path / name, config)
+    runs = sa.load_runs(tmp_path).set_index("run_dir")
+    cells = {Path(run).name: size for run, size in runs["block_size"].items()}
+    assert cells == {"old": 256, "new": 256, "blockk": 64}
+
+
 def test_load_runs_rejects_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError):
         sa.load_runs(tmp_path / "nope")

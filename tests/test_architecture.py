@@ -108,11 +108,11 @@ def test_results_and_analysis_import_no_torch():
 
 def test_both_reducers_implement_the_protocol():
     from sparsetrain.comm import DenseReducer, Reducer, build_reducer
-    from sparsetrain.compress import Layout
+    from sparsetrain.compress import BlockRandomK, Layout
 
     dense = DenseReducer(10)
     sparse = build_reducer("blockk", "layerwise", "allreduce", 0.1, Layout.from_sizes([50, 50]),
-                           world_size=1, rank=0, seed=0)
+                           world_size=1, rank=0, seed=0, compressor=BlockRandomK)
     assert isinstance(dense, Reducer) and isinstance(sparse, Reducer)
     assert sparse.attach([], None) is sparse
 

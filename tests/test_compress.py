@@ -11,11 +11,11 @@ from sparsetrain.compress import (
     DistinctSampler,
     ErrorFeedback,
     Layout,
+    NoCompression,
+    RandomK,
     TopK,
-    available,
-    get_compressor,
+    compressor_class,
     k_for,
-    register,
     sampling,
     step_seed,
 )
@@ -27,8 +27,12 @@ SIZES = [7, 1, 300, 12001, 64]
 LAYOUT = Layout.from_sizes(SIZES)
 
 
+# the tests' own table (training takes the class from conf/scheme/<name>.yaml)
+CLASSES = {"none": NoCompression, "topk": TopK, "randk": RandomK, "blockk": BlockRandomK}
+
+
 def make(name, ratio, scope, layout=LAYOUT, **kw):
-    return get_compressor(name)(ratio, layout, scope, **kw)
+    return CLASSES[name](ratio, layout, scope, **kw)
 
 
 def int_grad(n, seed):
@@ -41,14 +45,7 @@ def dense_of(comp, payload, n):
     return comp.decompress(payload.values, payload.positions, dtype=torch.float64)
 
 
-def test_registry_lists_schemes_and_rejects_unknown():
-    assert set(SCHEMES) <= set(available())
-    with pytest.raises(ValueError, match="scheme='nope'.*allowed: .*topk"):
-        get_compressor("nope")
-
-
-def test_register_a_new_scheme_with_one_class():
-    @register("firstk_test")
+def test_a_new_scheme_is_one_class():
     class FirstK(Compressor):
         shared_positions = True
 
@@ -56,9 +53,20 @@ def test_register_a_new_scheme_with_one_class():
             idx = torch.arange(self.k, device=acc.device)
             return idx, idx
 
-    comp = get_compressor("firstk_test")(0.5, [10], "global")
+    comp = FirstK(0.5, [10], "global")
     p = comp.compress(torch.arange(10.0))
     assert p.values.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(TypeError, match="FirstK got unknown options"):
+        FirstK(0.5, [10], "global", block_size=4)
+
+
+def test_compressor_class_reads_the_class_back_from_a_factory():
+    from functools import partial
+
+    assert compressor_class(partial(BlockRandomK, block_size=8)) is BlockRandomK
+    assert compressor_class(TopK) is TopK and compressor_class(TopK(0.5, [4], "global")) is TopK
+    with pytest.raises(TypeError, match="not a Compressor class"):
+        compressor_class("topk")
 
 
 def test_k_per_scope():
@@ -164,7 +172,7 @@ def test_topk_fallback_is_exact_when_threshold_is_too_high(monkeypatch):
 
 
 def test_topk_has_no_shared_positions():
-    assert not TopK.shared_positions and get_compressor("randk").shared_positions
+    assert not TopK.shared_positions and RandomK.shared_positions and BlockRandomK.shared_positions
 
 
 # --- random-k ----------------------------------------------------------------------------------

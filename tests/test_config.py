@@ -1,11 +1,22 @@
 """Config composition, schema rejection and semantic checks (no ranks started)."""
 
 import pytest
+from conftest import SCHEME_CLASSES
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from sparsetrain.config import CONF_DIR, ConfigError, check_overrides, register, validate
+from sparsetrain.config import (
+    CONF_DIR,
+    HELP,
+    SCHEME_SCHEMAS,
+    ConfigError,
+    check_overrides,
+    register,
+    scheme_compressor,
+    scheme_options,
+    validate,
+)
 from sparsetrain.train import lr_at
 
 register()
@@ -30,6 +41,32 @@ def test_every_scheme_composes(scheme):
     validate(cfg, env={})
 
 
+@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk"])
+def test_the_schemes_class_comes_from_its_yaml(scheme):
+    """One route from scheme=<name> to its class: the yaml's compressor node (the tests' own table
+    in conftest.py agrees with it)."""
+    factory = scheme_compressor(make(f"scheme={scheme}").scheme)
+    if scheme == "none":
+        assert factory is None
+    else:
+        assert factory.func.__name__ == SCHEME_CLASSES[scheme]
+
+
+def test_each_scheme_has_only_its_own_keys():
+    blockk = make("scheme=blockk", "scheme.block_size=64", "scope=global")
+    assert blockk.scheme.block_size == 64 and "rank" not in blockk.scheme
+    assert scheme_compressor(blockk.scheme).keywords == {"block_size": 64}  # the node passes it on
+    assert make("scheme=powersgd", "scheme.rank=2").scheme.rank == 2
+    for scheme in ("none", "topk", "randk", "fp16"):
+        node = make(f"scheme={scheme}").scheme
+        assert "block_size" not in node and "rank" not in node, scheme
+    with pytest.raises(ConfigCompositionException):  # Hydra refuses it too, where the CLI does not check
+        make("scheme=topk", "scheme.block_size=64")
+    assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd",)}
+    assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd"}
+    assert "scheme=blockk" in HELP["scheme.block_size"] and "scheme=powersgd" in HELP["scheme.rank"]
+
+
 @pytest.mark.parametrize(
     "override", ["world_size=abc", "ratio=high", "train.epochz=3", "scheme.error_feedback=maybe"]
 )
@@ -51,6 +88,7 @@ def test_schema_rejects_typos_and_types(override):
         (["scheme=powersgd"], "scheme=powersgd is not allowed with dist.ddp=false"),
         (["scheme=fp16"], "scheme=fp16 is not allowed with dist.ddp=false"),
         (["scheme=powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=blockk", "scheme.block_size=0"], "scheme.block_size=0 is not allowed"),
         (["dist.ddp=true", "dist.bucket_cap_mb=0"], "dist.bucket_cap_mb=0.0"),
     ],
 )

@@ -18,10 +18,10 @@ import torch.multiprocessing as mp
 
 from sparsetrain.comm import SparseReducer, build_reducer
 from sparsetrain.comm.group import resolve_backend
-from sparsetrain.compress import ErrorFeedback, Layout, TopK, get_compressor, step_seed
+from sparsetrain.compress import BlockRandomK, ErrorFeedback, Layout, NoCompression, TopK, step_seed
 from sparsetrain.config import ConfigError
 from sparsetrain.timing import PHASES, PhaseTimer
-from tests.conftest import read_json, read_jsonl, run_cli
+from tests.conftest import compressor_for, read_json, read_jsonl, run_cli
 
 HAS_CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if HAS_CUDA else 0
@@ -59,9 +59,8 @@ def int_grad(n: int, seed: int, device) -> torch.Tensor:
 
 
 def make(name, ratio, scope, layout=MIXED, device="cpu", **kw):
-    if name == "blockk":
-        kw.setdefault("block_size", 16)
-    return get_compressor(name)(ratio, layout, scope, device=device, **kw)
+    factory = compressor_for(name, block_size=kw.pop("block_size", 16)) if name != "none" else NoCompression
+    return factory(ratio, layout, scope, device=device, **kw)
 
 
 def device_path(comp, acc):
@@ -177,7 +176,7 @@ def _frequencies(comp, device, trials):
     for t in range(trials):
         p = comp.compress(acc, step_seed(9, t))
         counts.index_add_(0, p.indices, torch.ones(comp.k, dtype=torch.float64, device=device))
-        if comp.name == "blockk" and comp.scope == "global":
+        if isinstance(comp, BlockRandomK) and comp.scope == "global":
             b = torch.zeros(comp.nb, dtype=torch.float64, device=device)
             b[p.positions // comp.block_size] = 1
             block_counts = b if block_counts is None else block_counts + b
@@ -267,7 +266,7 @@ def test_reducer_one_rank_on_device(device, scheme, agg, scope):
     """One rank, no process group: update + new memory = grad + old memory, exactly; the byte
     buffers of AllGather (float values and int positions viewed from uint8) work on the device."""
     red = build_reducer(scheme, scope, agg, 0.05, MIXED, world_size=1, rank=0, seed=3,
-                        block_size=16, device=device, dtype=torch.float64)
+                        compressor=compressor_for(scheme, block_size=16), device=device, dtype=torch.float64)
     assert isinstance(red, SparseReducer) and red.memory.memory.device.type == device
     timer = PhaseTimer(device, warmup_steps=0)
     for step in range(3):
@@ -364,8 +363,9 @@ def _reducer_worker(rank, world, port, path, device_type, backend):
     try:
         results = {}
         for scheme, scope, agg in REDUCER_COMBOS:
-            red = build_reducer(scheme, scope, agg, 0.05, MIXED, world_size=world, rank=rank,
-                                seed=5, block_size=16, device=device, dtype=torch.float64)
+            red = build_reducer(scheme, scope, agg, 0.05, MIXED, world_size=world, rank=rank, seed=5,
+                                compressor=compressor_for(scheme, block_size=16), device=device,
+                                dtype=torch.float64)
             outs = []
             for step in range(3):
                 flat = _two_rank_grad(rank, step).to(device)

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import compressor_for
 from test_exchange import COMBOS  # every valid scheme x scope x aggregation
 from torch import nn
 
 from sparsetrain.comm import check_combination
-from sparsetrain.compress import Layout, get_compressor, uncompressed_flags
+from sparsetrain.compress import BlockRandomK, Layout, TopK, uncompressed_flags
 from sparsetrain.ddp import SparseHookState, bucket_seed, sparse_hook
 
 CAP_MB = 0.002  # a few KB: several buckets, most holding conv weights and batch-norm vectors
@@ -52,7 +53,8 @@ def batch(rank, step, dtype=torch.float32):
 
 
 def state_for(model, scheme, scope, agg, ratio, **kw):
-    return SparseHookState(model, scheme, scope, agg, ratio, seed=SEED, block_size=BLOCK, **kw)
+    return SparseHookState(model, scheme, scope, agg, ratio, seed=SEED,
+                           compressor=compressor_for(scheme, block_size=BLOCK), **kw)
 
 
 def recording(state_keys, layouts):
@@ -293,8 +295,7 @@ def reference(scheme, scope, agg, layouts, world=2):
             if not comp_keys:
                 continue
             sizes = [params[k].numel() for k in comp_keys]
-            options = {"block_size": BLOCK} if scheme == "blockk" else {}
-            comp = get_compressor(scheme)(RATIO, Layout.from_sizes(sizes), scope, **options)
+            comp = compressor_for(scheme, block_size=BLOCK)(RATIO, Layout.from_sizes(sizes), scope)
             for r in range(world):
                 acc = torch.cat([per_rank[r][k] + memory[r][k] for k in comp_keys])
                 _, idx = comp.select(acc.clone(), bucket_seed(SEED, step, b, None if agg == "allreduce" else r))
@@ -393,10 +394,12 @@ def test_every_combination_trains(two):
 
 def test_topk_allreduce_refused_like_the_config():
     with pytest.raises(ValueError) as hook_error:
-        SparseHookState(nn.Linear(2, 2), "topk", "layerwise", "allreduce", 0.01)
+        SparseHookState(nn.Linear(2, 2), "topk", "layerwise", "allreduce", 0.01, compressor=TopK)
     with pytest.raises(ValueError) as config_error:
-        check_combination("topk", "layerwise", "allreduce", 0.01)
+        check_combination("topk", "layerwise", "allreduce", 0.01, TopK)
     assert str(hook_error.value) == str(config_error.value)
     assert "\n" not in str(hook_error.value) and "aggregation='allreduce'" in str(hook_error.value)
     with pytest.raises(ValueError, match="scheme.uncompressed"):
-        SparseHookState(nn.Linear(2, 2), "blockk", uncompressed="2d")
+        SparseHookState(nn.Linear(2, 2), "blockk", uncompressed="2d", compressor=BlockRandomK)
+    with pytest.raises(ValueError, match="scheme='blockk' has no compressor"):  # the class is not looked up by name
+        SparseHookState(nn.Linear(2, 2), "blockk")

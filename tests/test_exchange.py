@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import compressor_for
 
 from sparsetrain.comm import (
     DenseReducer,
@@ -17,7 +18,7 @@ from sparsetrain.comm import (
     check_combination,
     flat_gradients,
 )
-from sparsetrain.compress import Layout, get_compressor, step_seed, uncompressed_flags
+from sparsetrain.compress import Layout, RandomK, TopK, step_seed, uncompressed_flags
 from sparsetrain.timing import PhaseTimer
 
 LAYOUT = Layout.from_sizes([7, 1, 300, 12001, 64])
@@ -48,13 +49,13 @@ def grad_of(rank, step):
 
 def build(scheme, scope, agg, rank, world, ratio=RATIO):
     return build_reducer(scheme, scope, agg, ratio, LAYOUT, world_size=world, rank=rank, seed=SEED,
-                         block_size=32, dtype=torch.float64)
+                         compressor=compressor_for(scheme, block_size=32), dtype=torch.float64)
 
 
 def hand_reference(scheme, scope, agg, world):
     """Per step: the average over ranks of acc_r masked to the entries rank r chose, computed
     with dense masks and explicit memory, not with the reducer."""
-    comp = get_compressor(scheme)(RATIO, LAYOUT, scope, **({"block_size": 32} if scheme == "blockk" else {}))
+    comp = compressor_for(scheme, block_size=32)(RATIO, LAYOUT, scope)
     memory = [torch.zeros(LAYOUT.total, dtype=torch.float64) for _ in range(world)]
     outs, chosen = [], []
     for step in range(STEPS):
@@ -78,8 +79,7 @@ def hand_reference(scheme, scope, agg, world):
 def hand_reference_tail(scheme, scope, agg, world):
     """As ``hand_reference`` for TAIL_LAYOUT: the tail averaged whole, no memory for it, and the
     first WARMUP steps plain averages with the memory left empty."""
-    comp = get_compressor(scheme)(RATIO, Layout(TAIL_LAYOUT.sizes[:3]), scope,
-                                  **({"block_size": 32} if scheme == "blockk" else {}))
+    comp = compressor_for(scheme, block_size=32)(RATIO, Layout(TAIL_LAYOUT.sizes[:3]), scope)
     memory = [torch.zeros(TAIL_NC, dtype=torch.float64) for _ in range(world)]
     outs = []
     for step in range(STEPS):
@@ -102,7 +102,8 @@ def hand_reference_tail(scheme, scope, agg, world):
 
 def build_tail(scheme, scope, agg, rank, world, ratio=RATIO):
     return build_reducer(scheme, scope, agg, ratio, TAIL_LAYOUT, world_size=world, rank=rank,
-                         seed=SEED, block_size=32, dtype=torch.float64, uncompressed=TAIL_FLAGS,
+                         seed=SEED, compressor=compressor_for(scheme, block_size=32), dtype=torch.float64,
+                         uncompressed=TAIL_FLAGS,
                          warmup_steps=WARMUP)
 
 
@@ -230,7 +231,8 @@ def test_single_process_matches_reference(scheme, scope, agg):
 
 @pytest.mark.parametrize("scheme,scope,agg", COMBOS)
 def test_bytes_accounting(scheme, scope, agg):
-    red = build_reducer(scheme, scope, agg, 0.01, LAYOUT, world_size=1, rank=0, seed=0, block_size=32)
+    red = build_reducer(scheme, scope, agg, 0.01, LAYOUT, world_size=1, rank=0, seed=0,
+                        compressor=compressor_for(scheme, block_size=32))
     comp = red.compressor
     assert red.dense_bytes_per_step == LAYOUT.total * 4
     if agg == "allreduce":
@@ -247,10 +249,11 @@ def test_bytes_accounting(scheme, scope, agg):
 @pytest.mark.parametrize("scheme,scope,agg", COMBOS)
 def test_bytes_accounting_with_uncompressed_tail(scheme, scope, agg):
     """The whole tensors' values ride in the same message: 65 more float32 values per step."""
+    comp = compressor_for(scheme, block_size=32)
     plain = build_reducer(scheme, scope, agg, 0.01, Layout(TAIL_LAYOUT.sizes[:3]), world_size=1,
-                          rank=0, seed=0, block_size=32)
+                          rank=0, seed=0, compressor=comp)
     red = build_reducer(scheme, scope, agg, 0.01, TAIL_LAYOUT, world_size=1, rank=0, seed=0,
-                        block_size=32, uncompressed=TAIL_FLAGS)
+                        compressor=comp, uncompressed=TAIL_FLAGS)
     assert red.compressor.k == plain.compressor.k
     extra = red.bytes_sent_per_step - plain.bytes_sent_per_step
     assert red.uncompressed_bytes_per_step == 65 * 4
@@ -263,9 +266,9 @@ def test_bytes_accounting_with_uncompressed_tail(scheme, scope, agg):
 def test_uncompressed_segments_must_be_last_and_all_whole_is_dense():
     with pytest.raises(ValueError, match="must come last"):
         build_reducer("randk", "layerwise", "allreduce", 0.1, TAIL_LAYOUT, world_size=1, rank=0,
-                      seed=0, uncompressed=[True, False, False, False, False])
+                      seed=0, uncompressed=[True, False, False, False, False], compressor=RandomK)
     red = build_reducer("randk", "layerwise", "allreduce", 0.1, [3, 4], world_size=1, rank=0,
-                        seed=0, uncompressed=[True, True])
+                        seed=0, uncompressed=[True, True], compressor=RandomK)
     assert isinstance(red, DenseReducer)
 
 
@@ -298,7 +301,7 @@ def test_dense_for_none_and_state_dict():
 
 def test_error_feedback_off_keeps_memory_zero():
     red = build_reducer("topk", "global", "allgather", 0.1, LAYOUT, world_size=1, rank=0, seed=0,
-                        error_feedback=False, dtype=torch.float64)
+                        error_feedback=False, dtype=torch.float64, compressor=TopK)
     flat = grad_of(0, 0)
     stats = red.reduce(flat, 0, PhaseTimer("cpu"), want_stats=True)
     assert torch.count_nonzero(red.memory.memory) == 0 and stats.memory_norm == 0.0
@@ -310,21 +313,23 @@ def test_error_feedback_off_keeps_memory_zero():
 
 def test_topk_allreduce_refused_with_one_line():
     with pytest.raises(ValueError) as err:
-        check_combination("topk", "layerwise", "allreduce", 0.01)
+        check_combination("topk", "layerwise", "allreduce", 0.01, compressor_for("topk"))
     msg = str(err.value)
     assert "\n" not in msg and "aggregation='allreduce'" in msg and "scheme='topk'" in msg and "allgather" in msg
     with pytest.raises(ValueError, match="aggregation='allreduce'"):
-        build_reducer("topk", "global", "allreduce", 0.01, LAYOUT, world_size=1, rank=0, seed=0)
+        build_reducer("topk", "global", "allreduce", 0.01, LAYOUT, world_size=1, rank=0, seed=0, compressor=TopK)
+    with pytest.raises(ValueError, match="aggregation='allreduce'"):  # the reducer built by hand, too
+        SparseReducer(TopK(0.01, LAYOUT, "global"), aggregation="allreduce", world_size=1, rank=0, seed=0)
 
 
 @pytest.mark.parametrize(
     "args,match",
     [
-        (("bogus", "global", "allgather", 0.1), "scheme='bogus'"),
-        (("randk", "flat", "allgather", 0.1), "scope='flat'.*layerwise, global"),
-        (("randk", "global", "broadcast", 0.1), "aggregation='broadcast'.*allreduce, allgather"),
-        (("randk", "global", "allgather", 0.0), r"ratio=0.0.*\(0, 1\]"),
-        (("randk", "global", "allgather", 1.5), "ratio=1.5"),
+        (("bogus", "global", "allgather", 0.1, None), "scheme='bogus' has no compressor"),
+        (("randk", "flat", "allgather", 0.1, RandomK), "scope='flat'.*layerwise, global"),
+        (("randk", "global", "broadcast", 0.1, RandomK), "aggregation='broadcast'.*allreduce, allgather"),
+        (("randk", "global", "allgather", 0.0, RandomK), r"ratio=0.0.*\(0, 1\]"),
+        (("randk", "global", "allgather", 1.5, RandomK), "ratio=1.5"),
     ],
 )
 def test_check_combination_names_key_value_and_allowed(args, match):
@@ -334,5 +339,5 @@ def test_check_combination_names_key_value_and_allowed(args, match):
 
 def test_all_valid_combinations_pass_check():
     for scheme, scope, agg in COMBOS:
-        check_combination(scheme, scope, agg, 0.01)
+        check_combination(scheme, scope, agg, 0.01, compressor_for(scheme, block_size=32))
     check_combination("none", "global", "allreduce", 1.0)

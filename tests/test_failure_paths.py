@@ -141,6 +141,21 @@ def test_config_differences_ignore_the_documented_keys():
     assert "train.max_steps" in NOT_DEFINING and "wandb." in NOT_DEFINING
 
 
+def test_a_run_saved_before_the_schemes_had_keys_of_their_own_is_the_same_run():
+    """Old runs recorded scheme.block_size and scheme.rank for every scheme; a scheme that has no
+    such key now did nothing with it. Where the scheme has the key, it still defines the run."""
+    from sparsetrain.train.checkpoint import config_differences
+
+    old = {"scheme": {"name": "topk", "error_feedback": True, "block_size": 256, "rank": None}}
+    assert config_differences(old, {"scheme": {"name": "topk", "error_feedback": True}}) == []
+    old_blockk = {"scheme": {"name": "blockk", "block_size": 256, "rank": None}}
+    assert config_differences(old_blockk, {"scheme": {"name": "blockk", "block_size": 256}}) == []
+    assert config_differences(old_blockk, {"scheme": {"name": "blockk", "block_size": 64}}) == [
+        ("scheme.block_size", 256, 64)]
+    assert [k for k, *_ in config_differences(old, {"scheme": {"name": "randk", "error_feedback": True}})] == [
+        "scheme.name"]
+
+
 # ---- 3. a damaged checkpoint, a full disk ------------------------------------------------------
 def test_damaged_checkpoint_is_named_with_the_ways_on(tmp_path):
     run = tmp_path / "run"

@@ -351,6 +351,33 @@ def test_typos_stop_with_one_line_before_anything_runs(override, needle, tmp_pat
     assert not (tmp_path / "outputs").exists()  # nothing ran, no folder was made
 
 
+def test_unknown_key_of_the_chosen_scheme_stops_with_one_line(tmp_path):
+    """A scheme's own key (scheme.block_size: block-k's, scheme.rank: PowerSGD's) with another
+    scheme, whether chosen on the command line, by default, by a preset or by a preset's sweep."""
+    from sparsetrain.config import ConfigError, check_overrides
+
+    proc = run_cli(*TINY, "scheme=topk", "scheme.block_size=64", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("error: scheme.block_size=64: scheme=topk has no key 'block_size'; "
+                                   "block_size belongs to scheme=blockk")
+    assert not (tmp_path / "outputs").exists()
+    refused = {
+        ("scheme.block_size=64",): "scheme=none has no key 'block_size'",  # the default scheme
+        ("-m", "scheme=blockk,randk", "scheme.block_size=64"): "scheme=randk has no key 'block_size'",
+        ("-m", "experiment=rq2_scheme", "scheme.block_size=64"): "scheme=topk has no key 'block_size'",
+        ("scheme=blockk", "scheme.rank=2"): "scheme.rank=2: scheme=blockk has no key 'rank'; rank belongs to scheme=powersgd",
+    }
+    for args, needle in refused.items():
+        with pytest.raises(ConfigError) as info:
+            check_overrides(list(args))
+        assert needle in str(info.value) and "\n" not in str(info.value), args
+    for args in (["scheme=blockk", "scheme.block_size=64"], ["experiment=headline_bytes", "scheme.block_size=32"],
+                 ["scheme=powersgd", "scheme.rank=2", "dist.ddp=true"], ["-m", "scheme=blockk", "scheme.block_size=16,32"]):
+        check_overrides(args)
+    with pytest.raises(ConfigError, match="scheme='nope' is not allowed"):  # the unknown scheme first
+        check_overrides(["scheme.block_size=64", "scheme=nope"])
+
+
 def test_check_overrides_leaves_valid_command_lines_alone():
     from sparsetrain.config import check_overrides
 

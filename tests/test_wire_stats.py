@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, compressor_for
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -25,7 +25,8 @@ WHOLE = 64 + 7
 
 def _reducer(scheme, aggregation, world, **kw):
     return build_reducer(scheme, "layerwise", aggregation, 0.05, LAYOUT, world_size=world, rank=0,
-                         seed=0, uncompressed=FLAGS if scheme != "none" else None, **kw)
+                         seed=0, uncompressed=FLAGS if scheme != "none" else None,
+                         compressor=compressor_for(scheme), **kw)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -67,6 +67,10 @@ REPLICATE = "seed"
 DENSE_IRRELEVANT = ("scope", "aggregation", "error_feedback", "block_size", "uncompressed", "warmup_steps")
 NOT_APPLICABLE = "-"
 DENSE = "dense"
+# scheme.block_size is block-k's own key (issue 23). Until then every scheme's config carried it,
+# at its default, 256: a newer run of another scheme, without the key, shows that same value, so
+# its cells and its groups stay those of the runs before.
+BLOCK_SIZE_OF_OTHER_SCHEMES = 256
 
 STATUSES_DONE = ("completed",)
 
@@ -141,6 +145,13 @@ def find_sweep_dirs(*paths: str | Path) -> list[Path]:
     return sorted(found, key=_natural_key)
 
 
+def _block_size(cfg: dict, scheme: str | None):
+    node = cfg.get("scheme")
+    if isinstance(node, dict) and "block_size" not in node and scheme != "blockk":
+        return BLOCK_SIZE_OF_OTHER_SCHEMES
+    return _get(cfg, "scheme", "block_size")
+
+
 def _axes_from_config(cfg: dict) -> dict:
     scheme = _name(cfg.get("scheme"))
     row = {
@@ -151,7 +162,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "world_size": cfg.get("world_size"),
         "seed": cfg.get("seed"),
         "error_feedback": _get(cfg, "scheme", "error_feedback"),
-        "block_size": _get(cfg, "scheme", "block_size"),
+        "block_size": _block_size(cfg, scheme),
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),

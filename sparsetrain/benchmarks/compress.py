@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from sparsetrain.compress import ErrorFeedback, Layout, get_compressor, step_seed
+from sparsetrain.compress import ErrorFeedback, Layout, NoCompression, step_seed
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
@@ -85,7 +85,25 @@ def timeit_ratio(fn, ref, repeats: int, device: torch.device) -> tuple[float, fl
     return statistics.median(ms), statistics.median(ratios)
 
 
-def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int) -> dict:
+def compressor_for(scheme: str, scope: str, ratio: float, layout: Layout, device: torch.device,
+                   block_size: int | None = None):
+    """The compressor training builds for ``scheme=<scheme> scope=<scope> ratio=<ratio>``: the
+    composed config's ``scheme.compressor`` node (with ``scheme.block_size`` for block-k when
+    given), called on ``layout``. ``scheme=none`` (dense SGD, no compressor in training) is timed
+    as ``NoCompression``, the reference row."""
+    from sparsetrain.config import compose, scheme_compressor
+
+    overrides = [f"scheme={scheme}", f"scope={scope}", f"ratio={ratio}"]
+    if block_size is not None:
+        overrides.append(f"scheme.block_size={block_size}")
+    cfg = compose(overrides)
+    factory = scheme_compressor(cfg.scheme)
+    if factory is None:
+        return NoCompression(1.0, layout, cfg.scope.name, device=device)
+    return factory(cfg.ratio, layout, cfg.scope.name, device=device)
+
+
+def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int | None = None) -> dict:
     shapes = resnet18_shapes()
     layout = Layout.from_sizes([int(np.prod(s)) for s in shapes])
     n = layout.total
@@ -115,8 +133,8 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
     rows = []
     for scheme in ("none", "topk", "randk", "blockk"):
         for scope in ("layerwise", "global"):
-            opts = {"block_size": block_size} if scheme == "blockk" else {}
-            comp = get_compressor(scheme)(ratio, layout, scope, device=device, **opts)
+            comp = compressor_for(scheme, scope, ratio, layout, device,
+                                  block_size if scheme == "blockk" else None)
             ef = ErrorFeedback(n, device=device)
             values = torch.empty(comp.k, device=device)
             step = [0]
@@ -212,7 +230,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=3, help="whole-benchmark rounds; medians reported")
     ap.add_argument("--ratio", type=float, default=0.01)
-    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="block-k's scheme.block_size (default: the config's)")
     ap.add_argument("--json", default=None, help="write results here")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: the CPU, then the GPU when there is one")

@@ -154,13 +154,9 @@ def study_config(overrides: list[str], world: int):
     """The config the accuracy studies compose, with ``overrides`` (scheme, aggregation, preset,
     model, ...) and ``world_size`` = the ranks here, validated as ``python -m sparsetrain.run``
     validates it (top-k with AllReduce is refused the same way)."""
-    from hydra import compose, initialize_config_dir
+    from sparsetrain.config import compose, validate
 
-    from sparsetrain.config import CONF_DIR, register, validate
-
-    register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[*overrides, f"world_size={world}"])
+    cfg = compose([*overrides, f"world_size={world}"])
     validate(cfg, env={})
     return cfg
 
@@ -178,7 +174,7 @@ def row_options(cfg) -> dict:
     """What defines a row's exchange, for the JSON (the studies' keys)."""
     return {"scheme": cfg.scheme.name, "scope": cfg.scope.name, "aggregation": cfg.aggregation.name,
             "ratio": cfg.ratio, "uncompressed": cfg.scheme.uncompressed,
-            "error_feedback": cfg.scheme.error_feedback, "block_size": cfg.scheme.block_size,
+            "error_feedback": cfg.scheme.error_feedback, "block_size": cfg.scheme.get("block_size"),
             "warmup_steps": cfg.scheme.warmup_steps, "overlap": cfg.dist.overlap,
             "model": cfg.model.name, "seed": cfg.seed}
 

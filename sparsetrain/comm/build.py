@@ -12,7 +12,7 @@ from sparsetrain.comm.flat import flat_gradients
 from sparsetrain.comm.protocol import Reducer
 from sparsetrain.comm.rules import check_combination
 from sparsetrain.comm.sparse import SparseReducer
-from sparsetrain.compress import Layout, as_layout, compressor_factory, uncompressed_flags
+from sparsetrain.compress import Layout, as_layout, uncompressed_flags
 
 
 def build_reducer(
@@ -26,7 +26,6 @@ def build_reducer(
     rank: int,
     seed: int,
     error_feedback: bool = True,
-    block_size: int = 256,
     uncompressed=None,
     warmup_steps: int = 0,
     group=None,
@@ -39,14 +38,15 @@ def build_reducer(
     ``layout``: a ``Layout``, the parameters (one segment each), their sizes, or a total numel.
     ``compressor``: how to build the compressor once the layout is known, called as
     ``compressor(ratio, layout, scope, device=...)``: what ``scheme.compressor`` in the config
-    instantiates to (a ``functools.partial`` of the scheme's class with its options). Without it,
-    ``compress.compressor_factory(scheme, block_size=...)`` makes one.
+    instantiates to (a ``functools.partial`` of the scheme's class with its options, e.g.
+    ``partial(BlockRandomK, block_size=256)``), or the class itself; required unless
+    ``scheme='none'``.
     ``uncompressed``: one flag per segment, True for the tensors that travel whole; they must be
     the last segments (``flat_gradients`` orders the buffer so). ``warmup_steps``: dense steps
     before compression starts. Raises ``ValueError`` with a one-line message for invalid
     combinations.
     """
-    check_combination(scheme, scope, aggregation, ratio)
+    check_combination(scheme, scope, aggregation, ratio, compressor)
     layout = as_layout(layout)
     esize = torch.empty((), dtype=dtype).element_size()
     flags = [False] * len(layout) if uncompressed is None else [bool(f) for f in uncompressed]
@@ -57,8 +57,6 @@ def build_reducer(
         raise ValueError("uncompressed segments must come last in the flat buffer (see flat_gradients)")
     if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
         return DenseReducer(layout.total, esize, group=group)
-    if compressor is None:
-        compressor = compressor_factory(scheme, block_size=block_size)
     compressed = Layout(layout.sizes[:n_compressed])
     return SparseReducer(
         compressor(ratio, compressed, scope, device=device),
@@ -92,7 +90,7 @@ def build_exchange(
 
     ``uncompressed`` is the rule of ``scheme.uncompressed`` (``"1d"``, ``"none"`` or N); it does
     not apply to dense SGD. ``reducer_options`` go to ``build_reducer`` (world_size, rank, seed,
-    error_feedback, block_size, warmup_steps, group, compressor). Returns ``(flat,
+    error_feedback, warmup_steps, group, compressor: the scheme's compressor factory). Returns ``(flat,
     params_in_buffer_order, reducer)``.
     """
     params = [p for p in params if p.requires_grad]

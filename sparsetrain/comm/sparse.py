@@ -76,7 +76,7 @@ class SparseReducer:
         device="cpu",
         dtype=torch.float32,
     ):
-        check_aggregation(compressor.name, aggregation)
+        check_aggregation(type(compressor).__name__, aggregation, compressor)
         self.compressor = compressor
         self.aggregation = aggregation
         self.collective = aggregation  # after warm-up; warm-up steps AllReduce densely

@@ -2,25 +2,21 @@
 
 No torch.distributed, no Hydra: usable from any training loop::
 
-    from sparsetrain.compress import ErrorFeedback, Layout, get_compressor
+    from sparsetrain.compress import BlockRandomK, ErrorFeedback, Layout, step_seed
 
     layout = Layout.from_tensors(model.parameters())
-    comp = get_compressor("blockk")(0.01, layout, "layerwise")
+    comp = BlockRandomK(0.01, layout, "layerwise")
     ef = ErrorFeedback(layout.total)
     payload = ef.step(flat_grad, comp, seed=step_seed(0, step))   # values + positions to send
     update = comp.decompress(payload.values, payload.positions)   # dense, zeros elsewhere
 """
 
-from sparsetrain.compress import schemes as _schemes  # noqa: F401  (registers the schemes)
 from sparsetrain.compress.base import (
     SCOPES,
     Compressor,
     Payload,
-    available,
-    compressor_factory,
-    get_compressor,
+    compressor_class,
     k_for,
-    register,
     step_seed,
 )
 from sparsetrain.compress.feedback import ErrorFeedback
@@ -48,13 +44,10 @@ __all__ = [
     "TopK",
     "UNCOMPRESSED_RULES",
     "as_layout",
-    "available",
     "compressed_first",
-    "compressor_factory",
-    "get_compressor",
+    "compressor_class",
     "parse_uncompressed",
     "k_for",
-    "register",
     "step_seed",
     "uncompressed_flags",
 ]

@@ -1,4 +1,4 @@
-"""The compressor interface, its registry, and per-step seeds.
+"""The compressor interface, per-step seeds, and how a scheme's class is found.
 
 A compressor chooses, from one flat accumulated vector ``acc``, which ``k`` entries to send. It
 knows ``k`` at construction, so every rank's payload has the same size, and it describes the
@@ -6,13 +6,22 @@ chosen entries by ``positions``: what travels on the wire (entry indices for top
 run or block start offsets for block-random-k). ``indices(positions)`` expands them back to the
 ``k`` entry indices, in the order of ``values``.
 
-Adding a scheme = one class decorated with ``@register("name")`` + one ``conf/scheme/name.yaml``.
+There is one route from a scheme to its class: the ``compressor`` node of
+``conf/scheme/<name>.yaml`` (``_target_``: the class, ``_partial_: true``, the scheme's options),
+which ``hydra.utils.instantiate`` turns into a ``functools.partial`` of the class; the exchange
+calls it as ``factory(ratio, layout, scope, device=...)``. ``compressor_class`` reads the class
+back from such a factory (e.g. ``shared_positions`` for the allowed aggregations).
+
+Adding a scheme = one ``Compressor`` subclass (here or anywhere importable) + one
+``conf/scheme/<name>.yaml`` whose ``compressor`` node names it, + a structured config in
+``sparsetrain/config.py`` (``SCHEME_SCHEMAS``) only if the scheme has options of its own.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,43 +29,18 @@ from sparsetrain.compress.layout import Layout, as_layout
 
 SCOPES = ("layerwise", "global")
 
-_REGISTRY: dict[str, type[Compressor]] = {}
 
-
-def register(name: str):
-    """Class decorator: make a compressor available as ``get_compressor(name)``."""
-
-    def deco(cls):
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"compressor {name!r} is already registered by {_REGISTRY[name]}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
-
-
-def get_compressor(name: str) -> type[Compressor]:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(
-            f"scheme={name!r} is not a known compressor; allowed: {', '.join(available())}"
-        ) from None
-
-
-def compressor_factory(name: str, **options):
-    """``partial(cls, **its options)`` for the scheme ``name``: what the config's
-    ``scheme.compressor`` node instantiates to. Options the scheme does not declare in
-    ``cls.options`` are dropped (``block_size`` means nothing to top-k)."""
-    from functools import partial
-
-    cls = get_compressor(name)
-    return partial(cls, **{key: value for key, value in options.items() if key in cls.options})
-
-
-def available() -> list[str]:
-    return sorted(_REGISTRY)
+def compressor_class(factory: Any) -> type[Compressor]:
+    """The class a scheme's compressor factory builds: ``factory`` itself when it is the class, the
+    class of a ``functools.partial`` (what ``scheme.compressor`` instantiates to), or the class of
+    a built compressor. ``TypeError`` for anything else."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    if isinstance(factory, Compressor):
+        return type(factory)
+    if isinstance(factory, type) and issubclass(factory, Compressor):
+        return factory
+    raise TypeError(f"{factory!r} is not a Compressor class, a functools.partial of one, or a Compressor")
 
 
 def k_for(ratio: float, numel: int) -> int:
@@ -116,17 +100,15 @@ class Compressor:
 
     Parameters: ``ratio`` in (0, 1]; ``layout`` of the flat buffer; ``scope`` ``"layerwise"``
     (each segment its own k) or ``"global"`` (one k over the whole buffer); ``device`` where the
-    flat buffer lives; ``options`` scheme-specific (e.g. ``block_size``).
+    flat buffer lives; a subclass adds its own keyword options (``BlockRandomK``: ``block_size``),
+    which conf/scheme/<name>.yaml passes in its ``compressor`` node.
     """
 
-    name: ClassVar[str] = "?"
     #: True when every rank can draw the same positions from a shared seed, so only values need
     #: summing (AllReduce). False when positions depend on the data (top-k).
     shared_positions: ClassVar[bool] = True
     #: True when ``select`` ignores the seed (deterministic in the data).
     deterministic: ClassVar[bool] = False
-    #: The scheme's own keyword options (``scheme.<option>`` in the config), e.g. ``block_size``.
-    options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:

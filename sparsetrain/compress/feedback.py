@@ -18,8 +18,8 @@ class ErrorFeedback:
     ``enabled=False`` is the ablation: ``acc = grad`` and the memory stays zero.
 
     >>> import torch
-    >>> from sparsetrain.compress import get_compressor
-    >>> comp = get_compressor("topk")(0.5, [4], "global")
+    >>> from sparsetrain.compress import TopK
+    >>> comp = TopK(0.5, [4], "global")
     >>> ef = ErrorFeedback(4, dtype=torch.float64)
     >>> p = ef.step(torch.tensor([1.0, -3.0, 0.5, 2.0], dtype=torch.float64), comp)
     >>> sorted(p.indices.tolist()), ef.memory.tolist()

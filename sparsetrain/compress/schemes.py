@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from sparsetrain.compress.base import Compressor, Payload, register
+from sparsetrain.compress.base import Compressor, Payload
 from sparsetrain.compress.layout import Layout
 from sparsetrain.compress.sampling import DistinctSampler
 
@@ -23,7 +23,6 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
     return gen
 
 
-@register("none")
 class NoCompression(Compressor):
     """Sends everything (dense SGD expressed as a compressor)."""
 
@@ -56,7 +55,6 @@ class NoCompression(Compressor):
         return out.add_(values.to(out.dtype))
 
 
-@register("topk")
 class TopK(Compressor):
     """Exact top-k by magnitude: the same set as ``torch.topk(acc.abs(), k)`` (ties aside),
     per segment (layerwise) or over the whole vector (global).
@@ -232,7 +230,6 @@ class TopK(Compressor):
         return idx, idx
 
 
-@register("randk")
 class RandomK(Compressor):
     """Exactly k distinct uniformly random positions per segment (layerwise) or overall (global),
     deterministic from the seed. See ``sampling.DistinctSampler`` for the method."""
@@ -248,7 +245,6 @@ class RandomK(Compressor):
         return idx, idx
 
 
-@register("blockk")
 class BlockRandomK(Compressor):
     """Block-random-k (the paper's "random-block").
 
@@ -266,7 +262,6 @@ class BlockRandomK(Compressor):
 
     shared_positions = True
 
-    options = ("block_size",)
 
     def __init__(self, ratio, layout, scope="layerwise", *, block_size: int = 256, **kw):
         super().__init__(ratio, layout, scope, **kw)

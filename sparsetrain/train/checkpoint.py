@@ -59,6 +59,11 @@ NOT_DEFINING = (
 DEFINING = ("dist.ddp", "dist.bucket_cap_mb")
 # Keys added after studies had started: the value a checkpoint without them ran with.
 ADDED_LATER = {"dist.ddp": False, "dist.bucket_cap_mb": 25.0, "scheme.rank": None}
+# A scheme's keys are those of its schema (sparsetrain/config.py): scheme.block_size is block-k's,
+# scheme.rank PowerSGD's. Runs written before they were (issue 23) recorded both for every scheme;
+# a saved ``scheme.`` key that the current scheme does not have did nothing in that run (the
+# scheme's name is compared on its own), so it is no difference.
+SCHEME = "scheme."
 
 
 def _not_defining(key: str) -> bool:
@@ -84,7 +89,7 @@ def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]
     a, b = _flatten(saved), _flatten(current)
     out = []
     for key in sorted(set(a) | set(b)):
-        if _not_defining(key):
+        if _not_defining(key) or (key.startswith(SCHEME) and key not in b):
             continue
         old, new = (c.get(key, ADDED_LATER.get(key, _ABSENT)) for c in (a, b))
         if old != new:

@@ -30,7 +30,7 @@ class Exchange:
 def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, rank: int,
                          device="cpu") -> Exchange:
     """The exchange for ``model``: scheme, scope, aggregation, ratio, ``scheme.uncompressed``,
-    error feedback, block size, warm-up steps, seed, the scheme's compressor node,
+    error feedback, warm-up steps, seed, the scheme's compressor node (its class and options),
     ``dist.overlap``; with ``dist.ddp`` the model in DDP with the scheme's hook."""
     if cfg.dist.ddp:
         red = DDPExchange(cfg, model, device=torch.device(device))
@@ -40,8 +40,8 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
     flat, params, reducer = build_exchange(
         params, cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
         uncompressed=cfg.scheme.uncompressed, device=device, world_size=world_size, rank=rank,
-        seed=cfg.seed, error_feedback=cfg.scheme.error_feedback, block_size=cfg.scheme.block_size,
-        warmup_steps=cfg.scheme.warmup_steps, compressor=compressor)
+        seed=cfg.seed, error_feedback=cfg.scheme.error_feedback, warmup_steps=cfg.scheme.warmup_steps,
+        compressor=compressor)
     if cfg.dist.overlap:
         reducer.attach(params, flat, bucket_mb=cfg.dist.overlap_bucket_mb,
                        first_bucket_mb=cfg.dist.overlap_first_bucket_mb)

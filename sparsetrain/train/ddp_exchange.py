@@ -136,7 +136,7 @@ class DDPExchange:
             self.state = self.sparse = SparseHookState(
                 self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
                 error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
-                warmup_steps=scheme.warmup_steps, seed=cfg.seed, block_size=scheme.block_size,
+                warmup_steps=scheme.warmup_steps, seed=cfg.seed,
                 compressor=compressor)
             hook, on_bypass = sparse_hook, self.state.plan
             self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
