@@ -17,7 +17,8 @@ AGGREGATIONS = ("allreduce", "allgather")
 
 def check_aggregation(scheme: str, aggregation: str, compressor: Any = None) -> None:
     """``ValueError`` (one line) for an unknown aggregation or one the scheme's compressor cannot
-    use (AllReduce needs positions every rank can draw alike: ``shared_positions``)."""
+    use (AllReduce needs positions every rank can draw alike: ``shared_positions``; the class's
+    ``allreduce_refusal`` says why not)."""
     if aggregation not in AGGREGATIONS:
         raise ValueError(
             f"aggregation={aggregation!r} is not allowed; allowed: {', '.join(AGGREGATIONS)}"
@@ -25,8 +26,8 @@ def check_aggregation(scheme: str, aggregation: str, compressor: Any = None) -> 
     cls = compressor_class(compressor) if compressor is not None else None
     if cls is not None and aggregation == "allreduce" and not cls.shared_positions:
         raise ValueError(
-            f"aggregation='allreduce' is not available for scheme={scheme!r} ({cls.__name__} picks "
-            f"different positions on every rank); use aggregation=allgather"
+            f"aggregation='allreduce' is not available for scheme={scheme!r} ({cls.__name__} "
+            f"{cls.allreduce_refusal}); use aggregation=allgather"
         )
 
 

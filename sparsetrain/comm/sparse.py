@@ -1,8 +1,15 @@
-"""Sparse exchange: error feedback + a compressor from ``sparsetrain.compress``, then one collective.
+"""Compressed exchange: error feedback + a compressor from ``sparsetrain.compress``, then one
+collective.
 
-- ``allreduce``: positions drawn from a seed shared by all ranks, so only the k values are summed.
-- ``allgather``: each rank its own positions; values and positions packed into one byte message,
-  one ``all_gather_into_tensor``, every rank adds all contributions.
+A compressor's message has two sections (``compress.base``): ``num_values`` floats (a
+sparsifier's k values, a quantizer's per-tensor scales) and ``num_positions`` integers of
+``wire_dtype`` (a sparsifier's positions, a quantizer's packed bits as uint8).
+
+- ``allreduce``: positions drawn from a seed shared by all ranks, so only the k values are summed
+  (compressors with ``shared_positions``).
+- ``allgather``: each rank its own message, values and positions packed into one byte message,
+  one ``all_gather_into_tensor``, every rank decodes every message (``decompress_add``) in rank
+  order, so every rank adds the same numbers in the same order.
 
 Tensors that bypass compression (``scheme.uncompressed``: by default the 1-D ones) sit at the end
 of the flat buffer (``comm.flat.flat_gradients`` orders it so) and travel whole in the same
@@ -93,11 +100,12 @@ class SparseReducer:
         self.memory = ErrorFeedback(self.compressed_numel, enabled=error_feedback, device=device, dtype=dtype)
 
         esize = torch.empty((), dtype=dtype).element_size()
-        k, num_positions = compressor.k, compressor.num_positions
-        num_values = k + self.uncompressed_numel  # sparse values, then the whole tensors
-        self.entries_sent = num_values  # per step once compression runs, whole tensors included
-        self.density = num_values / self.numel
-        self.pos_dtype = torch.int32 if compressor.max_position < 2**31 else torch.int64
+        num_positions = compressor.num_positions
+        num_values = compressor.num_values + self.uncompressed_numel  # compressor's values, then the whole tensors
+        # per step once compression runs, whole tensors included (a quantizer sends every entry)
+        self.entries_sent = compressor.k + self.uncompressed_numel
+        self.density = self.entries_sent / self.numel
+        self.pos_dtype = compressor.wire_dtype
         psize = torch.empty((), dtype=self.pos_dtype).element_size()
         self.dense_bytes_per_step = self.numel * esize
         self.uncompressed_bytes_per_step = self.uncompressed_numel * esize
@@ -168,7 +176,7 @@ class SparseReducer:
         stats = None
         if want_stats:
             with timer.untimed():
-                stats = self.memory.stats(payload, grad_sq)
+                stats = self.memory.stats(payload, grad_sq, compressor=self.compressor, acc=grad)
         with timer.phase("exchange"):
             work = self.communicate(async_op=async_op)
         return SparseStep(grad, whole, payload, work, stats)
@@ -184,13 +192,12 @@ class SparseReducer:
     def pack(self, grad: torch.Tensor, whole: torch.Tensor, seed: int):
         """Error feedback + compression of ``grad`` (the compressed part) into the message, then
         ``whole`` after the values (and, for AllGather, the positions). Returns the payload."""
-        comp, k = self.compressor, self.compressor.k
+        comp, nv = self.compressor, self.compressor.num_values
         acc = self.memory.accumulate(grad)
-        payload = comp.compress(acc, seed, out=self._values[:k])
+        wire = self._send_positions if self.aggregation == "allgather" else None
+        payload = comp.compress(acc, seed, out=self._values[:nv], wire=wire)
         self.memory.forget(payload, comp)
-        self._values[k:].copy_(whole)
-        if self.aggregation == "allgather":
-            self._send_positions.copy_(payload.positions)
+        self._values[nv:].copy_(whole)
         return payload
 
     def communicate(self, async_op: bool = False):
@@ -206,7 +213,7 @@ class SparseReducer:
 
     def unpack(self, grad: torch.Tensor, whole: torch.Tensor, payload) -> None:
         """Overwrite ``grad`` and ``whole`` with the average over ranks (after ``communicate``)."""
-        comp, k, world = self.compressor, self.compressor.k, self.world_size
+        comp, k, world = self.compressor, self.compressor.num_values, self.world_size
         grad.zero_()
         if self.aggregation == "allreduce":
             self._values.div_(world)
@@ -218,7 +225,7 @@ class SparseReducer:
             for r in range(world):
                 msg = self._recv[r * size : (r + 1) * size]
                 values = msg[: self._values_nbytes].view(self.dtype) / world
-                if r == self.rank:  # own positions already expanded
+                if r == self.rank and payload.indices is not None:  # own positions already expanded
                     comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
                 else:
                     positions = msg[self._positions_start : self._positions_end].view(self.pos_dtype)

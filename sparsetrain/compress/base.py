@@ -1,10 +1,23 @@
 """The compressor interface, per-step seeds, and how a scheme's class is found.
 
-A compressor chooses, from one flat accumulated vector ``acc``, which ``k`` entries to send. It
-knows ``k`` at construction, so every rank's payload has the same size, and it describes the
-chosen entries by ``positions``: what travels on the wire (entry indices for top-k and random-k,
-run or block start offsets for block-random-k). ``indices(positions)`` expands them back to the
-``k`` entry indices, in the order of ``values``.
+A compressor turns one flat accumulated vector ``acc`` into a message of fixed size (every rank's
+message has the same size, known at construction) in two sections:
+
+- ``values``: ``num_values`` floats in the exchange's dtype. A sparsifier sends the ``k`` chosen
+  entries of ``acc`` themselves (``sends_entries``); a quantizer its per-tensor scales or norms
+  (``sparsetrain.compress.quantize``). With ``shared_positions`` the values of all ranks can be
+  summed (AllReduce); otherwise every rank gathers every message (AllGather).
+- ``positions``, the wire section: ``num_positions`` integers of ``wire_dtype``. A sparsifier
+  describes its chosen entries there (entry indices for top-k and random-k, run or block start
+  offsets for block-random-k; ``indices(positions)`` expands them back to the ``k`` entry
+  indices, in the order of ``values``); a quantizer puts its packed bits there (``uint8``).
+
+``compress(acc, seed, out=values, wire=positions)`` fills both (into the exchange's message when
+given), ``decompress_add(values, positions, out)`` adds one message, decoded, to ``out``, and
+``forget(memory, payload)`` makes the error-feedback memory ``acc - sent (as decoded)``: zeroing
+the sent entries for a sparsifier, subtracting the decoded message for a quantizer. The exchange
+(``comm.sparse``) needs nothing else: it lays one message out as ``[values | whole tensors |
+positions]`` and runs one collective.
 
 There is one route from a scheme to its class: the ``compressor`` node of
 ``conf/scheme/<name>.yaml`` (``_target_``: the class, ``_partial_: true``, the scheme's options),
@@ -84,10 +97,12 @@ def _normalise_device(device) -> torch.device:
 class Payload:
     """What one rank sends in one step.
 
-    values: the k sent entries (in the order of ``indices``).
-    positions: what travels on the wire to describe them (int64 here; packed narrower by the
-        exchange).
-    indices: the k entry indices in the flat buffer, already expanded (sender-side cache).
+    values: the message's float section: the k sent entries (in the order of ``indices``), or a
+        quantizer's scales.
+    positions: the wire section: what describes the sent entries (int64 here; packed narrower by
+        the exchange), or a quantizer's packed bits (uint8, the message's own bytes).
+    indices: the k entry indices in the flat buffer, already expanded (sender-side cache); None
+        when every entry is sent (``NoCompression``, the quantizers).
     """
 
     values: torch.Tensor
@@ -109,6 +124,12 @@ class Compressor:
     shared_positions: ClassVar[bool] = True
     #: True when ``select`` ignores the seed (deterministic in the data).
     deterministic: ClassVar[bool] = False
+    #: True when ``values`` are ``acc``'s own entries (sparsifiers): error feedback then zeroes
+    #: them, and ``||acc||^2 = ||memory||^2 + ||values||^2``. False for the quantizers, whose
+    #: decoded message is subtracted instead.
+    sends_entries: ClassVar[bool] = True
+    #: Why ``aggregation=allreduce`` is refused when ``shared_positions`` is False (one line's end).
+    allreduce_refusal: ClassVar[str] = "picks different positions on every rank"
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:
@@ -128,6 +149,11 @@ class Compressor:
 
     # --- what subclasses provide -------------------------------------------------------------
     @property
+    def num_values(self) -> int:
+        """Floats in the message's values section (the k entries)."""
+        return self.k
+
+    @property
     def num_positions(self) -> int:
         """How many integers describe one payload on the wire."""
         return self.k
@@ -146,19 +172,40 @@ class Compressor:
         """Largest value a position can take (decides int32 vs int64 on the wire)."""
         return self.numel - 1
 
-    def compress(self, acc: torch.Tensor, seed: int = 0, out: torch.Tensor | None = None) -> Payload:
-        """Choose what to send from the flat vector ``acc``. Does not modify ``acc``.
+    @property
+    def wire_dtype(self) -> torch.dtype:
+        """The dtype of the wire section: int32 positions, int64 where they do not fit."""
+        return torch.int32 if self.max_position < 2**31 else torch.int64
 
-        ``out``: optional preallocated (k,) buffer for the values (e.g. a slice of a send buffer).
-        """
+    def _check_device(self, acc: torch.Tensor) -> None:
         if acc.device != self.device:
             raise ValueError(
                 f"{type(self).__name__} was built for device {self.device} but acc is on "
                 f"{acc.device}; build it with device=acc.device"
             )
+
+    def compress(self, acc: torch.Tensor, seed: int = 0, out: torch.Tensor | None = None,
+                 wire: torch.Tensor | None = None) -> Payload:
+        """Choose what to send from the flat vector ``acc``. Does not modify ``acc``.
+
+        ``out``: optional preallocated (num_values,) buffer for the values (e.g. a slice of a
+        send buffer); ``wire``: optional (num_positions,) buffer of ``wire_dtype`` that receives
+        the positions as they travel.
+        """
+        self._check_device(acc)
         positions, idx = self.select(acc, seed)
         values = torch.index_select(acc, 0, idx, out=out) if out is not None else acc[idx]
+        if wire is not None:
+            wire.copy_(positions)
         return Payload(values, positions, idx)
+
+    def forget(self, memory: torch.Tensor, payload: Payload) -> None:
+        """Error feedback's ``memory = acc - sent`` (``memory`` holds ``acc``): zero the sent
+        entries (all of them when ``payload.indices`` is None)."""
+        if payload.indices is None:  # everything was sent
+            memory.zero_()
+        else:
+            memory.index_fill_(0, payload.indices, 0)
 
     def decompress_add(
         self,
@@ -173,6 +220,7 @@ class Compressor:
         return out.index_add_(0, idx, values.to(out.dtype))
 
     def decompress(self, values, positions, *, indices=None, dtype=None) -> torch.Tensor:
+        """The message as a dense vector of ``numel`` entries (zeros where nothing was sent)."""
         out = torch.zeros(self.numel, dtype=dtype or values.dtype, device=values.device)
         return self.decompress_add(values, positions, out, indices=indices)
 

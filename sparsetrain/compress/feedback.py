@@ -37,13 +37,12 @@ class ErrorFeedback:
         return self.memory.add_(grad)
 
     def forget(self, payload: Payload, compressor: Compressor) -> None:
-        """``memory = acc - sent``: zero what was sent (call after ``compress``)."""
+        """``memory = acc - sent (as decoded)`` (call after ``compress``): the compressor's
+        ``forget`` zeroes the sent entries (sparsifiers) or subtracts the decoded message
+        (quantizers)."""
         if not self.enabled:
             return
-        if payload.indices is None:  # everything was sent
-            self.memory.zero_()
-        else:
-            self.memory.index_fill_(0, payload.indices, 0)
+        compressor.forget(self.memory, payload)
 
     def step(self, grad: torch.Tensor, compressor: Compressor, seed: int = 0, out=None) -> Payload:
         """accumulate + compress + forget, for a plain training loop."""
@@ -52,13 +51,30 @@ class ErrorFeedback:
         self.forget(payload, compressor)
         return payload
 
-    def stats(self, payload: Payload, grad_sq_norm: float | None = None) -> tuple[float, float]:
+    def stats(self, payload: Payload, grad_sq_norm: float | None = None, *,
+              compressor: Compressor | None = None, acc: torch.Tensor | None = None) -> tuple[float, float]:
         """``(relative compression error ||acc - sent|| / ||acc||, memory norm)`` after a step.
 
         With memory on, ``acc - sent`` is the memory and ``||acc||^2 = ||memory||^2 +
         ||values||^2`` (sent values are acc's own entries): one pass. With memory off pass
         ``grad_sq_norm`` = ||grad||^2 measured before the buffer changed.
+
+        A compressor that does not send entries (``sends_entries`` False: the quantizers) needs
+        ``compressor``, and with memory off ``acc`` (the gradient, unchanged): the sent vector is
+        then its decoded message.
         """
+        if compressor is not None and not compressor.sends_entries:
+            sent = compressor.decompress(payload.values, payload.positions, dtype=self.memory.dtype)
+            if self.enabled:
+                mem_sq = float(torch.dot(self.memory, self.memory))
+                total = self.memory + sent
+                acc_sq, err_sq, mem_norm = float(torch.dot(total, total)), mem_sq, math.sqrt(mem_sq)
+            else:
+                if acc is None:
+                    raise ValueError("acc is needed when error feedback is disabled")
+                err = acc - sent
+                acc_sq, err_sq, mem_norm = float(torch.dot(acc, acc)), float(torch.dot(err, err)), 0.0
+            return (math.sqrt(err_sq / acc_sq) if acc_sq > 0 else 0.0), mem_norm
         sent_sq = float(torch.dot(payload.values.view(-1), payload.values.view(-1)))
         if self.enabled:
             mem_sq = float(torch.dot(self.memory, self.memory))

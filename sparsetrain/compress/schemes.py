@@ -44,7 +44,7 @@ class NoCompression(Compressor):
             torch.arange(self.numel, device=acc.device),
         )
 
-    def compress(self, acc, seed=0, out=None) -> Payload:
+    def compress(self, acc, seed=0, out=None, wire=None) -> Payload:
         values = out.copy_(acc) if out is not None else acc.clone()
         return Payload(values, torch.empty(0, dtype=torch.int64, device=acc.device), None)
 
