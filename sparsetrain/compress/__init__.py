@@ -9,6 +9,9 @@ No torch.distributed, no Hydra: usable from any training loop::
     ef = ErrorFeedback(layout.total)
     payload = ef.step(flat_grad, comp, seed=step_seed(0, step))   # values + positions to send
     update = comp.decompress(payload.values, payload.positions)   # dense, zeros elsewhere
+
+The quantizers (``SignSGD``, ``QSGD``: ``compress.quantize``) work the same way: their payload's
+values are per-tensor scales, its positions the packed bits.
 """
 
 from sparsetrain.compress.base import (
@@ -28,6 +31,14 @@ from sparsetrain.compress.layout import (
     parse_uncompressed,
     uncompressed_flags,
 )
+from sparsetrain.compress.quantize import (
+    QSGD,
+    Quantizer,
+    SignSGD,
+    pack_codes,
+    packed_nbytes,
+    unpack_codes,
+)
 from sparsetrain.compress.sampling import DistinctSampler
 from sparsetrain.compress.schemes import BlockRandomK, NoCompression, RandomK, TopK
 
@@ -40,7 +51,10 @@ __all__ = [
     "Layout",
     "NoCompression",
     "Payload",
+    "QSGD",
+    "Quantizer",
     "RandomK",
+    "SignSGD",
     "TopK",
     "UNCOMPRESSED_RULES",
     "as_layout",
@@ -48,6 +62,9 @@ __all__ = [
     "compressor_class",
     "parse_uncompressed",
     "k_for",
+    "pack_codes",
+    "packed_nbytes",
+    "unpack_codes",
     "step_seed",
     "uncompressed_flags",
 ]
