@@ -71,10 +71,20 @@ class PowerSGDConfig(SchemeConfig):
     rank: int | None = None
 
 
+@dataclass
+class QSGDConfig(SchemeConfig):
+    """scheme=qsgd (``base_qsgd``)."""
+
+    # s: each entry is rounded at random to one of s + 1 levels of |x| / ||x|| per tensor (0..s),
+    # 1 + ceil(log2(s + 1)) bits an entry; passed to QSGD
+    levels: int = 127
+
+
 # The schemes with keys of their own, and their schema: conf/scheme/<name>.yaml names
 # ``base_<name>`` in its defaults list (the others name ``base_scheme``). A scheme's option is
 # ``scheme.<option>`` on the command line; with another scheme it is refused in one line.
-SCHEME_SCHEMAS: dict[str, type[SchemeConfig]] = {"blockk": BlockKConfig, "powersgd": PowerSGDConfig}
+SCHEME_SCHEMAS: dict[str, type[SchemeConfig]] = {"blockk": BlockKConfig, "powersgd": PowerSGDConfig,
+                                                  "qsgd": QSGDConfig}
 
 
 def scheme_options() -> dict[str, tuple[str, ...]]:
@@ -171,7 +181,7 @@ class DistConfig:
     # Train through torch DistributedDataParallel: the exchange runs in a DDP communication hook
     # during backward, overlapped with it (sparsetrain.train.ddp_exchange): the scheme as
     # sparsetrain.ddp.sparse_hook (scope=global: global within a bucket), dense SGD as DDP's own
-    # AllReduce, scheme=powersgd / fp16 as torch's hooks.
+    # AllReduce, scheme=powersgd / fp16 / bf16 as torch's hooks.
     ddp: bool = False
     bucket_cap_mb: float = 25.0  # DDP's bucket size (PowerSGD on gloo: one bucket, see ddp_exchange)
 
@@ -220,7 +230,7 @@ def group_options(group: str) -> list[str]:
 # One line per group and key: what `--help` prints. tests/test_config.py checks that every key of
 # the schema has one, so a new key cannot be left undescribed.
 GROUP_HELP = {
-    "scheme": "how gradients are compressed: none (dense SGD), topk, randk, blockk; powersgd, fp16 need dist.ddp=true",
+    "scheme": "how gradients are compressed: none (dense SGD), topk, randk, blockk, signsgd, qsgd; powersgd, fp16, bf16 need dist.ddp=true",
     "scope": "layerwise (k per tensor) or global (one k over the flattened model)",
     "aggregation": "allgather (own positions, gathered) or allreduce (shared positions, summed; not topk)",
     "model": "resnet20 (0.27M parameters) or resnet18 (CIFAR variant, 11.2M, the paper's)",
@@ -239,6 +249,7 @@ HELP = {
     "scheme.uncompressed": "tensors sent whole: 1d (biases, batch-norm), none, or N (tensors under N entries)",
     "scheme.warmup_steps": "exchange densely for the first N steps, then compress (memory starts empty)",
     "scheme.rank": "scheme=powersgd only: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
+    "scheme.levels": "scheme=qsgd only: quantization levels s per tensor, an integer in [1, 65535] (1 + ceil(log2(s+1)) bits an entry)",
     "scope.name": "the scope (set it with scope=...)",
     "aggregation.name": "the aggregation (set it with aggregation=...)",
     "model._target_": "the function that builds the model (set by model=...)",
@@ -560,6 +571,9 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
     _check_milestones(list(cfg.optim.milestones))
+    levels = cfg.scheme.get("levels")
+    if levels is not None and not 1 <= levels <= 65535:  # QSGD's levels (an int: the schema says so)
+        raise ConfigError(f"scheme.levels={levels} is not allowed; it must be an integer in [1, 65535]")
     for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
                        "train.bn_recalibrate": cfg.train.bn_recalibrate}.items():
         if value < 0:

@@ -309,9 +309,12 @@ class NullWriter:
     def finish(self, status: str, error: str | None = None, **fields: Any) -> None: ...
 
 
-# Schemes that are torch's own DDP communication hooks (PowerSGD, fp16 compression): they run only
-# through DDP (dist.ddp=true) and have no scope or aggregation of sparsetrain's.
-TORCH_HOOK_SCHEMES = ("powersgd", "fp16")
+# Schemes that are torch's own DDP communication hooks (PowerSGD, fp16 and bf16 compression): they
+# run only through DDP (dist.ddp=true) and have no scope or aggregation of sparsetrain's.
+TORCH_HOOK_SCHEMES = ("powersgd", "fp16", "bf16")
+# Schemes that send every entry, quantized (sparsetrain.compress.quantize): ``ratio`` does not
+# apply to them (the analysis records 1.0, as for fp16 and bf16).
+QUANTIZER_SCHEMES = ("signsgd", "qsgd")
 
 # A run "did not train" when its final training loss is no better than a uniform guess over the
 # classes (ln C, 2.30 for 10 classes): such a run diverged or never left the start, and its

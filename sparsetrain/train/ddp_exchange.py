@@ -8,7 +8,8 @@ the exchange done by a communication hook during backward. The hook by scheme:
   powersgd             torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
                        by default, the rank whose bytes come closest to the layer-wise sparse
                        hook's at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``)
-  fp16                 torch's fp16 compression hook
+  fp16, bf16           torch's fp16 / bf16 compression hooks (every entry cast to 16 bits, AllReduced,
+                       cast back)
 
 ``DDPExchange`` stands where the trainer keeps its reducer (the ``comm.Reducer`` surface): the
 exchange has already happened when the train step calls ``reduce``, which only accounts for it:
@@ -127,8 +128,8 @@ class DDPExchange:
             sent = powersgd_numel(shapes, self.powersgd_rank)
             self.bytes_sent_per_step = sent * esize
             self.density = sent / self.numel
-        elif scheme.name == "fp16":
-            hook = default_hooks.fp16_compress_hook
+        elif scheme.name in ("fp16", "bf16"):
+            hook = default_hooks.fp16_compress_hook if scheme.name == "fp16" else default_hooks.bf16_compress_hook
             self.bytes_sent_per_step = self.numel * 2
             self.density = 1.0  # every entry, in half the bytes
         else:
