@@ -31,6 +31,7 @@ from sparsetrain.results import (  # stdlib only, no torch
     DID_NOT_TRAIN,
     HEARTBEAT_STALE_S,
     PHASES,
+    QUANTIZER_SCHEMES,
     STABILITY_FROM_STEP,
     TORCH_HOOK_SCHEMES,
     peak_loss_of,
@@ -51,6 +52,7 @@ AXES = (
     "world_size",
     "error_feedback",
     "block_size",
+    "levels",
     "uncompressed",
     "warmup_steps",
     "exchange",
@@ -163,6 +165,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "seed": cfg.get("seed"),
         "error_feedback": _get(cfg, "scheme", "error_feedback"),
         "block_size": _block_size(cfg, scheme),
+        "levels": _get(cfg, "scheme", "levels", default=NOT_APPLICABLE),  # scheme=qsgd's own key
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
@@ -180,9 +183,11 @@ def _axes_from_config(cfg: dict) -> dict:
     if scheme in TORCH_HOOK_SCHEMES:  # torch's hooks: no scope, aggregation, ... of sparsetrain's
         for axis in DENSE_IRRELEVANT:
             row[axis] = NOT_APPLICABLE
-        if scheme == "fp16":
+        if scheme in ("fp16", "bf16"):
             row["ratio"] = 1.0  # every entry, in half the bytes
         return row  # powersgd keeps its ratio: its rank is matched to that ratio's bytes
+    if scheme in QUANTIZER_SCHEMES:
+        row["ratio"] = 1.0  # every entry, in a few bits
     if scheme in ("none", DENSE):
         # Dense SGD sends everything: its scope, aggregation and ratio knobs do nothing.
         row["scheme"] = DENSE
