@@ -1,0 +1,361 @@
+"""The quantizers (scheme=signsgd, scheme=qsgd) as plugins of the one exchange: their arithmetic in
+float64, bit packing, error feedback, 2 gloo ranks, bytes as sent, one-line errors, and short
+end-to-end runs (the trainer's exchange and the DDP hook)."""
+
+from __future__ import annotations
+
+import math
+import socket
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import TINY, compressor_for, read_json, read_jsonl, run_cli
+
+from sparsetrain.comm import build_reducer, check_combination
+from sparsetrain.compress import (
+    QSGD,
+    ErrorFeedback,
+    Layout,
+    SignSGD,
+    pack_codes,
+    packed_nbytes,
+    step_seed,
+    unpack_codes,
+)
+from sparsetrain.timing import PhaseTimer
+
+# compressed tensors of odd sizes (none a multiple of 8), then two whole ones (a 1-element and a
+# 64-element "1-D" tensor), as the trainer lays out the flat buffer
+LAYOUT = Layout.from_sizes([7, 301, 12001, 1, 64])
+FLAGS = [False, False, False, True, True]
+NC = 7 + 301 + 12001
+COMPRESSED = Layout.from_sizes([7, 301, 12001])
+SEED = 5
+STEPS = 3
+SCOPES = ("layerwise", "global")
+
+
+def grad_of(rank, step, n=LAYOUT.total):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(n, generator=g, dtype=torch.float64)
+
+
+def segments(x, layout, scope):
+    return x.split(list(layout.sizes)) if scope == "layerwise" else [x]
+
+
+def scaled_sign(x, layout, scope):
+    """EF-SGD's scaled sign by hand: per segment mean|x| * sign(x), an exact zero sent as +."""
+    out = []
+    for seg in segments(x, layout, scope):
+        m = seg.abs().mean()
+        out.append(torch.where(seg < 0, -m, m))
+    return torch.cat(out)
+
+
+# ---- bit packing ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 8, 9, 17])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 1001])
+def test_packing_round_trips_for_any_length(n, bits):
+    codes = torch.randint(0, 2**bits, (n,), generator=torch.Generator().manual_seed(n * bits))
+    packed = pack_codes(codes.bool() if bits == 1 else codes, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == packed_nbytes(n, bits) == math.ceil(n * bits / 8)
+    assert torch.equal(unpack_codes(packed, bits, n).long(), codes)
+    spare = packed.numel() * 8 - n * bits  # the last byte's unused high bits are 0
+    assert int(packed[-1]) >> (8 - spare) == 0 if spare else True
+
+
+def test_one_bit_packing_is_numpy_packbits_little_endian():
+    bits = torch.rand(1003, generator=torch.Generator().manual_seed(0)) < 0.5
+    assert np.array_equal(pack_codes(bits, 1).numpy(), np.packbits(bits.numpy(), bitorder="little"))
+
+
+# ---- signSGD: the scaled sign, exact ---------------------------------------------------------------
+@pytest.mark.parametrize("scope", SCOPES)
+def test_scaled_sign_is_exact(scope):
+    x = grad_of(0, 0, COMPRESSED.total)
+    x[[0, 10, 500]] = 0.0  # exact zeros decode to +scale
+    comp = SignSGD(0.01, COMPRESSED, scope)
+    payload = comp.compress(x)
+    assert payload.values.numel() == (3 if scope == "layerwise" else 1)
+    assert payload.positions.dtype == torch.uint8 and payload.positions.numel() == math.ceil(COMPRESSED.total / 8)
+    decoded = comp.decompress(payload.values, payload.positions)
+    assert torch.equal(decoded, scaled_sign(x, COMPRESSED, scope))
+    assert torch.all(decoded[[0, 10, 500]] > 0)
+    means = torch.stack([s.abs().mean() for s in segments(x, COMPRESSED, scope)])
+    assert torch.equal(payload.values, means)
+
+
+# ---- QSGD: unbiased, within its variance bound, reproducible -------------------------------------------
+@pytest.mark.parametrize("levels", [1, 4])
+@pytest.mark.parametrize("scope", SCOPES)
+def test_qsgd_is_unbiased_within_its_variance(levels, scope):
+    """The mean of N decodes tends to x: each decoded entry is ||x|| sign(x_i) l_i / s with l_i one of
+    two neighbouring levels, so its variance is at most (||x|| / s)^2 / 4 and the mean's standard
+    deviation at most ||x|| / (2 s sqrt(N)); every entry lies within 5 of those. The mean squared
+    error obeys QSGD's bound E||Q(x) - x||^2 <= min(n / s^2, sqrt(n) / s) ||x||^2 per segment."""
+    layout = Layout.from_sizes([5, 40, 203])
+    x = grad_of(1, 0, layout.total)
+    comp = QSGD(1.0, layout, scope, levels=levels)
+    N = 3000
+    total = torch.zeros_like(x)
+    sq_err = torch.zeros(len(segments(x, layout, scope)), dtype=torch.float64)
+    for seed in range(N):
+        p = comp.compress(x, step_seed(SEED, seed, 0))
+        d = comp.decompress(p.values, p.positions)
+        total += d
+        sq_err += torch.stack([(a - b).pow(2).sum() for a, b in
+                               zip(segments(d, layout, scope), segments(x, layout, scope), strict=True)])
+        if seed < 3:  # decoded entries are ||x|| * sign * level / s, level in [0, s]
+            norm = torch.cat([s.norm().expand(s.numel()) for s in segments(x, layout, scope)])
+            level = d.abs() * levels / norm
+            assert torch.allclose(level, level.round(), atol=1e-9) and level.max() <= levels + 1e-9
+            assert torch.all((d == 0) | (torch.sign(d) == torch.sign(x)))
+    mean = total / N
+    norm = torch.cat([s.norm().expand(s.numel()) for s in segments(x, layout, scope)])
+    sigma = norm / (2 * levels * math.sqrt(N))
+    assert torch.all((mean - x).abs() <= 5 * sigma), float(((mean - x).abs() / sigma).max())
+    for seg, err in zip(segments(x, layout, scope), sq_err / N, strict=True):
+        n = seg.numel()
+        assert err <= min(n / levels**2, math.sqrt(n) / levels) * seg.pow(2).sum() * 1.1
+
+
+def test_qsgd_is_reproducible_per_seed_and_zero_stays_zero():
+    comp = QSGD(1.0, COMPRESSED, "layerwise", levels=3)
+    assert comp.bits_per_entry == 3 and comp.num_positions == math.ceil(COMPRESSED.total * 3 / 8)
+    x = grad_of(0, 1, COMPRESSED.total)
+    a, b, c = (comp.compress(x, s).positions.clone() for s in (7, 7, 8))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    z = torch.zeros(COMPRESSED.total, dtype=torch.float64)
+    p = comp.compress(z, 1)
+    assert torch.count_nonzero(comp.decompress(p.values, p.positions)) == 0
+
+
+@pytest.mark.parametrize("levels", [0, -1, 1.5, True, 65536, "3"])
+def test_qsgd_bad_levels_one_line(levels):
+    with pytest.raises(ValueError) as err:
+        QSGD(1.0, COMPRESSED, "layerwise", levels=levels)
+    msg = str(err.value)
+    assert "scheme.levels=" in msg and "integer in [1, 65535]" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("levels, bits", [(1, 2), (2, 3), (3, 3), (7, 4), (15, 5), (127, 8), (128, 9)])
+def test_qsgd_bits_per_entry(levels, bits):
+    assert QSGD(1.0, [100], levels=levels).bits_per_entry == bits == 1 + math.ceil(math.log2(levels + 1))
+
+
+# ---- error feedback conserves what was not sent ----------------------------------------------------
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("name", ["signsgd", "qsgd"])
+def test_error_feedback_conserves_what_was_not_sent(name, scope):
+    """float64: memory = accumulated - decoded, bit for bit, so memory + decoded = accumulated (to
+    rounding), step after step; stats match their definitions."""
+    comp = compressor_for(name)(0.01, COMPRESSED, scope)
+    ef = ErrorFeedback(COMPRESSED.total, dtype=torch.float64)
+    for step in range(4):
+        g = grad_of(0, step, COMPRESSED.total)
+        acc = ef.memory + g
+        p = ef.step(g, comp, seed=step_seed(SEED, step, 0))
+        decoded = comp.decompress(p.values, p.positions)
+        assert torch.equal(ef.memory, acc - decoded)
+        torch.testing.assert_close(ef.memory + decoded, acc, rtol=0, atol=1e-12)
+        err, mem = ef.stats(p, compressor=comp)
+        assert mem == pytest.approx(float(ef.memory.norm()))
+        assert err == pytest.approx(float((acc - decoded).norm() / acc.norm()))
+    if name == "signsgd":  # a scaled sign sends less than what it approximates: the memory stays bounded
+        assert float(ef.memory.norm()) < 2 * float(grad_of(0, 0, COMPRESSED.total).norm())
+
+
+def test_stats_without_error_feedback_need_the_gradient():
+    comp = SignSGD(1.0, COMPRESSED)
+    ef = ErrorFeedback(COMPRESSED.total, enabled=False, dtype=torch.float64)
+    g = grad_of(0, 0, COMPRESSED.total)
+    p = ef.step(g, comp)
+    assert torch.count_nonzero(ef.memory) == 0
+    err, mem = ef.stats(p, compressor=comp, acc=g)
+    d = comp.decompress(p.values, p.positions)
+    assert mem == 0.0 and err == pytest.approx(float((g - d).norm() / g.norm()))
+
+
+# ---- the exchange: bytes, whole tensors, refusals ------------------------------------------------------
+def build(name, scope, rank, world, *, levels=3, error_feedback=True, dtype=torch.float64):
+    factory = SignSGD if name == "signsgd" else partial(QSGD, levels=levels)
+    return build_reducer(name, scope, "allgather", 0.01, LAYOUT, world_size=world, rank=rank, seed=SEED,
+                         compressor=factory, uncompressed=FLAGS, error_feedback=error_feedback, dtype=dtype)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("name, bits", [("signsgd", 1), ("qsgd", 3)])
+def test_bytes_as_sent(name, bits, scope):
+    """Per rank and step: one float32 per compressed tensor (one with scope=global) and the whole
+    tensors' 65 values, then the packed codes, the message padded to a multiple of 4 bytes."""
+    red = build(name, scope, 0, 1, dtype=torch.float32)
+    floats = (3 if scope == "layerwise" else 1) + 65
+    expect = 4 * floats + math.ceil(NC * bits / 8)
+    expect = -(-expect // 4) * 4
+    assert red.bytes_sent_per_step == expect
+    assert red.dense_bytes_per_step == LAYOUT.total * 4 and red.uncompressed_bytes_per_step == 65 * 4
+    assert red.density == 1.0 and red.collective == "allgather"
+    stats = red.reduce(grad_of(0, 0).float(), 0, PhaseTimer("cpu"))
+    assert stats.bytes_sent == expect and stats.collective == "allgather" and stats.density == 1.0
+
+
+@pytest.mark.parametrize("name", ["signsgd", "qsgd"])
+def test_one_rank_update_and_memory(name):
+    """One rank: the update is the decoded message, the whole tensors arrive exact, the memory is
+    what was not sent."""
+    red = build(name, "layerwise", 0, 1)
+    comp = red.compressor
+    old = torch.zeros(NC, dtype=torch.float64)
+    for step in range(STEPS):
+        g = grad_of(0, step)
+        flat = g.clone()
+        stats = red.reduce(flat, step, PhaseTimer("cpu"), want_stats=True)
+        acc = g[:NC] + old
+        assert torch.equal(flat[NC:], g[NC:])
+        assert torch.equal(red.memory.memory, acc - flat[:NC])
+        if name == "signsgd":
+            assert torch.equal(flat[:NC], scaled_sign(acc, COMPRESSED, "layerwise"))
+        else:
+            p = comp.compress(acc, step_seed(SEED, step, 0))
+            assert torch.equal(flat[:NC], comp.decompress(p.values, p.positions))
+        assert stats.memory_norm == pytest.approx(float(red.memory.memory.norm()))
+        old = red.memory.memory.clone()
+
+
+def test_qsgd_error_feedback_off_by_default_in_its_yaml():
+    from sparsetrain.config import compose
+
+    assert compose(["scheme=qsgd"]).scheme.error_feedback is False
+    assert compose(["scheme=signsgd"]).scheme.error_feedback is True
+    red = build("qsgd", "global", 0, 1, error_feedback=False)
+    red.reduce(grad_of(0, 0), 0, PhaseTimer("cpu"))
+    assert torch.count_nonzero(red.memory.memory) == 0
+
+
+@pytest.mark.parametrize("name", ["signsgd", "qsgd"])
+def test_allreduce_refused_in_one_line(name):
+    with pytest.raises(ValueError) as err:
+        check_combination(name, "layerwise", "allreduce", 0.01, compressor_for(name))
+    msg = str(err.value)
+    assert "\n" not in msg and f"aggregation='allreduce' is not available for scheme='{name}'" in msg
+    assert "cannot be summed" in msg and "use aggregation=allgather" in msg
+
+
+# ---- 2 gloo ranks -------------------------------------------------------------------------------
+CASES = [(name, scope) for name in ("signsgd", "qsgd") for scope in SCOPES]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, path):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for name, scope in CASES:
+            red = build(name, scope, rank, world, error_feedback=True)
+            outs = []
+            for step in range(STEPS):
+                flat = grad_of(rank, step)
+                red.reduce(flat, step, PhaseTimer("cpu", warmup_steps=0))
+                outs.append(flat.clone())
+            results[(name, scope)] = (outs, red.memory.memory.clone())
+        torch.save(results, f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gloo_quant")
+    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    return [torch.load(f"{path}/rank{r}.pt") for r in range(2)]
+
+
+@pytest.mark.parametrize("name, scope", CASES)
+def test_two_ranks_apply_the_same_average(gloo_results, name, scope):
+    """Every rank gets the same update: the average over ranks of each rank's decoded message
+    (by hand: each rank's accumulated gradient, its own per-rank seed), the whole tensors the exact
+    average; each rank's memory is its accumulated gradient less what it sent."""
+    comp = compressor_for(name)(0.01, COMPRESSED, scope) if name == "signsgd" else QSGD(1.0, COMPRESSED, scope, levels=3)
+    memory = [torch.zeros(NC, dtype=torch.float64) for _ in range(2)]
+    for step in range(STEPS):
+        avg = torch.zeros(LAYOUT.total, dtype=torch.float64)
+        for r in range(2):
+            g = grad_of(r, step)
+            acc = g[:NC] + memory[r]
+            if name == "signsgd":
+                decoded = scaled_sign(acc, COMPRESSED, scope)
+            else:
+                p = comp.compress(acc, step_seed(SEED, step, r))
+                decoded = comp.decompress(p.values, p.positions)
+            avg[:NC] += decoded / 2
+            avg[NC:] += g[NC:]
+            memory[r] = acc - decoded
+        avg[NC:] /= 2
+        for rank in range(2):
+            out = gloo_results[rank][(name, scope)][0][step]
+            torch.testing.assert_close(out, avg, rtol=0, atol=1e-12)
+            assert torch.equal(out[NC:], (grad_of(0, step)[NC:] + grad_of(1, step)[NC:]) / 2)
+        assert torch.equal(gloo_results[0][(name, scope)][0][step], gloo_results[1][(name, scope)][0][step])
+    for rank in range(2):
+        torch.testing.assert_close(gloo_results[rank][(name, scope)][1], memory[rank], rtol=0, atol=1e-12)
+
+
+# ---- end to end: the CLI, the trainer's exchange and the DDP hook -------------------------------------
+SHORT = (*TINY, "world_size=2", "train.max_steps=4", "train.log_every=1")
+
+
+@pytest.mark.parametrize("overrides, bits", [
+    (("scheme=signsgd",), 1),
+    (("scheme=qsgd", "scheme.levels=3"), 3),
+    (("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2),
+    (("scheme=signsgd", "dist.ddp=true"), 1),
+    (("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3),
+])
+def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(*SHORT, *overrides, f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["status"] == "completed" and s["steps"] == 4 and math.isfinite(s["train_loss"])
+    from sparsetrain.models import build_model
+
+    params = list(build_model("resnet20", 3, 10).parameters())  # debug=tiny: CIFAR-shaped synthetic data
+    numel, whole = sum(p.numel() for p in params), sum(p.numel() for p in params if p.ndim <= 1)
+    assert s["dense_bytes_per_step"] == 4 * numel and s["density"] == 1.0
+    assert s["uncompressed_bytes_per_step"] == 4 * whole
+    tensors = sum(p.ndim > 1 for p in params)  # the compressed ones, one scale (norm) each
+    if "scope=global" in overrides:
+        tensors = 1  # one for the whole compressed buffer
+    packed = math.ceil((numel - whole) * bits / 8)
+    message = 4 * (tensors + whole) + packed  # scales, whole tensors, packed codes
+    if "dist.ddp=true" not in overrides:  # one message, padded to a multiple of 4 bytes
+        assert s["bytes_sent_per_step"] == -(-message // 4) * 4
+    else:  # one message per DDP bucket, each padded: a few bytes more
+        assert message <= s["bytes_sent_per_step"] < message + 64
+    steps = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert {r["bytes_sent"] for r in steps} == {s["bytes_sent_per_step"]}
+    ef = "scheme.error_feedback=true" in overrides or "scheme=signsgd" in overrides
+    assert (s["memory_norm_max"] > 0) == ef
+
+
+def test_cli_bad_options_stop_with_one_line(tmp_path):
+    for overrides, needle in (
+        (("scheme=qsgd", "scheme.levels=0"), "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
+        (("scheme=qsgd", "scheme.levels=1.5"), "scheme.levels=1.5 is not allowed"),
+        (("scheme=signsgd", "scheme.levels=3"), "scheme=signsgd has no key 'levels'; levels belongs to scheme=qsgd"),
+        (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
+    ):
+        proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)
+        assert proc.returncode != 0
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
