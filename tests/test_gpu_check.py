@@ -43,8 +43,9 @@ def test_step_table_runs_on_cpu(tmp_path, capsys):
     for r in rows:
         assert 0 < r["phase_sum_over_step"] <= 1 + 1e-9  # phases are disjoint parts of the step
         assert r["phases_ms"]["forward"] > 0 and r["phases_ms"]["backward"] > 0
-        if r["scheme"] != "none":
-            assert r["phases_ms"]["compress"] > 0 and r["bytes_sent_per_step"] < rows[0]["bytes_sent_per_step"] / 10
+        if r["scheme"] != "none":  # QSGD at its default 127 levels: 8 bits an entry
+            share = 3 if r["scheme"] == "qsgd" else 10
+            assert r["phases_ms"]["compress"] > 0 and r["bytes_sent_per_step"] < rows[0]["bytes_sent_per_step"] / share
     text = (tmp_path / "cpu_step.txt").read_text()
     assert text.startswith("device: cpu") and "x dense" in text and "phases add up" in text
 

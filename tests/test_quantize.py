@@ -48,11 +48,12 @@ def segments(x, layout, scope):
     return x.split(list(layout.sizes)) if scope == "layerwise" else [x]
 
 
-def scaled_sign(x, layout, scope):
-    """EF-SGD's scaled sign by hand: per segment mean|x| * sign(x), an exact zero sent as +."""
+def scaled_sign(x, layout, scope, scales=None):
+    """EF-SGD's scaled sign by hand: per segment mean|x| * sign(x), an exact zero sent as +
+    (``scales``: the means as sent, else computed here)."""
     out = []
-    for seg in segments(x, layout, scope):
-        m = seg.abs().mean()
+    for i, seg in enumerate(segments(x, layout, scope)):
+        m = seg.abs().mean() if scales is None else scales[i]
         out.append(torch.where(seg < 0, -m, m))
     return torch.cat(out)
 
@@ -74,6 +75,38 @@ def test_one_bit_packing_is_numpy_packbits_little_endian():
     assert np.array_equal(pack_codes(bits, 1).numpy(), np.packbits(bits.numpy(), bitorder="little"))
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8, 9])
+def test_torch_packing_equals_numpy_packing(bits, monkeypatch):
+    """The CUDA path packs with torch ops only: the same bytes as the CPU's numpy path."""
+    import sparsetrain.compress.quantize as q
+
+    codes = torch.randint(0, 2**bits, (1003,), generator=torch.Generator().manual_seed(bits))
+    codes = codes.bool() if bits == 1 else codes.to(torch.uint8 if bits <= 8 else torch.int32)
+    fast = pack_codes(codes, bits)
+    monkeypatch.setattr(q, "_numpy_ok", lambda t: False)
+    assert torch.equal(pack_codes(codes, bits), fast)
+    assert torch.equal(unpack_codes(fast, bits, 1003).long(), codes.long())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["signsgd", "qsgd"])
+def test_torch_path_decodes_like_the_numpy_path(name, dtype, monkeypatch):
+    """The same message decodes to the same numbers, bit for bit, through torch's ops (the CUDA
+    path) and numpy's (the CPU's); signSGD encodes the same signs and, to rounding, scales."""
+    import sparsetrain.compress.quantize as q
+
+    comp = compressor_for(name)(0.01, COMPRESSED, "layerwise")
+    x = grad_of(0, 0, COMPRESSED.total).to(dtype)
+    p = comp.compress(x, 3)
+    fast = comp.decompress(p.values, p.positions)
+    monkeypatch.setattr(q, "_numpy_ok", lambda t: False)
+    assert torch.equal(comp.decompress(p.values, p.positions), fast)
+    again = comp.compress(x, 3)
+    if name == "signsgd":
+        assert torch.equal(again.positions, p.positions)
+        torch.testing.assert_close(again.values, p.values, rtol=1e-5 if dtype == torch.float32 else 1e-13, atol=0)
+
+
 # ---- signSGD: the scaled sign, exact ---------------------------------------------------------------
 @pytest.mark.parametrize("scope", SCOPES)
 def test_scaled_sign_is_exact(scope):
@@ -84,24 +117,30 @@ def test_scaled_sign_is_exact(scope):
     assert payload.values.numel() == (3 if scope == "layerwise" else 1)
     assert payload.positions.dtype == torch.uint8 and payload.positions.numel() == math.ceil(COMPRESSED.total / 8)
     decoded = comp.decompress(payload.values, payload.positions)
-    assert torch.equal(decoded, scaled_sign(x, COMPRESSED, scope))
+    assert torch.equal(decoded, scaled_sign(x, COMPRESSED, scope, payload.values))
     assert torch.all(decoded[[0, 10, 500]] > 0)
     means = torch.stack([s.abs().mean() for s in segments(x, COMPRESSED, scope)])
-    assert torch.equal(payload.values, means)
+    torch.testing.assert_close(payload.values, means, rtol=1e-14, atol=0)  # the mean, to rounding
+    torch.testing.assert_close(decoded, scaled_sign(x, COMPRESSED, scope), rtol=1e-14, atol=0)
 
 
 # ---- QSGD: unbiased, within its variance bound, reproducible -------------------------------------------
-@pytest.mark.parametrize("levels", [1, 4])
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+@pytest.mark.parametrize("levels", [1, 4, 200])
 @pytest.mark.parametrize("scope", SCOPES)
-def test_qsgd_is_unbiased_within_its_variance(levels, scope):
+def test_qsgd_is_unbiased_within_its_variance(levels, scope, path, monkeypatch):
     """The mean of N decodes tends to x: each decoded entry is ||x|| sign(x_i) l_i / s with l_i one of
     two neighbouring levels, so its variance is at most (||x|| / s)^2 / 4 and the mean's standard
     deviation at most ||x|| / (2 s sqrt(N)); every entry lies within 5 of those. The mean squared
     error obeys QSGD's bound E||Q(x) - x||^2 <= min(n / s^2, sqrt(n) / s) ||x||^2 per segment."""
+    import sparsetrain.compress.quantize as q
+
+    if path == "torch":  # the CUDA path's ops (torch's generator), on the CPU
+        monkeypatch.setattr(q, "_numpy_ok", lambda t: False)
     layout = Layout.from_sizes([5, 40, 203])
     x = grad_of(1, 0, layout.total)
     comp = QSGD(1.0, layout, scope, levels=levels)
-    N = 3000
+    N = 2000
     total = torch.zeros_like(x)
     sq_err = torch.zeros(len(segments(x, layout, scope)), dtype=torch.float64)
     for seed in range(N):
@@ -219,7 +258,7 @@ def test_one_rank_update_and_memory(name):
         assert torch.equal(flat[NC:], g[NC:])
         assert torch.equal(red.memory.memory, acc - flat[:NC])
         if name == "signsgd":
-            assert torch.equal(flat[:NC], scaled_sign(acc, COMPRESSED, "layerwise"))
+            torch.testing.assert_close(flat[:NC], scaled_sign(acc, COMPRESSED, "layerwise"), rtol=1e-14, atol=0)
         else:
             p = comp.compress(acc, step_seed(SEED, step, 0))
             assert torch.equal(flat[:NC], comp.decompress(p.values, p.positions))

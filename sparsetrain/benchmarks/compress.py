@@ -2,7 +2,8 @@
 
 Measures, on the ResNet-18 (CIFAR) gradient (11,173,962 floats, real tensor shapes):
   compress+EF  = memory += grad; choose k entries; gather values; zero them in memory
-  decompress   = out.zero_(); expand positions; out[idx] += values
+                 (signsgd, qsgd: memory += grad; scales and packed codes; memory -= decoded)
+  decompress   = out.zero_(); expand positions; out[idx] += values (quantizers: unpack, decode, add)
 "copies" = the median over repeats of (time of the call / time of one gradient copy timed right
 before it), so that load changes on a shared machine cancel out; next to references measured in
 the same run: one ``out.copy_(g)`` (the unit), an EF add,
@@ -131,12 +132,12 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
                         ("torch.topk(g.abs(),k)", lambda: torch.topk(g.abs(), k), max(3, repeats // 2))):
         ref_cp[name] = timeit_ratio(fn, lambda: out2.copy_(g), r, device)[1]
     rows = []
-    for scheme in ("none", "topk", "randk", "blockk"):
+    for scheme in SCHEMES:
         for scope in ("layerwise", "global"):
             comp = compressor_for(scheme, scope, ratio, layout, device,
                                   block_size if scheme == "blockk" else None)
-            ef = ErrorFeedback(n, device=device)
-            values = torch.empty(comp.k, device=device)
+            ef = ErrorFeedback(n, device=device, enabled=scheme != "qsgd")  # as its yaml: no memory
+            values = torch.empty(comp.num_values, device=device)
             step = [0]
 
             def compress_ef(ef=ef, comp=comp, values=values, step=step):
@@ -165,6 +166,9 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
 
 
 GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None}  # max copies, compress + EF
+# every scheme's row: dense, the sparsifiers, the quantizers (qsgd at its default levels, without
+# error feedback, as conf/scheme/qsgd.yaml trains it)
+SCHEMES = ("none", "topk", "randk", "blockk", "signsgd", "qsgd")
 SPEEDUP_GOAL = {"cpu": 12.0, "cuda": 5.0}  # top-k compress + EF vs torch.topk(g.abs(), k)
 
 

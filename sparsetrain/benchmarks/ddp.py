@@ -11,6 +11,7 @@ with DDP's buffers left unsynchronised and its buckets settled before step 0 as 
   compute         forward + backward + optimizer, no exchange (the floor)
   ddp             torch DDP, its own AllReduce (25 MB buckets, overlapped with backward)
   ddp_fp16        DDP + torch's fp16_compress_hook
+  ddp_bf16        DDP + torch's bf16_compress_hook
   ddp_powersgd    DDP + torch's PowerSGD hook (error feedback, warm start) at the rank whose
                   bytes come closest to the block-k hook's (1% + the whole 1-D tensors), in one
                   DDP bucket on gloo as in training (train.ddp_exchange: with several, PowerSGD on
@@ -64,6 +65,7 @@ CONFIGS = {
     "compute": ["scheme=none", "dist.overlap=false"],  # the model and buffer, no exchange
     "ddp": ["scheme=none", "dist.ddp=true"],
     "ddp_fp16": ["scheme=fp16", "dist.ddp=true"],
+    "ddp_bf16": ["scheme=bf16", "dist.ddp=true"],
     "ddp_powersgd": ["scheme=powersgd", "dist.ddp=true"],
     "ddp_blockk": ["scheme=blockk", "aggregation=allreduce", "dist.ddp=true"],
     "ddp_randk": ["scheme=randk", "aggregation=allreduce", "dist.ddp=true"],

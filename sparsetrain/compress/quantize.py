@@ -13,12 +13,14 @@ summed), and every rank decodes every message. Error feedback subtracts the deco
   ceil(n / 8) + 4 per tensor (float32).
 - ``QSGD``: stochastic quantization (Alistarh et al. 2017) to ``levels`` = s levels per tensor:
   ``r_i = |x_i| / ||x||_2 * s`` is rounded to ``floor(r_i)`` or ``floor(r_i) + 1`` at random,
-  the latter with probability ``r_i - floor(r_i)``, so ``E[decoded] = x``: decoded entry
-  ``||x|| * sign(x_i) * level_i / s``. Randomness from a ``torch.Generator`` seeded with the
-  step's seed (``step_seed``: per step and rank), so runs are reproducible. Each entry is a
-  sign bit (the lowest, 1 for negative) and its level above it: ``1 + ceil(log2(s + 1))`` bits,
-  packed tightly (no byte alignment per entry). Bytes per rank: ceil(n * bits / 8) + 4 per
-  tensor. A tensor whose norm is 0 sends level 0 everywhere.
+  the latter with probability ``r_i - floor(r_i)`` (as ``floor(r_i + u_i)``, u_i uniform in
+  [0, 1)), so ``E[decoded] = x``: decoded entry ``||x|| * sign(x_i) * level_i / s``. Randomness
+  seeded with the step's seed (``step_seed``: per step and rank), so runs are reproducible:
+  numpy's PCG64 on the CPU, torch's generator on CUDA (the two draw different numbers). Each
+  entry's code is its signed level ``sign(x_i) * level_i`` in two's complement, ``1 +
+  ceil(log2(s + 1))`` bits (the sign and the level; s = 127: one byte), packed tightly (no byte
+  alignment per entry). Bytes per rank: ceil(n * bits / 8) + 4 per tensor. A tensor whose norm
+  is 0 sends level 0 everywhere.
 
 Packed bit order (``pack_codes``): entry i's code occupies bits ``[i * bits, (i + 1) * bits)``
 of the stream, least significant bit first; stream bit b is bit ``b % 8`` of byte ``b // 8``
@@ -31,11 +33,10 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from sparsetrain.compress.base import Compressor, Payload
-
-_BYTE_WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def packed_nbytes(n: int, bits: int) -> int:
@@ -43,46 +44,105 @@ def packed_nbytes(n: int, bits: int) -> int:
     return -(-int(n) * int(bits) // 8)
 
 
-def _byte_weights(device: torch.device) -> torch.Tensor:
-    w = _BYTE_WEIGHTS.get(device)
-    if w is None:
-        w = _BYTE_WEIGHTS[device] = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=device)
-    return w
+# +-1 for each bit of a byte, lowest bit first (bit 1: negative): signSGD's decode on the CPU
+_SIGNS = {np.dtype(dt): np.array([[-1.0 if (b >> j) & 1 else 1.0 for j in range(8)] for b in range(256)], dtype=dt)
+          for dt in (np.float32, np.float64, np.float16)}
+
+
+def _code_dtype(bits: int) -> torch.dtype:
+    return torch.uint8 if bits <= 8 else torch.int32
+
+
+def _numpy_ok(t: torch.Tensor) -> bool:
+    """Whether the CPU's numpy path takes ``t`` (the CUDA path, and bfloat16, take torch's)."""
+    return t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16
+
+
+def _pack_bits(stream: torch.Tensor, out: torch.Tensor) -> None:
+    """One bit per entry (``stream``: bool or 0/1 ``uint8``) into ``out``, 8 a byte, the lowest
+    bit first (numpy's ``packbits(..., bitorder="little")``, which the CPU uses)."""
+    if _numpy_ok(stream) and _numpy_ok(out):
+        out.numpy()[:] = np.packbits(stream.numpy(), bitorder="little")
+        return
+    nbytes = out.numel()
+    stream = stream.to(torch.uint8)
+    if stream.numel() < nbytes * 8:
+        stream = torch.cat([stream, stream.new_zeros(nbytes * 8 - stream.numel())])
+    _combine(stream.view(nbytes, 8), 1, out)
+
+
+def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """The first ``count`` bits of ``packed`` as 0/1 ``uint8`` (``_pack_bits`` undone)."""
+    if _numpy_ok(packed):
+        return torch.from_numpy(np.unpackbits(packed.numpy(), count=count, bitorder="little"))
+    return _split(packed, 1)[:count]
+
+
+def _combine(columns: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """``out[b] = sum_j columns[b, j] << (j * bits)``: ``8 // bits`` codes into each byte."""
+    out.copy_(columns[:, 0])
+    for j in range(1, columns.shape[1]):
+        out.bitwise_or_(columns[:, j].bitwise_left_shift(j * bits))
+
+
+def _split(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``_combine`` undone: every byte's ``8 // bits`` codes, in order (``uint8``)."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and_((1 << bits) - 1).view(-1)
 
 
 def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack ``codes`` (n unsigned integers, each below ``2**bits``; bool for one bit) tightly
-    into ``out`` (``uint8``, ``packed_nbytes(n, bits)`` bytes; allocated when None)."""
+    into ``out`` (``uint8``, ``packed_nbytes(n, bits)`` bytes; allocated when None).
+
+    Entry i's code occupies bits ``[i * bits, (i + 1) * bits)`` of the stream, lowest bit first;
+    stream bit b is bit ``b % 8`` of byte ``b // 8``; the last byte's unused high bits are 0.
+    With ``bits`` 1, 2, 4 or 8 that is ``8 // bits`` whole codes per byte."""
+    codes = codes.reshape(-1)
     n = codes.numel()
     nbytes = packed_nbytes(n, bits)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
     elif out.numel() != nbytes or out.dtype != torch.uint8:
         raise ValueError(f"{n} codes of {bits} bits need {nbytes} uint8 bytes, out has {out.numel()} {out.dtype}")
-    codes = codes.reshape(-1)
     if bits == 1:
-        stream = codes.to(torch.uint8)
-    else:
-        shifts = torch.arange(bits, dtype=torch.int64, device=codes.device)
-        stream = codes.to(torch.int64).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1)
-        stream = stream.to(torch.uint8).reshape(-1)
-    pad = nbytes * 8 - stream.numel()
-    if pad:
-        stream = torch.cat([stream, stream.new_zeros(pad)])
-    torch.sum(stream.view(nbytes, 8).mul(_byte_weights(codes.device)), dim=1, dtype=torch.uint8, out=out)
+        _pack_bits(codes, out)
+    elif bits == 8:
+        out.copy_(codes)
+    elif 8 % bits == 0:  # 2 or 4: whole codes in each byte
+        per = 8 // bits
+        c = codes.to(torch.uint8)
+        if n < nbytes * per:
+            c = torch.cat([c, c.new_zeros(nbytes * per - n)])
+        _combine(c.view(nbytes, per), bits, out)
+    else:  # codes across byte boundaries: through a stream of single bits
+        if bits <= 8 and _numpy_ok(codes):
+            c = codes.to(torch.uint8).numpy().reshape(n, 1)
+            stream = torch.from_numpy(np.unpackbits(c, axis=1, count=bits, bitorder="little").reshape(-1))
+        else:
+            shifts = torch.arange(bits, dtype=torch.int32, device=codes.device)
+            stream = codes.to(torch.int32).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and_(1)
+            stream = stream.to(torch.uint8).view(-1)
+        _pack_bits(stream, out)
     return out
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """The ``n`` codes ``pack_codes`` packed: ``uint8`` 0/1 for one bit, ``int64`` otherwise."""
+    """The ``n`` codes ``pack_codes`` packed: ``uint8`` (0/1 for one bit) up to 8 bits, ``int32``
+    above. With 8 bits the result is ``packed`` itself."""
     if packed.numel() != packed_nbytes(n, bits):
         raise ValueError(f"{n} codes of {bits} bits are {packed_nbytes(n, bits)} bytes, got {packed.numel()}")
-    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    stream = packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and_(1).view(-1)[: n * bits]
     if bits == 1:
-        return stream
-    weights = torch.tensor([1 << b for b in range(bits)], dtype=torch.int64, device=packed.device)
-    return stream.view(n, bits).to(torch.int64).mul_(weights).sum(dim=1)
+        return _unpack_bits(packed, n)
+    if bits == 8:
+        return packed
+    if 8 % bits == 0:
+        return _split(packed, bits)[:n]
+    stream = _unpack_bits(packed, n * bits).view(n, bits)
+    if bits <= 8 and _numpy_ok(stream):
+        return torch.from_numpy(np.packbits(stream.numpy(), axis=1, bitorder="little").reshape(-1))
+    weights = torch.tensor([1 << b for b in range(bits)], dtype=torch.int32, device=packed.device)
+    return stream.to(torch.int32).mul_(weights).sum(dim=1, dtype=torch.int32).to(_code_dtype(bits))
 
 
 class Quantizer(Compressor):
@@ -101,7 +161,6 @@ class Quantizer(Compressor):
         super().__init__(1.0, layout, scope, device=device, **options)  # ratio does not apply
         self.ks = list(self.layout.sizes)
         self.k = self.numel  # every entry is sent
-        self._sizes = torch.tensor(self.layout.sizes, dtype=torch.int64, device=self.device)
 
     # --- the message's two sections ------------------------------------------------------------
     @property
@@ -123,25 +182,35 @@ class Quantizer(Compressor):
         return 255
 
     # --- per-segment helpers -------------------------------------------------------------------
+    def spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each segment."""
+        return [(o, o + n) for o, n in zip(self.layout.offsets, self.layout.sizes, strict=True)]
+
+    def scratch(self, name: str, dtype) -> np.ndarray:
+        """A reused CPU buffer of ``numel`` entries (the numpy paths' temporaries)."""
+        buffers = self.__dict__.setdefault("_scratch", {})
+        key = (name, np.dtype(dtype))
+        if key not in buffers:
+            buffers[key] = np.empty(self.numel, dtype=dtype)
+        return buffers[key]
+
+    def segments(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x``'s segments (views), in order."""
+        if len(self.layout) == 1:
+            return [x]
+        return [x[o : o + n] for o, n in zip(self.layout.offsets, self.layout.sizes, strict=True)]
+
     def per_segment(self, x: torch.Tensor, fn) -> torch.Tensor:
         """``fn`` of each segment of ``x`` (a 0-d tensor each), as one vector."""
-        if len(self.layout) == 1:
-            return fn(x).reshape(1)
-        return torch.stack([fn(x[o : o + n]) for o, n in zip(self.layout.offsets, self.layout.sizes, strict=True)])
-
-    def expand(self, per_segment: torch.Tensor) -> torch.Tensor:
-        """Each segment's value at each of its entries (n entries)."""
-        if len(self.layout) == 1:
-            return per_segment.expand(self.numel)
-        return torch.repeat_interleave(per_segment, self._sizes, output_size=self.numel)
+        return torch.stack([fn(seg) for seg in self.segments(x)]).reshape(-1)
 
     # --- what subclasses provide ---------------------------------------------------------------
     def encode(self, acc: torch.Tensor, seed: int, values: torch.Tensor, wire: torch.Tensor) -> None:
         """Fill ``values`` (one float per segment) and ``wire`` (the packed codes) from ``acc``."""
         raise NotImplementedError
 
-    def decode(self, values: torch.Tensor, wire: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The message as a dense vector of ``numel`` entries."""
+    def decode_add(self, values: torch.Tensor, wire: torch.Tensor, out: torch.Tensor) -> None:
+        """``out += `` the message, decoded (``values`` in ``out``'s dtype)."""
         raise NotImplementedError
 
     # --- the Compressor interface --------------------------------------------------------------
@@ -165,9 +234,10 @@ class Quantizer(Compressor):
         return Payload(out, wire, None)
 
     def decompress_add(self, values, positions, out, *, indices=None):
-        """``out += decode(values, positions)`` (``values`` as received, e.g. divided by the
-        number of ranks). ``indices`` does not apply."""
-        return out.add_(self.decode(values.to(out.dtype), positions, out.dtype))
+        """``out +=`` the message (``values`` as received, e.g. divided by the number of ranks;
+        ``positions`` its packed codes), decoded. ``indices`` does not apply."""
+        self.decode_add(values.to(out.dtype), positions, out)
+        return out
 
     def forget(self, memory: torch.Tensor, payload: Payload) -> None:
         """``memory = acc - decode(message)``: the decoded message of the negated scales added
@@ -186,24 +256,41 @@ class SignSGD(Quantizer):
     bits_per_entry = 1
 
     def encode(self, acc, seed, values, wire):
-        scales = self.per_segment(acc, lambda v: v.abs().mean())
-        values.copy_(scales)
+        if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels, reused buffers
+            a = acc.numpy()
+            mag = np.abs(a, out=self.scratch("mag", a.dtype))
+            values.copy_(torch.tensor([mag[i:j].sum(dtype=a.dtype) / (j - i) for i, j in self.spans()]))
+            pack_codes(torch.from_numpy(np.less(a, 0, out=self.scratch("neg", bool))), 1, wire)
+            return
+        values.copy_(self.per_segment(acc, lambda v: torch.linalg.vector_norm(v, 1) / v.numel()))
         pack_codes(acc < 0, 1, wire)
 
-    def decode(self, values, wire, dtype):
-        negative = unpack_codes(wire, 1, self.numel)
-        sign = negative.to(dtype).mul_(-2.0).add_(1.0)  # bit 1 -> -1, bit 0 -> +1
-        return sign.mul_(self.expand(values.to(dtype)))
+    def decode_add(self, values, wire, out):
+        if _numpy_ok(wire) and _numpy_ok(out):  # +-1 per entry from a table per byte, then += scale x +-1
+            table = _SIGNS[np.dtype(torch.empty((), dtype=out.dtype).numpy().dtype)]
+            signs = self.scratch("signs", table.dtype)
+            nbytes = self.numel // 8
+            if nbytes:
+                np.take(table, wire.numpy()[:nbytes], axis=0, out=signs[: nbytes * 8].reshape(nbytes, 8))
+            if self.numel > nbytes * 8:  # the last, partial byte
+                signs[nbytes * 8 :] = table[int(wire[nbytes])][: self.numel - nbytes * 8]
+            for (i, j), scale in zip(self.spans(), values.tolist(), strict=True):
+                out[i:j].add_(torch.from_numpy(signs[i:j]), alpha=scale)  # +-1 x scale: exact
+            return
+        negative = unpack_codes(wire, 1, self.numel).view(torch.bool)
+        for neg, o, scale in zip(self.segments(negative), self.segments(out), values, strict=True):
+            o.add_(torch.where(neg, -scale, scale))
 
 
 class QSGD(Quantizer):
     """Stochastic quantization to ``levels`` levels per segment (Alistarh et al. 2017),
-    unbiased, randomness from ``seed``; each entry ``1 + ceil(log2(levels + 1))`` bits (sign
-    lowest, then the level), one float (the segment's 2-norm) per segment."""
+    unbiased, randomness from ``seed``; each entry's signed level ``sign(x_i) * l_i`` in
+    ``1 + ceil(log2(levels + 1))`` bits (two's complement), one float (the segment's 2-norm) per
+    segment."""
 
     MAX_LEVELS = 65535
 
-    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 4, **kw):
+    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127, **kw):
         if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
                 or not 1 <= levels <= self.MAX_LEVELS:
             raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
@@ -211,26 +298,58 @@ class QSGD(Quantizer):
         self.levels = int(levels)
         self.bits_per_entry = 1 + math.ceil(math.log2(self.levels + 1))
         super().__init__(ratio, layout, scope, **kw)
+        bits = self.bits_per_entry
+        self._mask, self._top = (1 << bits) - 1, 1 << (bits - 1)  # the code's bits; its sign bit
+        self._signed = np.int8 if bits <= 8 else np.int32  # a code as a signed integer
 
     def encode(self, acc, seed, values, wire):
         s = self.levels
-        norms = self.per_segment(acc, torch.linalg.vector_norm)
-        values.copy_(norms)
-        norm = self.expand(values.to(acc.dtype))
-        r = acc.abs().div_(torch.where(norm > 0, norm, torch.ones_like(norm))).mul_(s)
+        values.copy_(self.per_segment(acc, torch.linalg.vector_norm))
+        if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels and generator (PCG64)
+            a = acc.numpy()
+            r = np.abs(a, out=self.scratch("r", a.dtype))
+            for (i, j), norm in zip(self.spans(), values.to(acc.dtype).tolist(), strict=True):
+                np.multiply(r[i:j], a.dtype.type(s / norm if norm > 0 else 0.0), out=r[i:j])  # |x| / ||x|| * s
+            u = np.random.default_rng(int(seed)).random(self.numel, dtype=a.dtype, out=self.scratch("u", a.dtype))
+            np.floor(np.add(r, u, out=r), out=r)  # floor(r + u): floor(r) + 1 with probability r - floor(r)
+            np.copysign(np.minimum(r, s, out=r), a, out=r)  # the signed level
+            code = self.scratch("code", self._signed)
+            np.copyto(code, r, casting="unsafe")
+            if self.bits_per_entry != 8:
+                np.bitwise_and(code, self._mask, out=code)  # two's complement in bits_per_entry bits
+            pack_codes(torch.from_numpy(code.view(np.uint8) if code.dtype == np.int8 else code),
+                       self.bits_per_entry, wire)
+            return
+        r = torch.abs(acc)
+        for seg, norm in zip(self.segments(r), values.to(acc.dtype), strict=True):
+            seg.mul_(torch.where(norm > 0, s / norm, torch.zeros_like(norm)))  # |x| / ||x|| * s
         gen = torch.Generator(device=acc.device)
         gen.manual_seed(int(seed))
         u = torch.rand(self.numel, generator=gen, dtype=acc.dtype, device=acc.device)
-        low = r.floor()
-        frac = r.sub_(low)  # in place: r is not needed again
-        level = low.add_((u < frac).to(acc.dtype)).clamp_(0, s).to(torch.int64)  # up with probability frac
-        pack_codes(level.mul_(2).add_(acc < 0), self.bits_per_entry, wire)
+        # floor(r + u), u uniform in [0, 1): floor(r) + 1 with probability r - floor(r)
+        level = torch.copysign(r.add_(u).floor_().clamp_(max=s), acc)
+        pack_codes(level.to(torch.int32).bitwise_and_(self._mask), self.bits_per_entry, wire)
 
-    def decode(self, values, wire, dtype):
+    def decode_add(self, values, wire, out):
         codes = unpack_codes(wire, self.bits_per_entry, self.numel)
-        signed = codes.bitwise_right_shift(1).to(dtype)
-        signed.mul_((codes.bitwise_and(1) == 0).to(dtype).mul_(2.0).sub_(1.0))  # sign bit 1 -> -level
-        return signed.mul_(self.expand(values.to(dtype))).div_(self.levels)
+        units = values.div(self.levels)  # ||x|| / s
+        if _numpy_ok(codes) and _numpy_ok(out):
+            c = codes.numpy()
+            if self.bits_per_entry == 8:
+                signed = c.view(np.int8)
+            else:  # sign-extend: (c ^ top) - top
+                signed = np.subtract(np.bitwise_xor(c, self._top), self._top, dtype=np.int32)
+            dec = self.scratch("decoded", torch.empty((), dtype=out.dtype).numpy().dtype)
+            np.copyto(dec, signed, casting="unsafe")
+            for (i, j), unit in zip(self.spans(), units.tolist(), strict=True):
+                np.multiply(dec[i:j], dec.dtype.type(unit), out=dec[i:j])  # sign(x_i) l_i x ||x|| / s
+                out[i:j].add_(torch.from_numpy(dec[i:j]))
+            return
+        signed = codes.to(torch.int32).bitwise_xor_(self._top).sub_(self._top).to(out.dtype)
+        for lv, o, unit in zip(self.segments(signed), self.segments(out), units, strict=True):
+            # the product rounded before the sum (no fused multiply-add), as on the CPU: error
+            # feedback's memory is then exactly acc - decoded
+            o.add_(lv.mul(unit))
 
     def __repr__(self) -> str:
         return f"QSGD(levels={self.levels}, scope={self.scope!r}, bits={self.bits_per_entry}, n={self.numel})"
