@@ -471,3 +471,40 @@ def test_two_rank_cuda_run(tmp_path, backend, scheme, agg):
     assert s["world_size"] == 2 and s["steps"] == 12
     assert s["device"].startswith("cuda") and s["peak_memory_of"] == "cuda_max_allocated"
     assert s["time_ms"]["exchange"] > 0 and s["train_loss"] == s["train_loss"]  # not NaN
+
+
+# ------------------------------------------------------------------------------- quantizers
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("name", ["signsgd", "qsgd"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantizers_on_device(device, name, scope):
+    """signSGD and QSGD where the device runs them (torch's ops on CUDA, numpy's on the CPU): a
+    message decodes to the CPU's numbers, bit for bit; signSGD encodes the CPU's signs and, to
+    rounding, its scales; memory = acc - decoded exactly (float64); QSGD unbiased there too."""
+    cpu = compressor_for(name)(1.0, MIXED, scope)
+    dev = compressor_for(name)(1.0, MIXED, scope, device=device)
+    x = int_grad(MIXED.total, 1, "cpu") / 7
+    p = cpu.compress(x, 5)
+    got = dev.decompress(p.values.to(device), p.positions.to(device))
+    assert got.device.type == device and torch.equal(got.cpu(), cpu.decompress(p.values, p.positions))
+    q = dev.compress(x.to(device), 5)
+    if name == "signsgd":
+        assert torch.equal(q.positions.cpu(), p.positions)
+        torch.testing.assert_close(q.values.cpu(), p.values, rtol=1e-13, atol=0)
+    ef = ErrorFeedback(MIXED.total, device=device, dtype=torch.float64)
+    for step in range(3):
+        g = int_grad(MIXED.total, step, device) / 3
+        acc = ef.memory + g
+        sent = ef.step(g, dev, seed=step_seed(4, step))
+        assert torch.equal(ef.memory, acc - dev.decompress(sent.values, sent.positions))
+    if name == "qsgd":
+        small = Layout.from_sizes([5, 40, 203])
+        comp = compressor_for(name)(1.0, small, scope, device=device)
+        y = int_grad(small.total, 9, device) / 11
+        trials = 500
+        mean = torch.zeros_like(y)
+        for seed in range(trials):
+            m = comp.compress(y, seed)
+            mean += comp.decompress(m.values, m.positions) / trials
+        norm = torch.cat([seg.norm().expand(seg.numel()) for seg in comp.segments(y)])
+        assert torch.all((mean - y).abs() <= 5 * norm / (2 * comp.levels * trials**0.5))
