@@ -1,0 +1,82 @@
+"""The compressors' CPU fast paths equal their reference methods bit for bit (issue 25, item 2).
+
+- random-k's sampler on the CPU finds repeated draws by sorting; the scatter method (what other
+  devices run, ``DistinctSampler._distinct_torch``) must give the same positions in the same order;
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsetrain.compress import (
+    BlockRandomK,
+    DistinctSampler,
+    Layout,
+    RandomK,
+    k_for,
+    sampling,
+)
+
+# tiny, bias-sized, just under / at / over TopK.SMALL, and a large one
+SIZES = [5, 1, 300, 8192, 8193, 40000, 100, 3 * 65536 + 17, 9000]
+LAYOUT = Layout.from_sizes(SIZES)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bytes of a tensor, so that equality also tells -0.0 from 0.0."""
+    return t.contiguous().view(torch.uint8) if t.is_floating_point() else t
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def grad(n, seed, dtype=torch.float32, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # a handful of values: many exact ties in |acc|
+        return torch.randint(-3, 4, (n,), generator=g).to(dtype)
+    return torch.randn(n, generator=g, dtype=dtype)
+
+
+# --- random-k: the sort finds the same first draws as the scatter -------------------------------------
+def torch_path(sampler: DistinctSampler) -> DistinctSampler:
+    sampler._np = None
+    return sampler
+
+
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.1, 0.45, 0.6, 1.0])
+def test_sampler_cpu_path_equals_scatter_path(ratio):
+    for sizes in (SIZES, [sum(SIZES)], [2, 3, 4, 5, 1]):
+        ks = [k_for(ratio, n) for n in sizes]
+        fast, ref = DistinctSampler(sizes, ks), torch_path(DistinctSampler(sizes, ks))
+        assert fast._np is not None or not fast.draw_segs
+        for seed in range(8):
+            a = fast.sample(torch.Generator().manual_seed(seed))
+            b = ref.sample(torch.Generator().manual_seed(seed))
+            assert same(a, b), (sizes, ratio, seed)
+
+
+def test_sampler_cpu_path_equals_scatter_path_when_segments_fall_short(monkeypatch):
+    """No margin for repeats: most segments are short and redrawn (``_top_up``), the others keep
+    their first k distinct draws; the generator is consumed the same way on both paths."""
+    monkeypatch.setattr(sampling, "_draws_needed", lambda n, k: k)
+    for sizes, ks in (([50, 8, 1000], [20, 4, 400]), (SIZES, [k_for(0.05, n) for n in SIZES])):
+        fast, ref = DistinctSampler(sizes, ks), torch_path(DistinctSampler(sizes, ks))
+        gen_a, gen_b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        for _ in range(20):
+            assert same(fast.sample(gen_a), ref.sample(gen_b))
+
+
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_randk_and_blockk_positions_unchanged_by_the_cpu_sampler(scope):
+    for comp in (RandomK(0.02, LAYOUT, scope), BlockRandomK(0.02, LAYOUT, scope, block_size=64)):
+        sampler = getattr(comp, "sampler", None)
+        if sampler is None:
+            continue  # block-k layer-wise draws no distinct positions
+        acc = grad(LAYOUT.total, 0)
+        fast = [comp.compress(acc, seed) for seed in range(4)]
+        torch_path(sampler)
+        for seed, p in enumerate(fast):
+            q = comp.compress(acc, seed)
+            assert same(p.positions, q.positions) and same(p.values, q.values)
