@@ -2,10 +2,15 @@
 
 - random-k's sampler on the CPU finds repeated draws by sorting; the scatter method (what other
   devices run, ``DistinctSampler._distinct_torch``) must give the same positions in the same order;
+- top-k on the CPU makes one pass over the buffer in cache-sized chunks, and takes the small
+  segments in a few tables of similar lengths; the method it replaced (full |acc| scratch, one
+  compare per segment, one table as wide as the widest small segment, written out below) must
+  give the same indices in the same order, ties included;
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,12 +19,13 @@ from sparsetrain.compress import (
     DistinctSampler,
     Layout,
     RandomK,
+    TopK,
     k_for,
     sampling,
 )
 
-# tiny, bias-sized, just under / at / over TopK.SMALL, and a large one
-SIZES = [5, 1, 300, 8192, 8193, 40000, 100, 3 * 65536 + 17, 9000]
+# tiny, bias-sized, just under / at / over TopK.SMALL, a few chunks long, and not a chunk multiple
+SIZES = [5, 1, 300, 8192, 8193, 40000, 100, 3 * TopK.CHUNK + 17, 9000]
 LAYOUT = Layout.from_sizes(SIZES)
 
 
@@ -80,3 +86,56 @@ def test_randk_and_blockk_positions_unchanged_by_the_cpu_sampler(scope):
         for seed, p in enumerate(fast):
             q = comp.compress(acc, seed)
             assert same(p.positions, q.positions) and same(p.values, q.values)
+
+
+# --- top-k: one chunked pass equals the two-pass method ------------------------------------------------
+def two_pass_select(comp: TopK, acc: torch.Tensor) -> torch.Tensor:
+    """The CPU method before the one-pass rewrite: |acc| into a full scratch, per large segment a
+    compare and a nonzero over the whole segment, exact topk on the candidates."""
+    sc = acc.abs()
+    thr = comp._thresholds(sc[comp.sample_idx]) if comp.large else [0.0] * len(comp.layout)
+    offs, sizes = comp.layout.offsets, comp.layout.sizes
+    idx = torch.empty(comp.k, dtype=torch.int64)
+    small = comp._small_table(acc.device)
+    if small:
+        table, pad, kmax, keep, slots = small
+        rows = sc[table].masked_fill_(pad, -1.0)
+        sel = torch.topk(rows, kmax, dim=1, sorted=True).indices
+        idx.index_copy_(0, slots, table.gather(1, sel)[keep])
+    for s in comp.large:
+        k, a, b = comp.ks[s], offs[s], offs[s] + sizes[s]
+        dst = idx[comp.kstarts[s] : comp.kstarts[s] + k]
+        c = torch.from_numpy(np.flatnonzero(sc[a:b].numpy() >= thr[s])) if thr[s] > 0.0 else None
+        if c is not None and c.numel() == k:
+            torch.add(c, a, out=dst)
+        elif c is not None and c.numel() > k:
+            torch.add(c[torch.topk(sc[a:b][c], k, sorted=False).indices], a, out=dst)
+        else:
+            torch.add(torch.topk(sc[a:b], k, sorted=False).indices, a, out=dst)
+    return idx
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.3])
+def test_topk_one_pass_equals_two_pass(ratio, scope, dtype):
+    comp = TopK(ratio, LAYOUT, scope)
+    for seed, ties in ((0, False), (1, True), (2, False)):
+        acc = grad(LAYOUT.total, seed, dtype, ties)
+        before, tied = acc.clone(), comp.small_ties
+        _, idx = comp.select(acc)
+        assert same(acc, before)  # select leaves acc alone
+        assert same(idx, two_pass_select(comp, acc)), (ratio, scope, dtype, seed)
+        if scope == "layerwise" and (ties or ratio <= 0.01):  # (at 30% float32 |values| can tie)
+            assert comp.small_ties - tied == int(ties)  # the grouped tables, or on a tie the reference
+
+
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+def test_topk_one_pass_fallback_equals_two_pass(scope, monkeypatch):
+    """Thresholds too high: every large segment falls back to an exact topk of the segment."""
+    comp = TopK(0.01, LAYOUT, scope)
+    monkeypatch.setattr(comp, "_thresholds", lambda samples: [float("inf")] * len(comp.layout))
+    acc = grad(LAYOUT.total, 4)
+    _, idx = comp.select(acc)
+    assert same(idx, two_pass_select(comp, acc))
+    assert comp.fallbacks == len(comp.large) > 0
