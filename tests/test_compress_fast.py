@@ -6,6 +6,8 @@
   segments in a few tables of similar lengths; the method it replaced (full |acc| scratch, one
   compare per segment, one table as wide as the widest small segment, written out below) must
   give the same indices in the same order, ties included;
+- ``ErrorFeedback.step`` with the gradient in pieces (the DDP hook's bucket, read in place) equals
+  the step with the gradient in one tensor: the same payload and memory.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import torch
 from sparsetrain.compress import (
     BlockRandomK,
     DistinctSampler,
+    ErrorFeedback,
     Layout,
     RandomK,
     TopK,
     k_for,
     sampling,
+    step_seed,
 )
 
 # tiny, bias-sized, just under / at / over TopK.SMALL, a few chunks long, and not a chunk multiple
@@ -139,3 +143,39 @@ def test_topk_one_pass_fallback_equals_two_pass(scope, monkeypatch):
     _, idx = comp.select(acc)
     assert same(idx, two_pass_select(comp, acc))
     assert comp.fallbacks == len(comp.large) > 0
+
+
+def pieces_of(g: torch.Tensor, cuts) -> list[tuple[int, torch.Tensor]]:
+    edges = [0, *cuts, g.numel()]
+    return [(a, g[a:b]) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+
+
+# cuts inside chunks, at a segment boundary, one entry long pieces
+CUTS = [(), (3, 6, 306), (LAYOUT.offsets[5] + 1000, LAYOUT.offsets[7] + TopK.CHUNK + 5, LAYOUT.total - 1)]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("scope", ["layerwise", "global"])
+@pytest.mark.parametrize("name", ["topk", "randk", "blockk"])
+def test_error_feedback_step_in_pieces_equals_one_tensor(name, scope, enabled):
+    """Three steps from a non-zero memory: added piece by piece, or the whole gradient at once."""
+    cls = {"topk": TopK, "randk": RandomK, "blockk": BlockRandomK}[name]
+    comp = cls(0.02, LAYOUT, scope)
+    for cuts in CUTS:
+        ref, got = ErrorFeedback(LAYOUT.total, enabled=enabled), ErrorFeedback(LAYOUT.total, enabled=enabled)
+        for step in range(3):
+            g = grad(LAYOUT.total, 10 + step, ties=step == 1)
+            acc = ref.accumulate(g.clone())
+            want = comp.compress(acc, step_seed(0, step))
+            ref.forget(want, comp)
+            out = torch.empty(comp.k)
+            p = got.step(pieces_of(g.clone(), cuts), comp, step_seed(0, step), out=out)
+            assert same(p.values, want.values) and same(p.positions, want.positions), (cuts, step)
+            assert p.values.data_ptr() == out.data_ptr()
+            assert same(got.memory, ref.memory), (cuts, step)
+
+
+def test_error_feedback_step_refuses_pieces_that_do_not_cover_the_memory():
+    g = grad(LAYOUT.total, 0)
+    with pytest.raises(ValueError, match="entries"):
+        ErrorFeedback(LAYOUT.total).step(pieces_of(g[:-1], (10,)), TopK(0.01, LAYOUT, "global"))
