@@ -1,7 +1,6 @@
 """DDP communication hooks: sparsetrain's schemes inside any torch DistributedDataParallel model.
 
     from sparsetrain.ddp import SparseHookState, sparse_hook
-    ddp_model = DistributedDataParallel(model, gradient_as_bucket_view=True)  # no gradient copies
     state = SparseHookState(ddp_model, "blockk", aggregation="allreduce", ratio=0.01)
     ddp_model.register_comm_hook(state, sparse_hook)
 
@@ -53,10 +52,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from sparsetrain.comm import SparseReducer, build_reducer, check_combination
 from sparsetrain.compress import (
-    BlockRandomK,
     Layout,
-    RandomK,
-    TopK,
     compressed_first,
     parse_uncompressed,
     step_seed,
@@ -110,6 +106,8 @@ class _Bucket:
         self._run_starts = self._run_shift = None
         if reducer is None:
             return
+        from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
+
         comp = reducer.compressor
         if len(self.grad_runs) == 1:
             self._shift = self.grad_runs[0][0]
