@@ -168,10 +168,11 @@ class _Bucket:
             msg = red._recv[r * size : (r + 1) * size]
             values = msg[: red._values_nbytes].view(red.dtype) / world
             if r == red.rank:  # own positions already expanded
-                idx = own
+                positions, idx = payload.positions, own
             else:
-                idx = comp.indices(msg[red._positions_start : red._positions_end].view(red.pos_dtype))
-            comp.decompress_add(values[:k], None, buf, indices=self.place(idx))
+                positions = msg[red._positions_start : red._positions_end].view(red.pos_dtype)
+                idx = comp.indices(positions)
+            comp.decompress_add(values[:k], positions, buf, indices=self.place(idx))
             for a, w, n in self.whole_runs:
                 buf[a : a + n].add_(values[k + w : k + w + n])
 
