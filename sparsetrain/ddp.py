@@ -15,13 +15,19 @@ and exchange of early buckets overlap backward of later layers. Per bucket:
   as the trainer does; ``scope="global"`` is **global within a bucket**: one k over the bucket's
   compressed entries (not over the model: DDP hands the hook one bucket at a time);
 - error feedback, compression and the one collective are those of
-  ``sparsetrain.comm.SparseReducer`` (one reducer per bucket, its ``pack`` / ``communicate``
-  / ``unpack``): AllReduce sums the k values and the whole tensors in one buffer; AllGather
+  ``sparsetrain.comm.SparseReducer`` (one reducer per bucket: its memory, compressor, message
+  and collective): AllReduce sums the k values and the whole tensors in one buffer; AllGather
   sends values, whole tensors and positions in one packed message. The collective is started
   asynchronously; the returned future gives the averaged bucket (divided by world size);
+- all of it on the bucket in place: the error-feedback add reads the compressed tensors where
+  they lie in the bucket, the whole tensors go straight into the message and back, the averaged
+  values are added at their bucket positions, and the hook returns the bucket itself (no copy of
+  the bucket into the reducer's ``[compressed | whole]`` order and back). Build DDP with
+  ``gradient_as_bucket_view=True`` (the trainer does): the ``.grad`` tensors are then views of
+  the buckets, and DDP copies no gradient into a bucket or back either;
 - positions come from ``bucket_seed(seed, step, bucket)``: shared by all ranks for AllReduce,
-  per rank for AllGather (each bucket's reducer is seeded with the bucket's seed and drives the
-  one sparse step, ``SparseReducer.start`` / ``finish``, as the trainer's reducer does);
+  per rank for AllGather (each bucket's reducer is seeded with the bucket's seed, as the
+  trainer's reducer is with the run's);
 - the first ``warmup_steps`` iterations use DDP's plain AllReduce; compression then starts with
   empty memory. ``state.step`` counts iterations (it advances on the bucket DDP reduces last).
 
@@ -63,41 +69,115 @@ def bucket_seed(seed: int, step: int, bucket: int, rank: int | None = None) -> i
     return step_seed(step_seed(seed, bucket), step, rank)
 
 
-class _Bucket:
-    """One DDP bucket as the hook sees it: its parameters, the order the reducer needs
-    (``[compressed | whole]``) and the reducer."""
+def _runs(pieces) -> list[tuple[int, int, int]]:
+    """``(bucket offset, offset in the packed part, length)`` of tensors ``(bucket offset,
+    length)`` taken in order and packed one after another; tensors adjacent in the bucket too
+    merge into one run."""
+    runs: list[list[int]] = []
+    pos = 0
+    for offset, n in pieces:
+        if runs and runs[-1][0] + runs[-1][2] == offset:
+            runs[-1][2] += n
+        else:
+            runs.append([offset, pos, n])
+        pos += n
+    return [tuple(r) for r in runs]
 
-    def __init__(self, keys, shapes, flags, reducer, buffer: torch.Tensor):
+
+class _Bucket:
+    """One DDP bucket as the hook sees it: its parameters, where its compressed and its whole
+    tensors lie in the bucket, and the reducer.
+
+    The reducer's memory and message hold the compressed tensors, then the whole ones, each group
+    in bucket order (``[compressed | whole]``); the bucket interleaves them (a convolution, its
+    batch-norm vectors, the next convolution, ...). The hook works on the bucket itself: the
+    error-feedback add reads the compressed tensors where they lie, the whole ones are copied
+    straight into the message and back, and the averaged values are added at their bucket
+    positions (``place``): no copy of the bucket into that order and back.
+    """
+
+    def __init__(self, keys, shapes, flags, reducer):
         self.keys = keys
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.reducer: SparseReducer | None = reducer
         order = compressed_first(flags)
         self.compressed = [(keys[i], sizes[i]) for i in order if not flags[i]]  # memory layout
-        # copy runs (bucket offset, flat offset, length), adjacent segments merged
-        self.runs: list[list[int]] = []
-        pos = 0
-        for i in order:
-            if self.runs and self.runs[-1][0] + self.runs[-1][2] == offsets[i]:
-                self.runs[-1][2] += sizes[i]
+        self.grad_runs = _runs((offsets[i], sizes[i]) for i in order if not flags[i])
+        self.whole_runs = _runs((offsets[i], sizes[i]) for i in order if flags[i])
+        self._shift = None  # where a compressed entry's index lands in the bucket: see place()
+        self._run_starts = self._run_shift = None
+        if reducer is None:
+            return
+        from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
+
+        comp = reducer.compressor
+        if len(self.grad_runs) == 1:
+            self._shift = self.grad_runs[0][0]
+        elif comp.scope == "layerwise" and type(comp) in (TopK, RandomK, BlockRandomK):
+            # these put segment s's entries at slots [sum(ks[:s]), sum(ks[:s+1])): one shift a slot
+            moved, pos = [], 0
+            for i in order:  # per compressed tensor: its bucket offset - its memory offset
+                if not flags[i]:
+                    moved.append(offsets[i] - pos)
+                    pos += sizes[i]
+            ks = torch.tensor(comp.ks, dtype=torch.int64)
+            self._shift = torch.repeat_interleave(torch.tensor(moved, dtype=torch.int64), ks).to(comp.device)
+        else:
+            self._run_starts = torch.tensor([f for _, f, _ in self.grad_runs], dtype=torch.int64, device=comp.device)
+            self._run_shift = torch.tensor([a - f for a, f, _ in self.grad_runs], dtype=torch.int64, device=comp.device)
+
+    def place(self, idx: torch.Tensor) -> torch.Tensor:
+        """Bucket positions of the compressed part's entry indices ``idx`` (in the order of the
+        compressor's values)."""
+        if self._run_starts is not None:
+            run = torch.searchsorted(self._run_starts, idx, right=True).sub_(1)
+            return idx + self._run_shift[run]
+        return idx + self._shift if not isinstance(self._shift, int) or self._shift else idx
+
+    # The two halves of ``SparseReducer.pack`` / ``unpack`` on the bucket in place (the same
+    # operations on the same numbers, so the same results; keep the two in step).
+    def pack(self, buf: torch.Tensor, step: int):
+        """Error feedback and compression of the bucket's compressed tensors into the reducer's
+        message, the whole tensors after the values (and, for AllGather, the positions)."""
+        red = self.reducer
+        comp, k = red.compressor, red.compressor.k
+        pieces = [(f, buf[a : a + n]) for a, f, n in self.grad_runs]
+        payload = red.memory.step(pieces if len(pieces) > 1 else pieces[0][1], comp,
+                                  red.positions_seed(step), out=red._values[:k])
+        for a, w, n in self.whole_runs:
+            red._values[k + w : k + w + n].copy_(buf[a : a + n])
+        if red.aggregation == "allgather":
+            red._send_positions.copy_(payload.positions)
+        return payload
+
+    def unpack(self, buf: torch.Tensor, payload) -> None:
+        """Overwrite the bucket with the average over ranks (after the collective)."""
+        red = self.reducer
+        comp, k, world = red.compressor, red.compressor.k, red.world_size
+        own = payload.indices if payload.indices is not None else comp.indices(payload.positions)
+        for a, _, n in self.grad_runs:
+            buf[a : a + n].zero_()
+        if red.aggregation == "allreduce":
+            red._values.div_(world)
+            comp.decompress_add(red._values[:k], payload.positions, buf, indices=self.place(own))
+            for a, w, n in self.whole_runs:
+                buf[a : a + n].copy_(red._values[k + w : k + w + n])
+            return
+        for a, _, n in self.whole_runs:
+            buf[a : a + n].zero_()
+        size = red._message_nbytes
+        for r in range(world):
+            msg = red._recv[r * size : (r + 1) * size]
+            values = msg[: red._values_nbytes].view(red.dtype) / world
+            if r == red.rank:  # own positions already expanded
+                positions, idx = payload.positions, own
             else:
-                self.runs.append([offsets[i], pos, sizes[i]])
-            pos += sizes[i]
-        self.identity = len(self.runs) == 1
-        self.flat = None if self.identity or reducer is None else torch.empty_like(buffer)
-
-    def gather(self, buf: torch.Tensor) -> torch.Tensor:
-        """The bucket as ``[compressed | whole]`` (the bucket itself when already so ordered)."""
-        if self.identity:
-            return buf
-        for a, f, n in self.runs:
-            self.flat[f : f + n].copy_(buf[a : a + n])
-        return self.flat
-
-    def scatter(self, flat: torch.Tensor, buf: torch.Tensor) -> None:
-        if not self.identity:
-            for a, f, n in self.runs:
-                buf[a : a + n].copy_(flat[f : f + n])
+                positions = msg[red._positions_start : red._positions_end].view(red.pos_dtype)
+                idx = comp.indices(positions)
+            comp.decompress_add(values[:k], positions, buf, indices=self.place(idx))
+            for a, w, n in self.whole_runs:
+                buf[a : a + n].add_(values[k + w : k + w + n])
 
 
 class SparseHookState:
@@ -211,7 +291,7 @@ class SparseHookState:
             uncompressed=[flags[i] for i in order], group=self.process_group,
             device=buf.device, dtype=buf.dtype, compressor=self.compressor,
         )
-        plan = _Bucket(keys, shapes, flags, reducer if isinstance(reducer, SparseReducer) else None, buf)
+        plan = _Bucket(keys, shapes, flags, reducer if isinstance(reducer, SparseReducer) else None)
         if plan.reducer is not None:
             mem, pos = plan.reducer.memory.memory, 0
             for key, n in plan.compressed:
@@ -244,19 +324,17 @@ class SparseHookState:
             return allreduce_hook(self.process_group, bucket)
         red = plan.reducer
         self.bytes_sent[index] = red.bytes_sent_per_step
-        flat = plan.gather(buf)
-        pending = red.start(flat, step)  # the collective is in flight when the hook returns
+        payload = plan.pack(buf, step)
+        work = red.communicate(async_op=True)  # in flight when the hook returns
 
         def finish(fut=None) -> torch.Tensor:
             if fut is not None:
                 fut.value()  # raises if the collective failed
             t0 = time.perf_counter()
-            red.finish(pending)
-            plan.scatter(flat, buf)
+            plan.unpack(buf, payload)
             self.decompress_ms.append((time.perf_counter() - t0) * 1e3)  # list.append: thread-safe
             return buf
 
-        work, pending.work = pending.work, None  # waited for by the future, not by finish
         if work is None:  # one rank: nothing to wait for
             done = torch.futures.Future()
             done.set_result(finish())

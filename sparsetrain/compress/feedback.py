@@ -44,9 +44,26 @@ class ErrorFeedback:
             return
         compressor.forget(self.memory, payload)
 
-    def step(self, grad: torch.Tensor, compressor: Compressor, seed: int = 0, out=None) -> Payload:
-        """accumulate + compress + forget, for a plain training loop."""
-        acc = self.accumulate(grad)
+    def step(self, grad, compressor: Compressor, seed: int = 0, out=None) -> Payload:
+        """accumulate + compress + forget, for a plain training loop and the reducers.
+
+        ``grad``: the gradient, or its pieces ``[(offset, tensor)]`` covering the memory in order
+        (the DDP hook passes a bucket's compressed tensors where they lie, without a copy).
+        """
+        if isinstance(grad, torch.Tensor):
+            acc = self.accumulate(grad)
+        else:
+            pieces = list(grad)
+            numel = sum(g.numel() for _, g in pieces)
+            if numel != self.memory.numel():
+                raise ValueError(f"the gradient has {numel} entries, the error-feedback memory "
+                                 f"{self.memory.numel()}")
+            if self.enabled:
+                for off, g in pieces:
+                    self.memory[off : off + g.numel()].add_(g.reshape(-1))
+                acc = self.memory
+            else:
+                acc = torch.cat([g.reshape(-1) for _, g in pieces])
         payload = compressor.compress(acc, seed, out=out)
         self.forget(payload, compressor)
         return payload

@@ -10,12 +10,19 @@ which is reset at the touched entries only. ``m_s`` leaves a margin of several s
 over the expected number of duplicates; if a segment still falls short (rare) it is redrawn with
 ``randperm`` from the same generator, which keeps the distribution uniform. Segments with
 ``k_s > n_s / 2`` use ``randperm`` directly, ``k_s == n_s`` takes the whole segment.
+
+On the CPU the duplicates are found by sorting instead (``DistinctSampler._distinct_cpu``): one
+numpy sort of the draws, each packed with its draw number into one int64 (position high, draw
+number low), so that equal positions sit together, first draw first. The draws, and so the
+positions picked, are exactly those of the scatter method (which the other devices run); the sort
+touches only the draws (no buffer the size of the model) and costs about a third as much.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from sparsetrain.compress.layout import Layout
@@ -62,6 +69,7 @@ class DistinctSampler:
         ms = [min(_draws_needed(self.sizes[s], self.ks[s]), 64 * self.ks[s] + 64) for s in self.draw_segs]
         self.ms = ms
         dev = self.device
+        self._np: dict | None = None  # the CPU path's tables
         if self.draw_segs:
             draw_segment = torch.repeat_interleave(torch.arange(len(ms)), torch.tensor(ms))
             n_t = torch.tensor([self.sizes[s] for s in self.draw_segs], dtype=torch.int64)
@@ -85,7 +93,26 @@ class DistinctSampler:
                 ).to(dev)
             else:
                 self.draw_slots = None
+            self._np = self._numpy_tables(ms) if dev.type == "cpu" else None
         self._mark: torch.Tensor | None = None  # int32 [total], lazily allocated once
+
+    def _numpy_tables(self, ms) -> dict | None:
+        """Per-draw tables of the CPU path (None when a packed key would not fit in 63 bits)."""
+        shift = max(1, (self.num_draws - 1).bit_length())
+        if self.total.bit_length() + shift > 62:
+            return None
+        order = np.arange(self.num_draws, dtype=np.int64)
+        return {
+            "shift": shift,
+            "size": self.draw_size.numpy(),
+            "max_index": self.draw_max_index.numpy(),
+            # (segment offset << shift) | draw number: added to (local position << shift)
+            "offset_order": np.left_shift(self.draw_offset.numpy(), shift) | order,
+            "start": self.draw_start.numpy(),
+            "end": self.draw_end.numpy(),
+            "k": self.k_t.numpy(),
+            "key": np.empty(self.num_draws, dtype=np.int64),
+        }
 
     def _mark_buffer(self) -> torch.Tensor:
         if self._mark is None:
@@ -104,21 +131,10 @@ class DistinctSampler:
         picked = None
         if self.draw_segs:
             u = torch.rand(self.num_draws, generator=gen, dtype=torch.float64, device=self.device)
-            d = torch.minimum(u.mul_(self.draw_size).long(), self.draw_max_index).add_(self.draw_offset)
-            mark = self._mark_buffer()
-            mark.scatter_reduce_(0, d, self.draw_order, reduce="amin")
-            first = mark[d] == self.draw_order
-            mark.index_fill_(0, d, _INT32_MAX)
-            cs = torch.cumsum(first, 0)
-            cs0 = torch.cat([cs.new_zeros(1), cs])
-            before = cs0[self.draw_start]
-            got = cs0[self.draw_end] - before
-            rank = cs - before[self.draw_segment]  # 1-based rank among first occurrences
-            keep = first & (rank <= self.draw_k)
-            if bool((got < self.k_t).any()):
-                picked = self._top_up(d, keep, got, gen)
+            if self._np is not None:
+                picked = self._distinct_cpu(u, gen)
             else:
-                picked = d[keep]
+                picked = self._distinct_torch(u, gen)
         if not self.other_segs:
             return picked
         out = torch.empty(self.k, dtype=torch.int64, device=self.device)
@@ -127,6 +143,65 @@ class DistinctSampler:
         for s in self.other_segs:
             out[self.kstarts[s] : self.kstarts[s] + self.ks[s]] = self._segment_perm(s, gen)
         return out
+
+    def _distinct_torch(self, u: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """Positions of the uniforms ``u``; the first k_s distinct ones per segment, in draw
+        order: duplicates found by a scatter of the draw number into the mark buffer."""
+        d = torch.minimum(u.mul_(self.draw_size).long(), self.draw_max_index).add_(self.draw_offset)
+        mark = self._mark_buffer()
+        mark.scatter_reduce_(0, d, self.draw_order, reduce="amin")
+        first = mark[d] == self.draw_order
+        mark.index_fill_(0, d, _INT32_MAX)
+        cs = torch.cumsum(first, 0)
+        cs0 = torch.cat([cs.new_zeros(1), cs])
+        before = cs0[self.draw_start]
+        got = cs0[self.draw_end] - before
+        rank = cs - before[self.draw_segment]  # 1-based rank among first occurrences
+        keep = first & (rank <= self.draw_k)
+        if bool((got < self.k_t).any()):
+            return self._top_up(d, keep, got, gen)
+        return d[keep]
+
+    def _distinct_cpu(self, u: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """``_distinct_torch`` on the CPU, the same result: duplicates found by one sort.
+
+        key = (position << shift) | draw number; sorted, a key whose position equals its
+        predecessor's is a repeat (a later draw of a position already drawn). Per segment the
+        first k_s non-repeats are kept: the kept draws end at start + k_s + (repeats among them).
+        """
+        t = self._np
+        shift = t["shift"]
+        un = u.numpy()
+        np.multiply(un, t["size"], out=un)
+        key = t["key"]
+        np.copyto(key, un, casting="unsafe")  # truncation, as torch's .long()
+        np.minimum(key, t["max_index"], out=key)
+        np.left_shift(key, shift, out=key)
+        key += t["offset_order"]  # (global position << shift) | draw number
+        ordered = np.sort(key)
+        pos = ordered >> shift
+        repeats = np.sort(ordered[1:][pos[1:] == pos[:-1]] & ((1 << shift) - 1))  # their draw numbers
+        start, end, k = t["start"], t["end"], t["k"]
+        keep = np.ones(key.size, dtype=bool)
+        if repeats.size:
+            keep[repeats] = False
+            seg = np.searchsorted(end, repeats, side="right")  # the draw segment of each repeat
+            rank = np.arange(repeats.size) - np.searchsorted(repeats, start)[seg]  # among its segment's
+            kept_before = repeats - start[seg] - rank  # non-repeats drawn before it
+            early = np.bincount(seg[kept_before < k[seg]], minlength=start.size)
+            got = (end - start) - np.bincount(seg, minlength=start.size)
+            cut = start + k + early
+        else:
+            got = end - start
+            cut = start + k
+        tail = np.maximum(end - cut, 0)  # draws after a segment's k-th non-repeat: not kept
+        if tail.any():
+            first = np.cumsum(tail) - tail
+            keep[np.repeat(cut - first, tail) + np.arange(int(tail.sum()))] = False
+        if bool((got < k).any()):
+            d = torch.from_numpy(key >> shift)
+            return self._top_up(d, torch.from_numpy(keep), torch.from_numpy(got), gen)
+        return torch.from_numpy(key[keep] >> shift)
 
     def _top_up(self, d, keep, got, gen) -> torch.Tensor:
         """Rare path: a segment got fewer than k distinct draws; redraw it with randperm."""

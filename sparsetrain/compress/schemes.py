@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from sparsetrain.compress.base import Compressor, Payload
@@ -76,7 +77,11 @@ class TopK(Compressor):
         self.large = [s for s, n in enumerate(sizes) if n > self.SMALL]
         self._large_set = set(self.large)
         self._scratch = None
+        self._sample_np = None
+        self._chunks = None
         self._small = None
+        self._small_fast = None
+        self.small_ties = 0  # how often a tie sent the small segments to the batched reference
         self._mask = None
         self._thr = [0.0] * len(sizes)
         if self.large:
@@ -106,11 +111,12 @@ class TopK(Compressor):
             self._words_nz = torch.empty(self._mask.numel() // 8, dtype=torch.bool, device=acc.device)
         return self._scratch, self._mask
 
-    def _thresholds(self, sc) -> list[float]:
+    def _thresholds(self, samples) -> list[float]:
+        """Per segment the threshold from ``samples`` = |acc| at ``sample_idx`` (0.0: none)."""
         thr = [0.0] * len(self.layout)
         if not self.large:
             return thr
-        samples = sc[self.sample_idx].view(len(self.large), self.sample_m)
+        samples = samples.view(len(self.large), self.sample_m)
         top = torch.topk(samples, self.sample_kth_max, dim=1, sorted=True).values
         t = top.gather(1, self.sample_kth.view(-1, 1)).view(-1)
         t = torch.where(self.sample_full, torch.zeros_like(t), t)
@@ -147,48 +153,113 @@ class TopK(Compressor):
         self._small = (table.to(dev), pad.to(dev), kmax, keep.to(dev), slots.to(dev))
         return self._small
 
+    CHUNK = 1 << 16  # entries per chunk of the CPU pass: the chunk, its |.| and mask stay in L2
+
+    def _chunk_plan(self) -> list[tuple[int, int, int]]:
+        """``(start, end, segment)`` chunks covering the buffer: a large segment in chunks of at
+        most ``CHUNK`` entries, runs of small ones left out (nothing to compare there)."""
+        if self._chunks is None:
+            sizes, offs = self.layout.sizes, self.layout.offsets
+            self._chunks = [(a, min(a + self.CHUNK, offs[s] + sizes[s]), s)
+                            for s in self.large for a in range(offs[s], offs[s] + sizes[s], self.CHUNK)]
+        return self._chunks
+
+    def _small_groups(self, dev):
+        """The small segments in a few tables of similar lengths (padding at most ~2x, vectors up
+        to 512 entries in one), each with its row-wise k_s + 1 (for the tie check below)."""
+        if self._small_fast is not None:
+            return self._small_fast
+        sizes, offs = self.layout.sizes, self.layout.offsets
+        classes: dict[int, list[int]] = {}
+        for s, n in enumerate(sizes):
+            if n <= self.SMALL:
+                classes.setdefault(max(512, 1 << (n - 1).bit_length()), []).append(s)
+        groups = []
+        for _, segs in sorted(classes.items()):
+            lens = torch.tensor([sizes[s] for s in segs])
+            ks = torch.tensor([self.ks[s] for s in segs])
+            col = torch.arange(int(lens.max()))
+            pad = col[None, :] >= lens[:, None]
+            table = (torch.tensor([offs[s] for s in segs])[:, None] + col[None, :]).masked_fill(pad, 0)
+            distinct = torch.minimum(ks + 1, lens)  # the leading values that must differ
+            kq = int(distinct.max())
+            check = torch.arange(kq - 1)[None, :] < (distinct - 1)[:, None]
+            keep = torch.arange(kq)[None, :] < ks[:, None]
+            slots = torch.cat([torch.arange(self.kstarts[s], self.kstarts[s] + self.ks[s]) for s in segs])
+            groups.append(tuple(x.to(dev) if isinstance(x, torch.Tensor) else x
+                                for x in (table, pad, kq, check, keep, slots)))
+        self._small_fast = groups
+        return groups
+
+    def _small_grouped(self, acc, idx) -> bool:
+        """Top k_s of every small segment, by a few tables of similar lengths instead of one
+        table as wide as the largest small segment (the batched reference, up to ~15x the entries).
+        The result equals the reference's wherever it is unique: when each row's k_s + 1 largest
+        |values| are distinct (its k_s largest, in descending order, are then the only answer).
+        Returns False, writing nothing, when some row has a tie there (or a NaN): the caller then
+        runs the reference, whose tie order is its own."""
+        out = []
+        for table, pad, kq, check, keep, slots in self._small_groups(acc.device):
+            rows = torch.index_select(acc, 0, table.view(-1)).view(table.shape).abs_().masked_fill_(pad, -1.0)
+            vals, sel = torch.topk(rows, kq, dim=1, sorted=True)
+            if not bool(((vals[:, :-1] > vals[:, 1:]) | ~check).all()):
+                return False
+            out.append((slots, table.gather(1, sel)[keep]))
+        for slots, chosen in out:
+            idx.index_copy_(0, slots, chosen)
+        return True
+
     def _select_cpu(self, acc):
-        """CPU path: numpy's compare is 3x faster than torch's on one thread.
+        """CPU path in numpy (its compare and nonzero are ~3x torch's on one thread), in one pass.
 
-        |acc| once into scratch; per large segment one compare against its sampled threshold into
-        a bool mask and one flatnonzero of that slice (numpy's nonzero is ~3x torch's; a
-        two-level nonzero over 8-byte words measured slower); exact topk on the few candidates. All small segments (biases, batch-norm) in one
-        batched topk. About 4-5 gradient copies with the EF add.
+        Thresholds from the sampled |acc|; then each large segment in chunks that stay in cache:
+        |chunk|, compare against the segment's threshold, nonzero, the candidates' |acc| kept:
+        acc is read once and nothing the size of the model is written. Exact topk on each
+        segment's candidates; the small segments (biases, batch norm) in a few batched topks.
+        The candidates, their order and every topk call are those of the two-pass method it
+        replaced (full |acc| scratch, one compare per segment): the result is identical.
         """
-        import numpy as np
-
-        sc, mask = self._buffers(acc)
-        a_np, sc_np, m_np = acc.detach().numpy(), sc.numpy(), mask.numpy()
-        np.abs(a_np, out=sc_np)
-        thr = self._thresholds(sc)
+        a_np = acc.detach().numpy()
         offs, sizes = self.layout.offsets, self.layout.sizes
+        thr = [0.0] * len(self.layout)
+        if self.large:
+            if self._sample_np is None:
+                self._sample_np = self.sample_idx.numpy()
+            thr = self._thresholds(torch.from_numpy(np.abs(a_np[self._sample_np])))
+        scratch = np.empty(min(self.CHUNK, self.numel), dtype=a_np.dtype)
+        mask = np.empty(scratch.size, dtype=bool)
+        found = {s: ([], []) for s in self.large if thr[s] > 0.0}
+        for a, b, s in self._chunk_plan():
+            if s in found:
+                x, m = scratch[: b - a], mask[: b - a]
+                np.abs(a_np[a:b], out=x)
+                np.greater_equal(x, thr[s], out=m)
+                c = np.flatnonzero(m)
+                found[s][0].append(c + (a - offs[s]))
+                found[s][1].append(x[c])
         idx = torch.empty(self.k, dtype=torch.int64)
-        small = self._small_table(acc.device)
-        if small:
-            table, pad, kmax, keep, slots = small
-            rows = sc[table].masked_fill_(pad, -1.0)
+        if self._small_table(acc.device) and not self._small_grouped(acc.detach(), idx):
+            self.small_ties += 1
+            table, pad, kmax, keep, slots = self._small_table(acc.device)
+            rows = torch.index_select(acc.detach(), 0, table.view(-1)).view(table.shape).abs_().masked_fill_(pad, -1.0)
             sel = torch.topk(rows, kmax, dim=1, sorted=True).indices
             idx.index_copy_(0, slots, table.gather(1, sel)[keep])
-        if not self.large:
-            return idx, idx
         for s in self.large:
             k = self.ks[s]
             a, b = offs[s], offs[s] + sizes[s]
             dst = idx[self.kstarts[s] : self.kstarts[s] + k]
-            t = thr[s]
             c = None
-            if t > 0.0:
-                np.greater_equal(sc_np[a:b], t, out=m_np[a:b])
-                c = torch.from_numpy(np.flatnonzero(m_np[a:b]))
+            if s in found:
+                c = torch.from_numpy(np.concatenate(found[s][0]))
             if c is not None and c.numel() == k:
                 torch.add(c, a, out=dst)
             elif c is not None and c.numel() > k:
-                sel = torch.topk(sc[a:b][c], k, sorted=False).indices
+                sel = torch.topk(torch.from_numpy(np.concatenate(found[s][1])), k, sorted=False).indices
                 torch.add(c[sel], a, out=dst)
             else:  # threshold estimate too high (or none): exact on the whole segment
-                if t > 0.0:
+                if s in found:
                     self.fallbacks += 1
-                sel = torch.topk(sc[a:b], k, sorted=False).indices
+                sel = torch.topk(torch.from_numpy(np.abs(a_np[a:b])), k, sorted=False).indices
                 torch.add(sel, a, out=dst)
         return idx, idx
 
@@ -202,7 +273,7 @@ class TopK(Compressor):
         so that tests check it there against ``torch.topk`` and the numpy path."""
         sc, mask = self._buffers(acc)
         torch.abs(acc, out=sc)
-        thr = self._thresholds(sc)
+        thr = self._thresholds(sc[self.sample_idx]) if self.large else [0.0] * len(self.layout)
         offs, sizes = self.layout.offsets, self.layout.sizes
         for s, t in enumerate(thr):
             a, b = offs[s], offs[s] + sizes[s]

@@ -112,6 +112,12 @@ class DDPExchange:
         no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in
                    inspect.signature(DistributedDataParallel.__init__).parameters else "broadcast_buffers")
         kwargs[no_sync] = False
+        # sparsetrain's hook works on each bucket in place and returns it: with the gradients
+        # views of the buckets, DDP copies none into a bucket or back (the results are the same;
+        # the optimizer reads .grad, zeroed in place, and checkpoints hold no gradient). torch's
+        # hooks keep DDP's default.
+        if scheme.name not in ("powersgd", "fp16"):
+            kwargs["gradient_as_bucket_view"] = True
         self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
         self.state: Any = None  # the hook's state: SparseHookState, PowerSGDState or None (fp16)
         self.sparse: SparseHookState | None = None  # the state when it is sparsetrain's hook
