@@ -141,20 +141,22 @@ class _Bucket:
         """Error feedback and compression of the bucket's compressed tensors into the reducer's
         message, the whole tensors after the values (and, for AllGather, the positions)."""
         red = self.reducer
-        comp, k = red.compressor, red.compressor.k
+        comp, k = red.compressor, red.compressor.num_values
         pieces = [(f, buf[a : a + n]) for a, f, n in self.grad_runs]
+        wire = red._send_positions if red.aggregation == "allgather" else None
         payload = red.memory.step(pieces if len(pieces) > 1 else pieces[0][1], comp,
-                                  red.positions_seed(step), out=red._values[:k])
+                                  red.positions_seed(step), out=red._values[:k], wire=wire)
         for a, w, n in self.whole_runs:
             red._values[k + w : k + w + n].copy_(buf[a : a + n])
-        if red.aggregation == "allgather":
-            red._send_positions.copy_(payload.positions)
         return payload
 
     def unpack(self, buf: torch.Tensor, payload) -> None:
         """Overwrite the bucket with the average over ranks (after the collective)."""
         red = self.reducer
-        comp, k, world = red.compressor, red.compressor.k, red.world_size
+        comp, k, world = red.compressor, red.compressor.num_values, red.world_size
+        if not comp.sends_entries:  # a quantizer: every message decodes to the whole compressed part
+            self._unpack_dense(buf)
+            return
         own = payload.indices if payload.indices is not None else comp.indices(payload.positions)
         for a, _, n in self.grad_runs:
             buf[a : a + n].zero_()
@@ -178,6 +180,34 @@ class _Bucket:
             comp.decompress_add(values[:k], positions, buf, indices=self.place(idx))
             for a, w, n in self.whole_runs:
                 buf[a : a + n].add_(values[k + w : k + w + n])
+
+    def _unpack_dense(self, buf: torch.Tensor) -> None:
+        """``unpack`` for a compressor whose messages decode to every compressed entry (the
+        quantizers, AllGather only): every rank's message decoded in rank order, as
+        ``SparseReducer.unpack`` does, into the bucket's compressed tensors where they are one
+        run, else into a buffer in memory order copied to them."""
+        red = self.reducer
+        comp, k, world = red.compressor, red.compressor.num_values, red.world_size
+        if len(self.grad_runs) == 1:
+            a, _, n = self.grad_runs[0]
+            dense = buf[a : a + n]
+        else:
+            dense = self.__dict__.get("_dense")
+            if dense is None:
+                dense = self._dense = torch.empty(comp.numel, dtype=buf.dtype, device=buf.device)
+        dense.zero_()
+        for a, _, n in self.whole_runs:
+            buf[a : a + n].zero_()
+        size = red._message_nbytes
+        for r in range(world):
+            msg = red._recv[r * size : (r + 1) * size]
+            values = msg[: red._values_nbytes].view(red.dtype) / world
+            comp.decompress_add(values[:k], msg[red._positions_start : red._positions_end].view(red.pos_dtype), dense)
+            for a, w, n in self.whole_runs:
+                buf[a : a + n].add_(values[k + w : k + w + n])
+        if len(self.grad_runs) > 1:
+            for a, f, n in self.grad_runs:
+                buf[a : a + n].copy_(dense[f : f + n])
 
 
 class SparseHookState:

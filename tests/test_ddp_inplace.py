@@ -1,4 +1,5 @@
-"""The DDP hook on its bucket in place (issue 25, item 1) equals the hook it replaced, bit for bit.
+"""The DDP hook on its bucket in place (issue 25, item 1) equals the hook it replaced, bit for bit
+(the quantizers of issue 24 too: decoded into the bucket's compressed runs).
 
 The replaced hook copied each bucket into the reducer's ``[compressed | whole]`` order, ran
 ``SparseReducer.start`` / ``finish`` (the trainer's own sparse step) on that copy and copied it
@@ -23,6 +24,8 @@ from sparsetrain.compress import compressed_first, uncompressed_flags
 from sparsetrain.ddp import sparse_hook
 
 STEPS = 4
+# the quantizers (AllGather only): every message decodes to the bucket's whole compressed part
+QUANTIZERS = [(scheme, scope, "allgather") for scheme in ("signsgd", "qsgd") for scope in ("layerwise", "global")]
 # (uncompressed rule, error feedback): interleaved runs, one run (the whole bucket), a size rule
 VARIANTS = [("1d", True), ("1d", False), ("none", True), (200, True)]
 
@@ -81,7 +84,7 @@ def run(hook, combo, rule, error_feedback, view):
 
 def scenario(rank, world):
     out = {}
-    for combo in COMBOS:
+    for combo in COMBOS + QUANTIZERS:
         for rule, error_feedback in VARIANTS:
             for view in (False, True):
                 out[(combo, rule, error_feedback, view)] = {

@@ -44,7 +44,7 @@ class ErrorFeedback:
             return
         compressor.forget(self.memory, payload)
 
-    def step(self, grad, compressor: Compressor, seed: int = 0, out=None) -> Payload:
+    def step(self, grad, compressor: Compressor, seed: int = 0, out=None, wire=None) -> Payload:
         """accumulate + compress + forget, for a plain training loop and the reducers.
 
         ``grad``: the gradient, or its pieces ``[(offset, tensor)]`` covering the memory in order
@@ -64,7 +64,7 @@ class ErrorFeedback:
                 acc = self.memory
             else:
                 acc = torch.cat([g.reshape(-1) for _, g in pieces])
-        payload = compressor.compress(acc, seed, out=out)
+        payload = compressor.compress(acc, seed, out=out, wire=wire)
         self.forget(payload, compressor)
         return payload
 

@@ -116,7 +116,7 @@ class DDPExchange:
         # views of the buckets, DDP copies none into a bucket or back (the results are the same;
         # the optimizer reads .grad, zeroed in place, and checkpoints hold no gradient). torch's
         # hooks keep DDP's default.
-        if scheme.name not in ("powersgd", "fp16"):
+        if scheme.name not in ("powersgd", "fp16", "bf16"):
             kwargs["gradient_as_bucket_view"] = True
         self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
         self.state: Any = None  # the hook's state: SparseHookState, PowerSGDState or None (fp16)
