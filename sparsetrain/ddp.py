@@ -216,8 +216,9 @@ class SparseHookState:
 
     ``module``: the DDP model (or the module it wraps): its ``parameters()`` order names the
     parameters in the memory and in checkpoints. ``scheme``: ``none``, ``topk``, ``randk``,
-    ``blockk``; ``scope``: ``layerwise`` or ``global`` (global within a bucket);
-    ``aggregation``: ``allgather`` or ``allreduce`` (not for top-k); ``ratio`` in (0, 1];
+    ``blockk``, ``signsgd``, ``qsgd``; ``scope``: ``layerwise`` or ``global`` (global within a
+    bucket); ``aggregation``: ``allgather`` or ``allreduce`` (not for top-k and the quantizers);
+    ``ratio`` in (0, 1] (the quantizers send every entry: it does not apply to them);
     ``error_feedback``; ``uncompressed``: ``"1d"``, ``"none"`` or N; ``warmup_steps``: dense
     iterations first; ``seed``; ``compressor``: the scheme's class, or what ``scheme.compressor``
     in its conf/scheme/<scheme>.yaml instantiates to (a ``functools.partial`` of the class with

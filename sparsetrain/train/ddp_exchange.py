@@ -1,8 +1,8 @@
 """Training through torch DDP (``dist.ddp=true``): the model wrapped in DistributedDataParallel,
 the exchange done by a communication hook during backward. The hook by scheme:
 
-  topk, randk, blockk  ``sparsetrain.ddp.sparse_hook`` with the configured scope (global: within a
-                       bucket), aggregation, ratio, error feedback, ``scheme.uncompressed``,
+  topk, randk, blockk, ``sparsetrain.ddp.sparse_hook`` with the configured scope (global: within a
+  signsgd, qsgd        bucket), aggregation, ratio, error feedback, ``scheme.uncompressed``,
                        warm-up and seed
   none                 DDP's own AllReduce (through the same hook, so it is timed the same way)
   powersgd             torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
