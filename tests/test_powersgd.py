@@ -250,7 +250,7 @@ def test_config_composes_it_and_aggregation_does_not_apply():
 
 # ------------------------------------------------------------------- old runs: torch's hook
 def test_old_powersgd_runs_load_as_torchs_hook():
-    from sparsetrain.analysis.loader import row_from_summary
+    from sparsetrain.analysis.loader import collective_of, row_from_summary
     from sparsetrain.train.checkpoint import config_differences
 
     old = {"scheme": {"name": "powersgd", "compressor": None, "rank": None}, "scope": {"name": "layerwise"},
@@ -261,6 +261,7 @@ def test_old_powersgd_runs_load_as_torchs_hook():
     assert (torch_row["scheme"], torch_row["aggregation"], torch_row["ratio"]) == ("torch_powersgd", "-", 0.024)
     ours = row_from_summary({"status": "completed", "config": new}, None)
     assert (ours["scheme"], ours["aggregation"], ours["scope"]) == ("powersgd", "-", "layerwise")
+    assert collective_of(ours) == "allreduce" and collective_of(torch_row) is None  # as before for torch's
     # a run recorded as scheme=powersgd before issue 24 is scheme=torch_powersgd's (resume, skip)
     renamed = {**old, "scheme": {"name": "torch_powersgd", "compressor": None, "rank": None}}
     assert config_differences(old, renamed) == []
@@ -518,3 +519,18 @@ def test_cli_run_trains_end_to_end(path, tmp_path):
     t = s["time_ms"]
     assert t["compress"] > 0 and t["exchange"] > 0 and t["decompress"] > 0
     assert math.isclose(sum(v for k, v in t.items() if k != "step"), t["step"], rel_tol=0.05), t
+
+
+# ------------------------------------------------------------------------------- the benchmarks
+def test_compressor_benchmark_row():
+    """python -m sparsetrain.benchmarks.compress: PowerSGD's row, in gradient copies, as training
+    builds it (the composed scheme=powersgd, 1-D tensors whole)."""
+    from sparsetrain.benchmarks.compress import powersgd_row
+    from sparsetrain.models import build_model
+
+    shapes = [tuple(p.shape) for p in build_model("resnet20", 3, 10).parameters()]
+    g = torch.randn(sum(math.prod(s) for s in shapes))
+    row = powersgd_row(shapes, g, 0.01, 2, torch.device("cpu"))
+    assert (row["scheme"], row["scope"], row["rank"]) == ("powersgd", "layerwise", 1)
+    assert row["k"] == 7_791  # rank 1: P and Q of every matrix, the 1-D tensors whole
+    assert row["compress_ef_copies"] > 0 and row["decompress_copies"] > 0

@@ -287,8 +287,9 @@ def _stability(row: dict) -> str | None:
 
 def collective_of(row: dict) -> str | None:
     """The collective that carries a run's exchange after warm-up: dense SGD AllReduces, a sparse
-    scheme uses its aggregation (None when unknown)."""
-    if row.get("scheme") == DENSE:
+    scheme uses its aggregation (None when unknown); sparsetrain's PowerSGD AllReduces (its P,
+    then its Q: one AllReduce of their bytes here, one latency too few)."""
+    if row.get("scheme") in (DENSE, "powersgd"):
         return "allreduce"
     aggregation = row.get("aggregation")
     return aggregation if aggregation in ("allreduce", "allgather") else None
