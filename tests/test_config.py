@@ -41,7 +41,7 @@ def test_every_scheme_composes(scheme):
     validate(cfg, env={})
 
 
-@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk"])
+@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk", "powersgd"])
 def test_the_schemes_class_comes_from_its_yaml(scheme):
     """One route from scheme=<name> to its class: the yaml's compressor node (the tests' own table
     in conftest.py agrees with it)."""
@@ -57,13 +57,14 @@ def test_each_scheme_has_only_its_own_keys():
     assert blockk.scheme.block_size == 64 and "rank" not in blockk.scheme
     assert scheme_compressor(blockk.scheme).keywords == {"block_size": 64}  # the node passes it on
     assert make("scheme=powersgd", "scheme.rank=2").scheme.rank == 2
+    assert make("scheme=torch_powersgd", "scheme.rank=2").scheme.rank == 2
     for scheme in ("none", "topk", "randk", "fp16"):
         node = make(f"scheme={scheme}").scheme
         assert "block_size" not in node and "rank" not in node, scheme
     with pytest.raises(ConfigCompositionException):  # Hydra refuses it too, where the CLI does not check
         make("scheme=topk", "scheme.block_size=64")
-    assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd",)}
-    assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd"}
+    assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd", "torch_powersgd")}
+    assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd", "torch_powersgd"}
     assert "scheme=blockk" in HELP["scheme.block_size"] and "scheme=powersgd" in HELP["scheme.rank"]
 
 
@@ -85,9 +86,11 @@ def test_schema_rejects_typos_and_types(override):
         (["wandb.mode=loud"], "wandb.mode='loud'"),
         (["train.batch_size=0"], "train.batch_size=0"),
         (["dist.ddp=true", "world_size=1"], "dist.ddp=true is not allowed with world_size=1"),
-        (["scheme=powersgd"], "scheme=powersgd is not allowed with dist.ddp=false"),
+        (["scheme=torch_powersgd"], "scheme=torch_powersgd is not allowed with dist.ddp=false"),
         (["scheme=fp16"], "scheme=fp16 is not allowed with dist.ddp=false"),
-        (["scheme=powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=torch_powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=powersgd", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=powersgd", "scope=global"], "scope='global' is not allowed for scheme='powersgd'"),
         (["scheme=blockk", "scheme.block_size=0"], "scheme.block_size=0 is not allowed"),
         (["dist.ddp=true", "dist.bucket_cap_mb=0"], "dist.bucket_cap_mb=0.0"),
     ],
@@ -100,7 +103,7 @@ def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
 
 
 def test_unknown_group_option_is_one_line():
-    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: blockk, fp16, none, powersgd, randk, topk"):
+    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: blockk, fp16, none, powersgd, randk, topk, torch_powersgd"):
         check_overrides(["scheme=topk,nope"])
     check_overrides(["scheme=topk,randk", "ratio=0.1", "hydra.run.dir=x"])
 

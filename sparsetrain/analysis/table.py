@@ -46,9 +46,9 @@ LABELS = {
 ACCURACY_EXTRAS = ["test_accuracy_gain_last_epoch", "bytes_sent_per_step", "wire_bytes_per_step", "blew_up",
                    "loss_peak"]
 BYTES = ("bytes_sent_per_step", "dense_bytes_per_step", "wire_bytes_per_step")
-SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "fp16": 5}
+SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "torch_powersgd": 5, "fp16": 6}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
-                "powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)"}
+                "powersgd": "PowerSGD", "torch_powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)"}
 PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn", "test_accuracy_gain_last_epoch"}
 # The grid coordinates that name a missing run.
 MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warmup_steps", "world_size",

@@ -17,6 +17,7 @@ momentum) plus the row's scheme / aggregation, through the trainer's own ``build
   topk_ag    top-k, AllGather (the studies' aggregation for every scheme)
   randk_ag   random-k, AllGather          randk_ar   random-k, AllReduce (shared seed; RQ3)
   blockk_ag  block-random-k, AllGather    blockk_ar  block-random-k, AllReduce (shared seed; RQ3)
+  powersgd   sparsetrain's PowerSGD (P then Q AllReduced), its rank matched to the sparse rows' bytes
   ddp        torch DistributedDataParallel (gloo, 25 MB buckets), the baseline
 
 Every row is rebuilt and timed once per round, rows rotated round-robin, for --rounds rounds,
@@ -76,6 +77,7 @@ ROWS = {
     "randk_ar": ["scheme=randk", "aggregation=allreduce"],
     "blockk_ag": ["scheme=blockk", "aggregation=allgather"],
     "blockk_ar": ["scheme=blockk", "aggregation=allreduce"],
+    "powersgd": ["scheme=powersgd"],  # its rank matched to the sparse rows' bytes; two AllReduces
     "ddp": ["scheme=none", "dist.ddp=true"],
 }
 PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "skew", "optimizer")

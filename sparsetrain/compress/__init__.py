@@ -28,6 +28,7 @@ from sparsetrain.compress.layout import (
     parse_uncompressed,
     uncompressed_flags,
 )
+from sparsetrain.compress.powersgd import PowerSGD
 from sparsetrain.compress.sampling import DistinctSampler
 from sparsetrain.compress.schemes import BlockRandomK, NoCompression, RandomK, TopK
 
@@ -40,6 +41,7 @@ __all__ = [
     "Layout",
     "NoCompression",
     "Payload",
+    "PowerSGD",
     "RandomK",
     "TopK",
     "UNCOMPRESSED_RULES",
