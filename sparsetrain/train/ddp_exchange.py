@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsetrain.comm import ExchangeStats
 from sparsetrain.comm.powersgd import PowerSGDHookState, is_powersgd, powersgd_hook
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
+from sparsetrain.results import TORCH_HOOK_SCHEMES
 from sparsetrain.timing import PhaseTimer
 
 # DDP's bucket cap for PowerSGD on gloo: larger than any model, so every parameter is in one
@@ -119,7 +120,7 @@ class DDPExchange:
         # views of the buckets, DDP copies none into a bucket or back (the results are the same;
         # the optimizer reads .grad, zeroed in place, and checkpoints hold no gradient). torch's
         # hooks keep DDP's default.
-        if scheme.name not in ("powersgd", "fp16"):
+        if scheme.name not in TORCH_HOOK_SCHEMES:
             kwargs["gradient_as_bucket_view"] = True
         self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
         self.state: Any = None  # the hook's state: SparseHookState, PowerSGDState or None (fp16)
