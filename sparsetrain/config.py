@@ -64,7 +64,8 @@ class BlockKConfig(SchemeConfig):
 
 @dataclass
 class PowerSGDConfig(SchemeConfig):
-    """scheme=powersgd (``base_powersgd``)."""
+    """scheme=powersgd (``base_powersgd``: sparsetrain's PowerSGD) and scheme=torch_powersgd
+    (``base_torch_powersgd``: torch's PowerSGD DDP hook)."""
 
     # the matrix rank (None: the rank whose bytes come closest to the layer-wise sparse schemes'
     # at `ratio`)
@@ -84,7 +85,7 @@ class QSGDConfig(SchemeConfig):
 # ``base_<name>`` in its defaults list (the others name ``base_scheme``). A scheme's option is
 # ``scheme.<option>`` on the command line; with another scheme it is refused in one line.
 SCHEME_SCHEMAS: dict[str, type[SchemeConfig]] = {"blockk": BlockKConfig, "powersgd": PowerSGDConfig,
-                                                  "qsgd": QSGDConfig}
+                                                  "torch_powersgd": PowerSGDConfig, "qsgd": QSGDConfig}
 
 
 def scheme_options() -> dict[str, tuple[str, ...]]:
@@ -181,7 +182,8 @@ class DistConfig:
     # Train through torch DistributedDataParallel: the exchange runs in a DDP communication hook
     # during backward, overlapped with it (sparsetrain.train.ddp_exchange): the scheme as
     # sparsetrain.ddp.sparse_hook (scope=global: global within a bucket), dense SGD as DDP's own
-    # AllReduce, scheme=powersgd / fp16 / bf16 as torch's hooks.
+    # AllReduce, scheme=powersgd as sparsetrain's PowerSGD hook, scheme=torch_powersgd / fp16 / bf16
+    # as torch's hooks.
     ddp: bool = False
     bucket_cap_mb: float = 25.0  # DDP's bucket size (PowerSGD on gloo: one bucket, see ddp_exchange)
 
@@ -230,7 +232,7 @@ def group_options(group: str) -> list[str]:
 # One line per group and key: what `--help` prints. tests/test_config.py checks that every key of
 # the schema has one, so a new key cannot be left undescribed.
 GROUP_HELP = {
-    "scheme": "how gradients are compressed: none (dense SGD), topk, randk, blockk, signsgd, qsgd; powersgd, fp16, bf16 need dist.ddp=true",
+    "scheme": "how gradients are compressed: none (dense SGD), topk, randk, blockk, powersgd, signsgd, qsgd; torch_powersgd, fp16, bf16 need dist.ddp=true",
     "scope": "layerwise (k per tensor) or global (one k over the flattened model)",
     "aggregation": "allgather (own positions, gathered) or allreduce (shared positions, summed; not topk)",
     "model": "resnet20 (0.27M parameters) or resnet18 (CIFAR variant, 11.2M, the paper's)",
@@ -248,7 +250,7 @@ HELP = {
     "scheme.block_size": "scheme=blockk only, with scope=global: entries per contiguous block",
     "scheme.uncompressed": "tensors sent whole: 1d (biases, batch-norm), none, or N (tensors under N entries)",
     "scheme.warmup_steps": "exchange densely for the first N steps, then compress (memory starts empty)",
-    "scheme.rank": "scheme=powersgd only: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
+    "scheme.rank": "scheme=powersgd, torch_powersgd only: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
     "scheme.levels": "scheme=qsgd only: quantization levels s per tensor, an integer in [1, 65535] (1 + ceil(log2(s+1)) bits an entry)",
     "scope.name": "the scope (set it with scope=...)",
     "aggregation.name": "the aggregation (set it with aggregation=...)",
@@ -601,7 +603,7 @@ def _check_milestones(milestones: list[float]) -> None:
 
 
 def _check_ddp(cfg: Any) -> None:
-    """``dist.ddp`` needs a process group; torch's hooks (scheme=powersgd, fp16) need DDP."""
+    """``dist.ddp`` needs a process group; torch's hooks (scheme=torch_powersgd, fp16) need DDP."""
     from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES
 
     if cfg.dist.ddp and cfg.world_size < 2:

@@ -464,9 +464,11 @@ def hook_numel(shapes, ratio: float, uncompressed="1d") -> int:
 
 
 def matched_powersgd_rank(shapes, ratio: float) -> int:
-    """The PowerSGD rank (1-64) whose bytes come closest to the layer-wise hook's at ``ratio``."""
-    target = hook_numel(shapes, ratio)
-    return min(range(1, 65), key=lambda r: abs(powersgd_numel(shapes, r) - target))
+    """The rank (1-64) at which torch's PowerSGD hook's bytes come closest to the layer-wise
+    hook's at ``ratio`` (the rule of sparsetrain's PowerSGD too: ``compress.powersgd.closest_rank``)."""
+    from sparsetrain.compress.powersgd import closest_rank
+
+    return closest_rank(lambda r: powersgd_numel(shapes, r), hook_numel(shapes, ratio))
 
 
 def sparse_hook(state: SparseHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

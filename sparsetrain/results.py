@@ -311,10 +311,21 @@ class NullWriter:
 
 # Schemes that are torch's own DDP communication hooks (PowerSGD, fp16 and bf16 compression): they
 # run only through DDP (dist.ddp=true) and have no scope or aggregation of sparsetrain's.
-TORCH_HOOK_SCHEMES = ("powersgd", "fp16", "bf16")
+TORCH_HOOK_SCHEMES = ("torch_powersgd", "fp16", "bf16")
 # Schemes that send every entry, quantized (sparsetrain.compress.quantize): ``ratio`` does not
 # apply to them (the analysis records 1.0, as for fp16 and bf16).
 QUANTIZER_SCHEMES = ("signsgd", "qsgd")
+
+
+def recorded_scheme(node: Any) -> Any:
+    """The scheme a recorded config (``scheme`` node, or its bare name) ran. Until sparsetrain had
+    a PowerSGD of its own (issue 24), ``scheme=powersgd`` was torch's DDP hook, recorded with no
+    compressor (``compressor: null``); it is ``torch_powersgd`` now. sparsetrain's PowerSGD
+    records its compressor node."""
+    name = node.get("name") if isinstance(node, dict) else node
+    if name == "powersgd" and not (isinstance(node, dict) and node.get("compressor")):
+        return "torch_powersgd"
+    return name
 
 # A run "did not train" when its final training loss is no better than a uniform guess over the
 # classes (ln C, 2.30 for 10 classes): such a run diverged or never left the start, and its

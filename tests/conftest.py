@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The tests' own table from a scheme's name to its class; training has no such table, it takes the
 # class from conf/scheme/<name>.yaml (tests/test_config.py checks that the two agree).
 SCHEME_CLASSES = {"none": "NoCompression", "topk": "TopK", "randk": "RandomK", "blockk": "BlockRandomK",
-                  "signsgd": "SignSGD", "qsgd": "QSGD"}
+                  "powersgd": "PowerSGD", "signsgd": "SignSGD", "qsgd": "QSGD"}
 
 
 def compressor_for(scheme: str, block_size: int | None = None):

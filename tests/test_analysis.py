@@ -510,8 +510,8 @@ def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):
 
     runs = sa.load_runs(results / "ddp_hooks")
     assert set(runs["exchange"]) == {"ddp hook"}
-    assert set(runs["scheme"]) == {"dense", "blockk", "powersgd"}
-    psgd = runs[runs["scheme"] == "powersgd"].iloc[0]
+    assert set(runs["scheme"]) == {"dense", "blockk", "torch_powersgd"}  # recorded as powersgd before issue 24
+    psgd = runs[runs["scheme"] == "torch_powersgd"].iloc[0]
     assert (psgd["scope"], psgd["aggregation"], psgd["ratio"]) == ("-", "-", 0.01)
     assert set(sa.load_runs(results / "rq1_scope")["exchange"]) == {"trainer"}
     table = ddp_hooks_table(runs)
@@ -814,7 +814,7 @@ def test_beyond_the_paper_judges_the_ddp_fair_study_from_its_presets_configs():
     from sparsetrain.analysis.findings import BEYOND_FINDINGS, verdict
     from sparsetrain.analysis.loader import row_from_summary
 
-    accuracy = {"none": 0.92, "blockk": 0.89, "powersgd": 0.895}
+    accuracy = {"none": 0.92, "blockk": 0.89, "torch_powersgd": 0.895}
     rows = []
     config.register()
     with initialize_config_dir(str(config.CONF_DIR), version_base=None):

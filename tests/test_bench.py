@@ -136,8 +136,8 @@ def test_bench_ddp_tiny_end_to_end(tmp_path):
     (res,) = json.loads((tmp_path / "ddp.json").read_text())["results"]
     assert res["meta"]["label"] == "paper" and res["meta"]["powersgd_rank"] == 3
     configs = res["configs"]
-    assert set(configs) == {"compute", "ddp", "ddp_fp16", "ddp_bf16", "ddp_powersgd", "ddp_blockk", "ddp_randk",
-                            "ddp_topk", "reducer_blockk"}
+    assert set(configs) == {"compute", "ddp", "ddp_fp16", "ddp_bf16", "ddp_powersgd", "ddp_st_powersgd", "ddp_blockk",
+                            "ddp_randk", "ddp_topk", "reducer_blockk"}
     assert all(c["step_ms"] > 0 for c in configs.values())
     sent = {k: c["bytes_sent_per_step"] for k, c in configs.items()}
     assert sent["compute"] == 0 and sent["ddp_fp16"] * 2 == sent["ddp"] == sent["ddp_bf16"] * 2

@@ -13,7 +13,7 @@ PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "
     [
         ("world_size=0", "world_size=0 is not allowed"),
         ("ratio=2", "ratio=2.0 is not allowed"),
-        ("scheme=nope", "scheme='nope' is not allowed; choose one of: bf16, blockk, fp16, none, powersgd, qsgd, randk, signsgd, topk"),
+        ("scheme=nope", "scheme='nope' is not allowed; choose one of: bf16, blockk, fp16, none, powersgd, qsgd, randk, signsgd, topk, torch_powersgd"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(override, needle, tmp_path):

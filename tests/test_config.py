@@ -41,7 +41,7 @@ def test_every_scheme_composes(scheme):
     validate(cfg, env={})
 
 
-@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk", "signsgd", "qsgd"])
+@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk", "powersgd", "signsgd", "qsgd"])
 def test_the_schemes_class_comes_from_its_yaml(scheme):
     """One route from scheme=<name> to its class: the yaml's compressor node (the tests' own table
     in conftest.py agrees with it)."""
@@ -57,6 +57,7 @@ def test_each_scheme_has_only_its_own_keys():
     assert blockk.scheme.block_size == 64 and "rank" not in blockk.scheme
     assert scheme_compressor(blockk.scheme).keywords == {"block_size": 64}  # the node passes it on
     assert make("scheme=powersgd", "scheme.rank=2").scheme.rank == 2
+    assert make("scheme=torch_powersgd", "scheme.rank=2").scheme.rank == 2
     assert make("scheme=qsgd", "scheme.levels=3").scheme.levels == 3
     assert scheme_compressor(make("scheme=qsgd", "scheme.levels=3").scheme).keywords == {"levels": 3}
     for scheme in ("none", "topk", "randk", "fp16", "bf16", "signsgd"):
@@ -64,9 +65,9 @@ def test_each_scheme_has_only_its_own_keys():
         assert "block_size" not in node and "rank" not in node and "levels" not in node, scheme
     with pytest.raises(ConfigCompositionException):  # Hydra refuses it too, where the CLI does not check
         make("scheme=topk", "scheme.block_size=64")
-    assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd",),
+    assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd", "torch_powersgd"),
                                 "scheme.levels": ("qsgd",)}
-    assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd", "qsgd"}
+    assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd", "torch_powersgd", "qsgd"}
     assert "scheme=blockk" in HELP["scheme.block_size"] and "scheme=powersgd" in HELP["scheme.rank"]
 
 
@@ -88,14 +89,16 @@ def test_schema_rejects_typos_and_types(override):
         (["wandb.mode=loud"], "wandb.mode='loud'"),
         (["train.batch_size=0"], "train.batch_size=0"),
         (["dist.ddp=true", "world_size=1"], "dist.ddp=true is not allowed with world_size=1"),
-        (["scheme=powersgd"], "scheme=powersgd is not allowed with dist.ddp=false"),
+        (["scheme=torch_powersgd"], "scheme=torch_powersgd is not allowed with dist.ddp=false"),
         (["scheme=fp16"], "scheme=fp16 is not allowed with dist.ddp=false"),
         (["scheme=bf16"], "scheme=bf16 is not allowed with dist.ddp=false"),
         (["scheme=signsgd", "aggregation=allreduce"], "aggregation='allreduce' is not available for scheme='signsgd'"),
         (["scheme=qsgd", "aggregation=allreduce"], "aggregation='allreduce' is not available for scheme='qsgd'"),
         (["scheme=qsgd", "scheme.levels=0"], "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
         (["scheme=qsgd", "scheme.levels=70000"], "scheme.levels=70000 is not allowed"),
-        (["scheme=powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=torch_powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=powersgd", "scheme.rank=0"], "scheme.rank=0"),
+        (["scheme=powersgd", "scope=global"], "scope='global' is not allowed for scheme='powersgd'"),
         (["scheme=blockk", "scheme.block_size=0"], "scheme.block_size=0 is not allowed"),
         (["dist.ddp=true", "dist.bucket_cap_mb=0"], "dist.bucket_cap_mb=0.0"),
     ],
@@ -108,7 +111,7 @@ def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
 
 
 def test_unknown_group_option_is_one_line():
-    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: bf16, blockk, fp16, none, powersgd, qsgd, randk, signsgd, topk"):
+    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: bf16, blockk, fp16, none, powersgd, qsgd, randk, signsgd, topk, torch_powersgd"):
         check_overrides(["scheme=topk,nope"])
     check_overrides(["scheme=topk,randk", "ratio=0.1", "hydra.run.dir=x"])
 

@@ -53,7 +53,7 @@ def test_ddp_hook_at_ratio_one_trains_the_dense_model(tmp_path):
     assert worst < 1e-5, worst
 
 
-@pytest.mark.parametrize("scheme, bytes_per_entry", [("powersgd", None), ("fp16", 2), ("bf16", 2)])
+@pytest.mark.parametrize("scheme, bytes_per_entry", [("torch_powersgd", None), ("fp16", 2), ("bf16", 2)])
 def test_ddp_torch_hooks_train_and_report_their_bytes(scheme, bytes_per_entry, tmp_path):
     run, s = _run(tmp_path, scheme, f"scheme={scheme}", "dist.ddp=true")
     assert s["status"] == "completed" and s["train_loss"] is not None

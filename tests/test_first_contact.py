@@ -365,7 +365,7 @@ def test_unknown_key_of_the_chosen_scheme_stops_with_one_line(tmp_path):
         ("scheme.block_size=64",): "scheme=none has no key 'block_size'",  # the default scheme
         ("-m", "scheme=blockk,randk", "scheme.block_size=64"): "scheme=randk has no key 'block_size'",
         ("-m", "experiment=rq2_scheme", "scheme.block_size=64"): "scheme=topk has no key 'block_size'",
-        ("scheme=blockk", "scheme.rank=2"): "scheme.rank=2: scheme=blockk has no key 'rank'; rank belongs to scheme=powersgd",
+        ("scheme=blockk", "scheme.rank=2"): "scheme.rank=2: scheme=blockk has no key 'rank'; rank belongs to scheme=powersgd or scheme=torch_powersgd",
     }
     for args, needle in refused.items():
         with pytest.raises(ConfigError) as info:

@@ -77,14 +77,17 @@ RESUME = (*TINY, "world_size=2", "train.epochs=2", "train.log_every=1", "train.s
 
 
 # The DDP path (dist.ddp) too: several buckets (a small cap), so DDP rebuilds them, and positions
-# drawn per bucket must come out the same after the restart; torch's PowerSGD hook with its state.
+# drawn per bucket must come out the same after the restart; torch's PowerSGD hook with its state;
+# sparsetrain's PowerSGD (memory and Q) through the trainer's exchange and through its DDP hook.
 RESUMED_CONFIGS = {
     "dense": ("scheme=none",),
     "blockk": ("scheme=blockk",),
     "ddp-randk-global": ("scheme=randk", "scope=global", "dist.ddp=true", "dist.bucket_cap_mb=0.05"),
     "ddp-blockk-allreduce": ("scheme=blockk", "aggregation=allreduce", "dist.ddp=true",
                              "dist.bucket_cap_mb=0.05", "scheme.warmup_steps=3"),
-    "ddp-powersgd": ("scheme=powersgd", "dist.ddp=true"),
+    "ddp-torch-powersgd": ("scheme=torch_powersgd", "dist.ddp=true"),
+    "powersgd": ("scheme=powersgd", "scheme.rank=2", "scheme.warmup_steps=2"),
+    "ddp-powersgd": ("scheme=powersgd", "dist.ddp=true", "dist.bucket_cap_mb=0.05"),
 }
 
 

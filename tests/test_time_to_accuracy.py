@@ -61,7 +61,7 @@ def _curve_step(final, target, planned=3, per_epoch=10):
 
 def test_time_to_accuracy_arithmetic(tmp_path):
     runs = sa.load_runs(_sweep(tmp_path / "r"))
-    table = tta.time_to_accuracy_table(runs, 0.5, [1, 10], [8], tta.default_model(ALPHA))
+    table = tta.time_to_accuracy_table(runs, 0.5, [1, 10], [8], tta.default_model(ALPHA), compute="own")
     data = table.data.set_index(["scheme", "bandwidth_gbit", "workers"])
     for scheme in ("dense", "topk"):
         config = "none" if scheme == "dense" else "topk"
@@ -89,6 +89,41 @@ def test_time_to_accuracy_arithmetic(tmp_path):
             assert row["time_to_target_s_std"] == pytest.approx(abs(times[0] - times[1]) / math.sqrt(2), rel=1e-9)
             assert (row["reached"], row["n"]) == (2, 2)
     assert "alpha 50 us" in table.notes[-3] and "defaults" in table.notes[-3]
+
+
+def test_shared_compute_is_the_median_of_the_same_work_and_break_even_names_the_winner(tmp_path):
+    """Compute is the same work for every scheme: each prediction uses the median over the runs of
+    the same model, data and batch; the break-even map then compares dense SGD with the best
+    compressed configuration at each bandwidth, only where every seed reached the target."""
+    from sparsetrain.analysis.break_even import break_even_table, plot_break_even
+
+    runs = sa.load_runs(_sweep(tmp_path / "r"))
+    local = sorted(tta.compute_ms(row) for _, row in runs.iterrows())  # 4 runs: seeds x schemes
+    shared = tta.shared_compute_ms(runs)
+    assert list(shared) == pytest.approx([(local[1] + local[2]) / 2] * 4)
+    model = tta.default_model(ALPHA)
+    table = tta.time_to_accuracy_table(runs, 0.5, [0.01, 100], [8], model)
+    data = table.data.set_index(["scheme", "bandwidth_gbit"])
+    for _, run in runs.iterrows():
+        own, _ = tta.predict_step_ms(run.to_dict(), 8, 1e9 * 100, model, shared.iloc[0])
+        assert own == pytest.approx(tta.predict_step_ms(run.to_dict(), 8, 1e11, model)[0]
+                                    - tta.compute_ms(run) + shared.iloc[0])
+    assert "median measured data + forward" in " ".join(table.notes)
+    even = break_even_table(table)
+    rows = even.data.set_index("bandwidth_gbit")
+    # at 0.01 Gbit/s dense SGD's 1 MB AllReduce takes seconds: top-k wins; elsewhere the numbers say
+    for gbit in (0.01, 100):
+        dense_s = data.loc[("dense", gbit), "time_to_target_s_mean"]
+        topk_s = data.loc[("topk", gbit), "time_to_target_s_mean"]
+        assert rows.loc[gbit, "speedup"] == pytest.approx(dense_s / topk_s)
+        assert rows.loc[gbit, "fastest"] == ("top-k" if topk_s < dense_s else "dense SGD")
+    assert rows.loc[0.01, "speedup"] > 1
+    assert even.display["speed-up"].iloc[0].endswith("x")
+    # a configuration with a seed that never reached the target does not compete
+    never = break_even_table(tta.time_to_accuracy_table(runs, 0.99, [1], [8], model))
+    assert never.display["fastest"].iloc[0] == "none reached" and math.isnan(never.data["speedup"].iloc[0])
+    plot_break_even(even)  # draws
+    plot_break_even(never)
 
 
 def test_warmup_steps_are_dense_steps(tmp_path):
@@ -140,7 +175,9 @@ def test_cli_time_to_accuracy(tmp_path):
     assert "Time to 50% test accuracy" in proc.stdout and "alpha 50 us" in proc.stdout
     for ext in ("md", "csv", "tex", "png", "pdf"):
         assert (out / f"time_to_accuracy.{ext}").stat().st_size > 0
-    assert len(proc.stdout.split("| top-k")) - 1 == 6  # 3 bandwidths x 2 worker counts
+    tta_part = proc.stdout.split("Break-even map")[0]
+    assert len(tta_part.split("| top-k")) - 1 == 6  # 3 bandwidths x 2 worker counts
+    assert "Break-even map" in proc.stdout and (out / "break_even.png").stat().st_size > 0
     bad = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(root), "--time-to-accuracy", "85",
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "fraction" in bad.stderr

@@ -113,6 +113,7 @@ def _numbers(parser, flag: str, text: str, kind=float) -> list:
 
 
 def _time_to_accuracy(parser, args, where) -> int:
+    from .break_even import break_even_table, plot_break_even
     from .figures import save_figure
     from .table import write_table
     from .time_to_accuracy import (
@@ -146,8 +147,13 @@ def _time_to_accuracy(parser, args, where) -> int:
     table = time_to_accuracy_table(runs, target, bandwidths, workers, model)
     written = [*write_table(table, args.out).values()]
     written += save_figure(plot_time_to_accuracy(table), args.out, "time_to_accuracy").values()
+    # which configuration gets there first, against the best dense baseline, at each point
+    even = break_even_table(table)
+    written += [*write_table(even, args.out).values()]
+    written += save_figure(plot_break_even(even), args.out, "break_even").values()
     if not args.quiet:
         print(table.to_markdown())
+        print(even.to_markdown())
     print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
     return 0
 

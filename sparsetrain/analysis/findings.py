@@ -148,7 +148,8 @@ FINDINGS: tuple[Finding, ...] = (
 DDP_FAIR = {**HEADLINE, "exchange": "ddp hook", "warmup_steps": 2}
 BLOCKK_AT_POWERSGD_BYTES = 0.0238
 _DDP_BLOCKK = {"scheme": "blockk", "ratio": BLOCKK_AT_POWERSGD_BYTES, "scope": "layerwise", **TWO_WORKERS}
-_DDP_POWERSGD = {"scheme": "powersgd", "ratio": BLOCKK_AT_POWERSGD_BYTES, "world_size": 2}
+# torch's hook (runs recorded as scheme=powersgd before issue 24 load as torch_powersgd)
+_DDP_POWERSGD = {"scheme": "torch_powersgd", "ratio": BLOCKK_AT_POWERSGD_BYTES, "world_size": 2}
 _DENSE_HEADLINE = {"scheme": "dense", "world_size": 2, "exchange": "trainer", "warmup_steps": 0}
 BEYOND_FINDINGS: tuple[Finding, ...] = (
     Finding("ddp_fair", "Inside DDP at equal bytes: block-random-k (AllGather) against torch's PowerSGD "

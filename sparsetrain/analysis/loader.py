@@ -35,6 +35,7 @@ from sparsetrain.results import (  # stdlib only, no torch
     STABILITY_FROM_STEP,
     TORCH_HOOK_SCHEMES,
     peak_loss_of,
+    recorded_scheme,
     stability_of,
     unfinished_reason,
     untrained_reason,
@@ -155,7 +156,7 @@ def _block_size(cfg: dict, scheme: str | None):
 
 
 def _axes_from_config(cfg: dict) -> dict:
-    scheme = _name(cfg.get("scheme"))
+    scheme = recorded_scheme(cfg.get("scheme"))  # scheme=powersgd before issue 24: torch_powersgd
     row = {
         "scheme": scheme,
         "scope": _name(cfg.get("scope")),
@@ -185,7 +186,9 @@ def _axes_from_config(cfg: dict) -> dict:
             row[axis] = NOT_APPLICABLE
         if scheme in ("fp16", "bf16"):
             row["ratio"] = 1.0  # every entry, in half the bytes
-        return row  # powersgd keeps its ratio: its rank is matched to that ratio's bytes
+        return row  # torch_powersgd keeps its ratio: its rank is matched to that ratio's bytes
+    if scheme == "powersgd":  # two AllReduces whatever the key says (its rank, too, is matched to ratio)
+        row["aggregation"] = NOT_APPLICABLE
     if scheme in QUANTIZER_SCHEMES:
         row["ratio"] = 1.0  # every entry, in a few bits
     if scheme in ("none", DENSE):
@@ -289,8 +292,9 @@ def _stability(row: dict) -> str | None:
 
 def collective_of(row: dict) -> str | None:
     """The collective that carries a run's exchange after warm-up: dense SGD AllReduces, a sparse
-    scheme uses its aggregation (None when unknown)."""
-    if row.get("scheme") == DENSE:
+    scheme uses its aggregation (None when unknown); sparsetrain's PowerSGD AllReduces (its P,
+    then its Q: one AllReduce of their bytes here, one latency too few)."""
+    if row.get("scheme") in (DENSE, "powersgd"):
         return "allreduce"
     aggregation = row.get("aggregation")
     return aggregation if aggregation in ("allreduce", "allgather") else None

@@ -46,11 +46,11 @@ LABELS = {
 ACCURACY_EXTRAS = ["test_accuracy_gain_last_epoch", "bytes_sent_per_step", "wire_bytes_per_step", "blew_up",
                    "loss_peak"]
 BYTES = ("bytes_sent_per_step", "dense_bytes_per_step", "wire_bytes_per_step")
-SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "fp16": 5, "bf16": 6,
-                "signsgd": 7, "qsgd": 8}
+SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "torch_powersgd": 5, "fp16": 6,
+                "bf16": 7, "signsgd": 8, "qsgd": 9}
 SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
-                "powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)", "bf16": "bf16 (torch hook)",
-                "signsgd": "signSGD (EF, scaled)", "qsgd": "QSGD"}
+                "powersgd": "PowerSGD", "torch_powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)",
+                "bf16": "bf16 (torch hook)", "signsgd": "signSGD (EF, scaled)", "qsgd": "QSGD"}
 PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn", "test_accuracy_gain_last_epoch"}
 # The grid coordinates that name a missing run.
 MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warmup_steps", "world_size",

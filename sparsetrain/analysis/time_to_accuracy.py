@@ -124,12 +124,33 @@ def _ms(row, phase: str) -> float:
     return math.nan if value is None else float(value)
 
 
-def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeModel) -> tuple[float, float]:
+def compute_ms(row) -> float:
+    """The run's measured compute per step (``COMPUTE_PHASES``, ms)."""
+    return sum(_ms(row, p) for p in COMPUTE_PHASES)
+
+
+def shared_compute_ms(runs: pd.DataFrame) -> pd.Series:
+    """Per run, the median measured compute of all runs with its model, data and batch size.
+
+    The same model and batch is the same work whatever the scheme, but runs timed on a shared
+    machine measure it anywhere from 160 to 450 ms per step as the load changes (the second
+    pass's 2-rank ResNet-20 runs): a scheme would win or lose by the load it met. The median over
+    every run of that work is what each prediction uses (``compute="shared"``)."""
+    keys = [k for k in ("model", "data", "batch_size") if k in runs]
+    values = runs.apply(compute_ms, axis=1)
+    if not keys:
+        return pd.Series(values.median(), index=runs.index)
+    return values.groupby([runs[k].astype(str) for k in keys]).transform("median")
+
+
+def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeModel,
+                    compute: float | None = None) -> tuple[float, float]:
     """``(compressing step, warm-up step)`` in ms for a loader row at ``workers`` and ``rate_bits``:
-    measured compute phases + predicted exchange (``costmodel.CostModel.step_ms``)."""
+    measured compute phases (or ``compute`` ms given) + predicted exchange
+    (``costmodel.CostModel.step_ms``)."""
     collective = collective_of(row)
     world_ref = int(row["world_size"])
-    compute = sum(_ms(row, p) for p in COMPUTE_PHASES)
+    compute = compute_ms(row) if compute is None else compute
     decompress = _ms(row, "decompress")
     schemes = {
         "run": SchemeCost("run", collective, float(row["bytes_sent_per_step"]), _ms(row, "compress"), decompress,
@@ -158,16 +179,23 @@ def _warmup(row) -> int:
         return 0
 
 
-def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, model: ExchangeModel) -> pd.DataFrame:
+def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, model: ExchangeModel,
+                 compute: str = "shared") -> pd.DataFrame:
     """One row per (completed run, bandwidth, workers): predicted step ms, steps and seconds to
-    ``target`` (NaN: not reached), with the run's axes."""
+    ``target`` (NaN: not reached), with the run's axes. ``compute``: ``"shared"`` (the median of
+    the runs of the same work, ``shared_compute_ms``) or ``"own"`` (each run's measurement)."""
+    if compute not in ("shared", "own"):
+        raise ValueError(f"compute={compute!r} is not allowed; allowed: shared, own")
     rows = []
-    for _, run in completed(runs).iterrows():
+    done = completed(runs)
+    shared = shared_compute_ms(done) if compute == "shared" else None
+    for index, run in done.iterrows():
         run = run.to_dict()
+        own = None if shared is None else float(shared[index])
         steps = steps_to_target(accuracy_curve(run["run_dir"]), target) if isinstance(run.get("run_dir"), str) else math.nan
         for gbit in bandwidths_gbit:
             for w in workers:
-                step_ms, warm_ms = predict_step_ms(run, int(w), float(gbit) * 1e9, model)
+                step_ms, warm_ms = predict_step_ms(run, int(w), float(gbit) * 1e9, model, own)
                 rows.append({**run, "bandwidth_gbit": float(gbit), "workers": int(w),
                              "predicted_step_ms": step_ms, "predicted_warmup_step_ms": warm_ms,
                              "steps_to_target": steps, "reached": float(not math.isnan(steps)),
@@ -184,23 +212,30 @@ def _mean_std(values: pd.Series, digits: str) -> str:
         return "not reached"
     text = format(values.mean(), digits)
     if len(values) > 1:
-        text += f" ± {format(values.std(ddof=1), digits)}"
+        spread = values.std(ddof=1)
+        if spread <= 1e-9 * abs(values.mean()):  # equal values summed in another order: no spread
+            spread = 0.0
+        text += f" ± {format(spread, digits)}"
     return text
 
 
 def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=(1, 10, 100), workers=(8, 64),
-                           model: ExchangeModel | None = None) -> Table:
+                           model: ExchangeModel | None = None, compute: str = "shared") -> Table:
     """Configuration (scheme + the axes that vary) x bandwidth x workers: predicted step ms,
     steps to ``target`` and time to ``target`` (mean ± std over the seeds that reached it, and
-    how many of the seeds did). Runs that did not complete or did not train are listed under it."""
+    how many of the seeds did). Runs that did not complete or did not train are listed under it.
+    ``compute``: see ``predict_runs``."""
     model = model or default_model()
     done = completed(runs)
     missing = not_completed(runs).reset_index(drop=True)
     title = f"Time to {target * 100:g}% test accuracy: measured compute + predicted exchange"
     notes = [
         f"Exchange: {model.source}.",
-        "Predicted step = the run's measured data + forward + backward + compress + decompress + "
-        "optimizer (ms/step) + the predicted exchange of its payload through its collective; "
+        ("Predicted step = the median measured data + forward + backward + optimizer of all runs of the "
+         "same model, data and batch (the same work for every scheme; on a shared machine its timing "
+         "follows the load, not the scheme) + the run's own compress + decompress" if compute == "shared" else
+         "Predicted step = the run's measured data + forward + backward + compress + decompress + optimizer")
+        + " (ms/step) + the predicted exchange of its payload through its collective; "
         "AllGather's decompress scales with workers; warm-up steps as dense steps.",
         "Steps to target: linear between the run's evaluations, not extrapolated; measured at the "
         "run's own workers and global batch and assumed unchanged at other worker counts. "
@@ -210,7 +245,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=(1
         return Table("time_to_accuracy", title, pd.DataFrame(), pd.DataFrame(), missing, notes)
     by = ["scheme", *[a for a in varying_axes(done) if a != "scheme"]]
     notes = _constant_note(done, by) + notes
-    data = predict_runs(done, target, bandwidths_gbit, workers, model)
+    data = predict_runs(done, target, bandwidths_gbit, workers, model, compute)
     keys = [*by, "bandwidth_gbit", "workers"]
     for column in by:
         data[column] = data[column].astype(object).where(data[column].notna(), "-")
@@ -296,7 +331,7 @@ def plot_time_to_accuracy(table: Table) -> object:
 
 
 __all__ = [
-    "COMPUTE_PHASES", "DEFAULT_ALPHA_S", "ExchangeModel", "accuracy_curve", "default_model",
-    "fitted_model", "plot_time_to_accuracy", "predict_runs", "predict_step_ms", "steps_to_target",
+    "COMPUTE_PHASES", "DEFAULT_ALPHA_S", "ExchangeModel", "accuracy_curve", "compute_ms", "default_model",
+    "fitted_model", "plot_time_to_accuracy", "predict_runs", "predict_step_ms", "shared_compute_ms", "steps_to_target",
     "time_to_accuracy_table", "time_to_target_s",
 ]

@@ -4,6 +4,10 @@ Measures, on the ResNet-18 (CIFAR) gradient (11,173,962 floats, real tensor shap
   compress+EF  = memory += grad; choose k entries; gather values; zero them in memory
                  (signsgd, qsgd: memory += grad; scales and packed codes; memory -= decoded)
   decompress   = out.zero_(); expand positions; out[idx] += values (quantizers: unpack, decode, add)
+and PowerSGD (``scheme=powersgd``, layer-wise, its rank matched to the sparse schemes' bytes at
+--ratio, the 1-D tensors whole as it trains), one rank, no collective:
+  compress+EF  = memory += grad; Q orthogonalised; P = M Q; P orthogonalised; Q = M^T P
+  decompress   = P Q^T into the buffer; memory -= it
 "copies" = the median over repeats of (time of the call / time of one gradient copy timed right
 before it), so that load changes on a shared machine cancel out; next to references measured in
 the same run: one ``out.copy_(g)`` (the unit), an EF add,
@@ -158,11 +162,44 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
             rows.append({"scheme": scheme, "scope": scope, "k": comp.k,
                          "compress_ef_ms": c_ms, "compress_ef_copies": c_cp,
                          "decompress_ms": d_ms, "decompress_copies": d_cp})
+    rows.append(powersgd_row(shapes, g, ratio, repeats, device))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
             "references_ms": ref,
             "references_copies": {a: ref_cp.get(a, b / copy_ms) for a, b in ref.items()},
             "schemes": rows}
+
+
+def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device) -> dict:
+    """PowerSGD's row: the reducer training builds (``scheme=powersgd``: the composed config's
+    compressor node, ``scheme.uncompressed``) on one rank, its compression (error feedback, both
+    projections and orthogonalisations: the matmuls of both factors) and its decompression, each
+    timed against a copy of the gradient right before it."""
+    from sparsetrain.comm.powersgd import build_powersgd_reducer
+    from sparsetrain.compress import uncompressed_flags
+    from sparsetrain.config import compose, scheme_compressor
+
+    cfg = compose(["scheme=powersgd", f"ratio={ratio}"])
+    flags = uncompressed_flags(shapes, cfg.scheme.uncompressed)
+    red = build_powersgd_reducer(scheme_compressor(cfg.scheme), cfg.ratio, cfg.scope.name, shapes, flags,
+                                 world_size=1, rank=0, seed=0, device=device, dtype=g.dtype)
+    buf, out = g.clone(), torch.empty_like(g)
+    state = {}
+
+    def compress_ef():
+        state["mats"] = red.compress_p(buf)
+        red.compress_q(buf, state["mats"])
+
+    def decompress():
+        red.decompress(buf, state["mats"])
+
+    def copy_once():
+        out.copy_(g)
+
+    c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
+    d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
+    return {"scheme": "powersgd", "scope": "layerwise", "k": red.entries_sent, "rank": red.compressor.rank,
+            "compress_ef_ms": c_ms, "compress_ef_copies": c_cp, "decompress_ms": d_ms, "decompress_copies": d_cp}
 
 
 GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None}  # max copies, compress + EF
@@ -219,9 +256,9 @@ def print_table(res: dict) -> None:
     print(f"{'reference':<36}{'ms':>10}{'copies':>10}")
     for name, ms in res["references_ms"].items():
         print(f"{name:<36}{ms:>10.2f}{res['references_copies'][name]:>10.1f}")
-    print(f"\n{'scheme':<8}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
+    print(f"\n{'scheme':<10}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
     for r in res["schemes"]:
-        print(f"{r['scheme']:<8}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
+        print(f"{r['scheme']:<10}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
               f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
     print("\ngoals:")
     for name, ok in res.get("goals", {}).items():

@@ -17,6 +17,9 @@ with DDP's buffers left unsynchronised and its buckets settled before step 0 as 
                   DDP bucket on gloo as in training (train.ddp_exchange: with several, PowerSGD on
                   gloo can issue collectives in different orders across ranks); so it does not
                   overlap backward here
+  ddp_st_powersgd DDP + sparsetrain's PowerSGD hook (scheme=powersgd: error feedback, warm
+                  start, 1-D tensors whole) at the rank its own rule picks (the same as torch's
+                  here), in the default buckets (it issues both AllReduces from the hook)
   ddp_blockk      DDP + sparsetrain.ddp hook: block-random-k 1%, layer-wise, AllReduce
   ddp_randk       DDP + sparsetrain.ddp hook: random-k 1%, layer-wise, AllReduce
   ddp_topk        DDP + sparsetrain.ddp hook: top-k 1%, layer-wise, AllGather
@@ -66,7 +69,8 @@ CONFIGS = {
     "ddp": ["scheme=none", "dist.ddp=true"],
     "ddp_fp16": ["scheme=fp16", "dist.ddp=true"],
     "ddp_bf16": ["scheme=bf16", "dist.ddp=true"],
-    "ddp_powersgd": ["scheme=powersgd", "dist.ddp=true"],
+    "ddp_powersgd": ["scheme=torch_powersgd", "dist.ddp=true"],  # torch's hook (the row's old name)
+    "ddp_st_powersgd": ["scheme=powersgd", "dist.ddp=true"],
     "ddp_blockk": ["scheme=blockk", "aggregation=allreduce", "dist.ddp=true"],
     "ddp_randk": ["scheme=randk", "aggregation=allreduce", "dist.ddp=true"],
     "ddp_topk": ["scheme=topk", "aggregation=allgather", "dist.ddp=true"],
@@ -94,7 +98,7 @@ def worker(a) -> None:
     cfgs = {name: harness.study_config(base + CONFIGS[name], world) for name in {*a.configs, "ddp"}}
     shapes = [tuple(p.shape) for p in harness.model_from_config(cfgs["ddp"]).parameters()]
     numel = sum(math.prod(s) for s in shapes)
-    psgd_rank = matched_powersgd_rank(shapes, a.ratio)  # what scheme=powersgd picks (scheme.rank=null)
+    psgd_rank = matched_powersgd_rank(shapes, a.ratio)  # what scheme=torch_powersgd picks (scheme.rank=null)
 
     def run_config(name: str, steps: int) -> tuple[list[float], dict, int]:
         gc.collect()

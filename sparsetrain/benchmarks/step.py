@@ -17,6 +17,7 @@ momentum) plus the row's scheme / aggregation, through the trainer's own ``build
   topk_ag    top-k, AllGather (the studies' aggregation for every scheme)
   randk_ag   random-k, AllGather          randk_ar   random-k, AllReduce (shared seed; RQ3)
   blockk_ag  block-random-k, AllGather    blockk_ar  block-random-k, AllReduce (shared seed; RQ3)
+  powersgd   sparsetrain's PowerSGD (P then Q AllReduced), its rank matched to the sparse rows' bytes
   signsgd_ag signSGD (scaled sign, error feedback), AllGather of packed signs and scales
   qsgd_ag    QSGD (scheme.levels, no error feedback), AllGather of packed levels and norms
   ddp        torch DistributedDataParallel (gloo, 25 MB buckets), the baseline
@@ -78,6 +79,7 @@ ROWS = {
     "randk_ar": ["scheme=randk", "aggregation=allreduce"],
     "blockk_ag": ["scheme=blockk", "aggregation=allgather"],
     "blockk_ar": ["scheme=blockk", "aggregation=allreduce"],
+    "powersgd": ["scheme=powersgd"],  # its rank matched to the sparse rows' bytes; two AllReduces
     "signsgd_ag": ["scheme=signsgd", "aggregation=allgather"],
     "qsgd_ag": ["scheme=qsgd", "aggregation=allgather"],
     "ddp": ["scheme=none", "dist.ddp=true"],

@@ -7,8 +7,9 @@ the row's scheme, scope and aggregation; ``train.components``; world_size 1: no 
 "exchange" is what a rank does around its collective: nothing for AllReduce, the send-to-receive
 copy for AllGather) and ``PhaseTimer`` (on CUDA the device is synchronised at phase boundaries
 only). Rows: dense (``scheme=none``) and top-k (AllGather), random-k and block-k
-(shared seed, AllReduce), each layer-wise and global, 1% kept, error feedback on; signSGD and
-QSGD (AllGather; error feedback as their yaml files set it), each layer-wise and global. Per row:
+(shared seed, AllReduce), each layer-wise and global, 1% kept, and PowerSGD (layer-wise, its
+rank matched to those bytes), error feedback on; signSGD and QSGD (AllGather; error feedback as
+their yaml files set it), each layer-wise and global. Per row:
 median step over the timed steps, mean ms per phase, the phases' sum over the step, and peak
 memory (CUDA: ``max_memory_allocated`` reset per row; CPU: not measured).
 
@@ -41,7 +42,9 @@ ROWS = [("none", "layerwise", "allreduce")] + [
     (scheme, scope, "allgather" if scheme == "topk" else "allreduce")
     for scheme in ("topk", "randk", "blockk")
     for scope in ("layerwise", "global")
-] + [(scheme, scope, "allgather") for scheme in ("signsgd", "qsgd") for scope in ("layerwise", "global")]
+] + [("powersgd", "layerwise", "allreduce")] + [  # powersgd: layer-wise only; aggregation does not apply
+    (scheme, scope, "allgather") for scheme in ("signsgd", "qsgd") for scope in ("layerwise", "global")
+]
 PARTS = [p for p in PHASES if p != "step"]
 
 

@@ -9,6 +9,7 @@ import torch
 
 from sparsetrain.comm.dense import DenseReducer
 from sparsetrain.comm.flat import flat_gradients
+from sparsetrain.comm.powersgd import build_powersgd_reducer, is_powersgd
 from sparsetrain.comm.protocol import Reducer
 from sparsetrain.comm.rules import check_combination
 from sparsetrain.comm.sparse import SparseReducer
@@ -32,6 +33,7 @@ def build_reducer(
     device="cpu",
     dtype=torch.float32,
     compressor=None,
+    shapes=None,
 ) -> Reducer:
     """The reducer for a scheme/scope/aggregation; ``DenseReducer`` for ``scheme='none'``.
 
@@ -43,8 +45,9 @@ def build_reducer(
     ``scheme='none'``.
     ``uncompressed``: one flag per segment, True for the tensors that travel whole; they must be
     the last segments (``flat_gradients`` orders the buffer so). ``warmup_steps``: dense steps
-    before compression starts. Raises ``ValueError`` with a one-line message for invalid
-    combinations.
+    before compression starts. ``shapes``: one per segment, the tensors' shapes (PowerSGD
+    compresses each as a matrix, ``comm.powersgd``; the sparse schemes need only sizes).
+    Raises ``ValueError`` with a one-line message for invalid combinations.
     """
     check_combination(scheme, scope, aggregation, ratio, compressor)
     layout = as_layout(layout)
@@ -57,6 +60,12 @@ def build_reducer(
         raise ValueError("uncompressed segments must come last in the flat buffer (see flat_gradients)")
     if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
         return DenseReducer(layout.total, esize, group=group)
+    if is_powersgd(compressor):  # its own exchange: P and Q factors, two AllReduces (comm.powersgd)
+        if shapes is None or len(shapes) != len(layout):
+            raise ValueError(f"scheme={scheme!r} needs the shape of each of the {len(layout)} tensors: shapes=...")
+        return build_powersgd_reducer(compressor, ratio, scope, shapes, flags, world_size=world_size, rank=rank,
+                                      seed=seed, error_feedback=error_feedback, warmup_steps=warmup_steps,
+                                      group=group, device=device, dtype=dtype)
     compressed = Layout(layout.sizes[:n_compressed])
     return SparseReducer(
         compressor(ratio, compressed, scope, device=device),
@@ -98,5 +107,6 @@ def build_exchange(
     flags = uncompressed_flags([p.shape for p in params], rule)
     flat, params, flags = flat_gradients(params, flags, device=device, dtype=dtype)
     reducer = build_reducer(scheme, scope, aggregation, ratio, Layout.from_tensors(params),
-                            uncompressed=flags, device=flat.device, dtype=dtype, **reducer_options)
+                            uncompressed=flags, device=flat.device, dtype=dtype,
+                            shapes=[tuple(p.shape) for p in params], **reducer_options)
     return flat, params, reducer

@@ -31,6 +31,7 @@ from sparsetrain.compress.layout import (
     parse_uncompressed,
     uncompressed_flags,
 )
+from sparsetrain.compress.powersgd import PowerSGD
 from sparsetrain.compress.quantize import (
     QSGD,
     Quantizer,
@@ -51,6 +52,7 @@ __all__ = [
     "Layout",
     "NoCompression",
     "Payload",
+    "PowerSGD",
     "QSGD",
     "Quantizer",
     "RandomK",

@@ -24,6 +24,7 @@ import torch
 
 from sparsetrain.errors import CheckpointError, ConfigError
 from sparsetrain.provenance import code_version, describe, same_code
+from sparsetrain.results import recorded_scheme
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -84,9 +85,18 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
 _ABSENT = "<absent>"
 
 
+def _scheme_as_now(config: dict) -> dict:
+    """A recorded config with its scheme under today's name (``scheme=powersgd`` before issue 24
+    was torch's hook: ``torch_powersgd``; ``results.recorded_scheme``)."""
+    node = config.get("scheme") if isinstance(config, dict) else None
+    if isinstance(node, dict) and recorded_scheme(node) != node.get("name"):
+        return {**config, "scheme": {**node, "name": recorded_scheme(node)}}
+    return config
+
+
 def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, current value)`` for every run-defining key that differs."""
-    a, b = _flatten(saved), _flatten(current)
+    a, b = _flatten(_scheme_as_now(saved)), _flatten(_scheme_as_now(current))
     out = []
     for key in sorted(set(a) | set(b)):
         if _not_defining(key) or (key.startswith(SCHEME) and key not in b):

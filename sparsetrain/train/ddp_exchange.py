@@ -5,7 +5,10 @@ the exchange done by a communication hook during backward. The hook by scheme:
   signsgd, qsgd        bucket), aggregation, ratio, error feedback, ``scheme.uncompressed``,
                        warm-up and seed
   none                 DDP's own AllReduce (through the same hook, so it is timed the same way)
-  powersgd             torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
+  powersgd             sparsetrain's PowerSGD, ``sparsetrain.comm.powersgd.powersgd_hook``: the
+                       trainer's PowerSGD reducer per bucket, on the bucket in place (P's
+                       AllReduce waited for inside the hook: ``exchange``, not ``compress``)
+  torch_powersgd       torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
                        by default, the rank whose bytes come closest to the layer-wise sparse
                        hook's at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``)
   fp16, bf16           torch's fp16 / bf16 compression hooks (every entry cast to 16 bits, AllReduced,
@@ -26,8 +29,8 @@ initial bucket and rebuilds its buckets before the second, in the order gradient
 untimed forward/backward passes with the hook bypassed (no collective, no step counted, the
 batch-norm buffers restored) let that happen, so every step of every run, fresh or resumed,
 sees the same buckets, and a resumed run draws the same positions per bucket: bit-identical.
-PowerSGD on gloo runs in one bucket: it starts its second AllReduce from a future callback, and
-with several buckets gloo ranks can then issue collectives in different orders.
+torch's PowerSGD on gloo runs in one bucket: it starts its second AllReduce from a future
+callback, and with several buckets gloo ranks can then issue collectives in different orders.
 """
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
@@ -42,7 +45,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsetrain.comm import ExchangeStats
+from sparsetrain.comm.powersgd import PowerSGDHookState, is_powersgd, powersgd_hook
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
+from sparsetrain.results import TORCH_HOOK_SCHEMES
 from sparsetrain.timing import PhaseTimer
 
 # DDP's bucket cap for PowerSGD on gloo: larger than any model, so every parameter is in one
@@ -103,7 +108,7 @@ class DDPExchange:
         self.warmup_steps = 0
         self.compresses = scheme.name != "none"
         bucket_cap_mb = cfg.dist.bucket_cap_mb
-        if scheme.name == "powersgd" and dist.get_backend() == "gloo":
+        if scheme.name == "torch_powersgd" and dist.get_backend() == "gloo":
             bucket_cap_mb = ONE_BUCKET_MB
         kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
         # No buffer broadcast before each forward: each rank keeps its own batch-norm statistics,
@@ -116,13 +121,14 @@ class DDPExchange:
         # views of the buckets, DDP copies none into a bucket or back (the results are the same;
         # the optimizer reads .grad, zeroed in place, and checkpoints hold no gradient). torch's
         # hooks keep DDP's default.
-        if scheme.name not in ("powersgd", "fp16", "bf16"):
+        if scheme.name not in TORCH_HOOK_SCHEMES:
             kwargs["gradient_as_bucket_view"] = True
         self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
         self.state: Any = None  # the hook's state: SparseHookState, PowerSGDState or None (fp16)
-        self.sparse: SparseHookState | None = None  # the state when it is sparsetrain's hook
+        # the state when it is sparsetrain's hook (PowerSGDHookState has the same surface)
+        self.sparse: SparseHookState | PowerSGDHookState | None = None
         on_bypass = None
-        if scheme.name == "powersgd":
+        if scheme.name == "torch_powersgd":
             self.powersgd_rank = scheme.get("rank") or matched_powersgd_rank(shapes, cfg.ratio)
             # torch needs >= 2 plain iterations with error feedback / warm start (bucket rebuild)
             self.warmup_steps = max(2, int(scheme.warmup_steps))
@@ -140,15 +146,22 @@ class DDPExchange:
             self.density = 1.0  # every entry, in half the bytes
         else:
             compressor = instantiate(scheme.compressor) if scheme.get("compressor") else None
-            self.state = self.sparse = SparseHookState(
-                self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
-                error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
-                warmup_steps=scheme.warmup_steps, seed=cfg.seed,
-                compressor=compressor)
-            hook, on_bypass = sparse_hook, self.state.plan
+            if is_powersgd(compressor):  # sparsetrain's PowerSGD: its own hook, two AllReduces a bucket
+                self.state = self.sparse = PowerSGDHookState(
+                    self.net, cfg.ratio, compressor=compressor, error_feedback=scheme.error_feedback,
+                    uncompressed=scheme.uncompressed, warmup_steps=scheme.warmup_steps, seed=cfg.seed)
+                hook = powersgd_hook
+            else:
+                self.state = self.sparse = SparseHookState(
+                    self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
+                    error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
+                    warmup_steps=scheme.warmup_steps, seed=cfg.seed,
+                    compressor=compressor)
+                hook = sparse_hook
+            on_bypass = self.state.plan
             self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
             if scheme.name != "none":
-                self.collective = cfg.aggregation.name
+                self.collective = getattr(self.sparse, "collective", cfg.aggregation.name)
                 self.warmup_steps = int(scheme.warmup_steps)
         self.timed = _TimedHook(hook, self.state, on_bypass)
         self.net.register_comm_hook(self.timed, _timed_hook)
@@ -184,9 +197,11 @@ class DDPExchange:
         hook_ms, handoff = self.timed.take()
         waited = (now - handoff) * 1e3 if handoff is not None else 0.0
         decompress = min(sum(self.sparse.decompress_ms), waited) if self.sparse is not None else 0.0
-        timer.move("backward", "compress", hook_ms)
+        # sparsetrain's PowerSGD hook waits for its first AllReduce inside the hook: exchange
+        inside = min(sum(getattr(self.sparse, "exchange_ms", ())), hook_ms)
+        timer.move("backward", "compress", hook_ms - inside)
         timer.move("backward", "decompress", decompress)
-        timer.move("backward", "exchange", waited - decompress)
+        timer.move("backward", "exchange", waited - decompress + inside)
         compressing = self.compresses and step >= self.warmup_steps
         if self.sparse is not None:
             sent = self.sparse.bytes_sent_per_step  # as the hook sent it in this iteration

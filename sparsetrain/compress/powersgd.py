@@ -1,0 +1,213 @@
+"""PowerSGD (Vogels, Karimireddy & Jaggi, 2019): rank-r power iteration per tensor, as plain
+tensor code.
+
+Each compressed tensor is viewed as a matrix M = [shape[0], rest] (a convolution's weight as
+[out_channels, in_channels x kh x kw], as the paper and torch's hook do) and sent as two thin
+factors of rank r = min(n, m, rank). One step, with Q kept from the step before (warm start):
+
+    Q <- orthogonalise(Q)        the first step: a Gaussian Q (see ``start_q``)
+    P <- M Q                     summed over ranks (the exchange's first AllReduce)
+    P <- orthogonalise(P)
+    Q <- M^T P                   averaged over ranks (the second AllReduce)
+    update <- P Q^T              memory <- M - update (error feedback; M = gradient + memory)
+
+The exchange (``sparsetrain.comm.powersgd``) owns the buffers, the collectives and the memory;
+this class knows the matrices, where each one's factors lie in the two factor buffers, and the
+arithmetic. It matches torch's hook (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``)
+in every choice that changes numbers: the matrix view, the orthogonalisation (Gram-Schmidt up to
+rank 2, ``torch.linalg.qr`` above; a column of zeros stays zero here, where torch's epsilon-free
+Gram-Schmidt divides by zero), the Gaussian start (``torch.manual_seed(numpy RandomState(seed)
+.randint(1_000_000_000))``, one ``torch.randn`` per matrix in torch's order: matrices grouped by
+shape, shapes in the order first seen), the factors summed (P) and averaged (Q).
+
+Every tensor handed to it is compressed, also where its factors outnumber its entries (torch's
+hook sends such a tensor whole: its ``min_compression_rate``, 2 by default); the exchange keeps
+the tensors of ``scheme.uncompressed`` whole, as for the sparse schemes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+
+from sparsetrain.compress.base import Compressor
+
+#: The ranks ``closest_rank`` chooses from.
+MAX_RANK = 64
+
+
+def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
+    """The matrix a tensor is compressed as: ``[shape[0], rest]`` (a scalar: 1 x 1).
+
+    >>> matrix_shape((16, 8, 3, 3)), matrix_shape((10,))
+    ((16, 72), (10, 1))
+    """
+    n = int(shape[0]) if len(shape) else 1
+    return n, math.prod(int(d) for d in shape) // n if n else 0
+
+
+def factor_entries(shapes: Sequence[Sequence[int]], rank: int) -> int:
+    """Entries of the factors of rank min(n, m, rank) of these tensors: sum of r (n + m).
+
+    >>> factor_entries([(16, 8, 3, 3), (10, 64)], 1)
+    162
+    """
+    total = 0
+    for shape in shapes:
+        n, m = matrix_shape(shape)
+        total += min(n, m, rank) * (n + m)
+    return total
+
+
+def closest_rank(entries_at: Callable[[int], int], target: int) -> int:
+    """The rank (1 to ``MAX_RANK``, the smallest on a tie) whose entries per step,
+    ``entries_at(rank)``, come closest to ``target``: what ``scheme.rank=null`` picks, for
+    sparsetrain's PowerSGD and torch's hook alike (``target``: the layer-wise sparse schemes'
+    entries at ``ratio``)."""
+    return min(range(1, MAX_RANK + 1), key=lambda r: abs(entries_at(r) - target))
+
+
+def orthogonalise(matrices: torch.Tensor) -> None:
+    """Orthonormalise the columns of each matrix of the batch ``[B, rows, r]`` in place, as
+    torch's hook does: Gram-Schmidt for r <= 2 (and half precision), ``torch.linalg.qr``
+    otherwise. A column of zeros stays zero (torch's epsilon-free Gram-Schmidt gives NaN)."""
+    b, rows, r = matrices.shape
+    if r > rows:
+        raise ValueError(f"cannot orthogonalise {r} columns of {rows} entries")
+    if r <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
+        for i in range(r):
+            col = matrices[:, :, i : i + 1]
+            norm = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+            col /= torch.where(norm > 0, norm, torch.ones_like(norm))
+            if i + 1 < r:
+                rest = matrices[:, :, i + 1 :]
+                rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
+    else:
+        torch.linalg.qr(matrices, out=(matrices, matrices.new_empty(b, r, r)))
+
+
+class PowerSGD(Compressor):
+    """Rank-``rank`` PowerSGD over the tensors of ``layout`` with their ``shapes``.
+
+    ``rank``: the rank of each matrix's factors (at most min(n, m)); None picks the rank whose
+    entries per step come closest to the layer-wise sparse schemes' at ``ratio``
+    (``closest_rank``; the tensors that travel whole count alike in both, so they do not
+    change the choice). ``scope`` must be ``layerwise``: each tensor is a matrix of its own.
+    ``shapes``: one per segment of ``layout`` (needed: a flat size says nothing of the matrix).
+
+    ``k`` is the entries of both factors (``p_numel + q_numel``); P's factors lie in one buffer
+    of ``p_numel`` entries, Q's in one of ``q_numel``, matrices grouped by shape (``groups``),
+    so that each shape's factors are one ``[B, rows, r]`` block, orthogonalised at once.
+    """
+
+    shared_positions: ClassVar[bool] = True  # nothing to share: aggregation does not apply
+    deterministic: ClassVar[bool] = True
+    #: the scopes it allows (comm.rules refuses the others in one line)
+    scopes: ClassVar[tuple[str, ...]] = ("layerwise",)
+    scope_reason: ClassVar[str] = "PowerSGD compresses each tensor as a matrix of its own"
+
+    def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu",
+                 rank: int | None = None, shapes: Sequence[Sequence[int]] | None = None):
+        if scope not in self.scopes:
+            raise ValueError(f"scope={scope!r} is not allowed for scheme=powersgd ({self.scope_reason}); "
+                             f"allowed: {', '.join(self.scopes)}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"scheme.rank={rank!r} is not allowed; it must be an integer >= 1 "
+                             "(or null: the rank whose bytes come closest to the sparse schemes' at ratio)")
+        super().__init__(ratio, layout, scope, device=device)
+        if shapes is None:
+            raise ValueError("PowerSGD needs the tensors' shapes (shapes=...): a flat size says nothing of the matrix")
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        sizes = tuple(math.prod(s) for s in self.shapes)
+        if sizes != self.layout.sizes:
+            raise ValueError(f"shapes of {sizes[:6]} entries for a layout of {self.layout.sizes[:6]}")
+        sparse_k = self.k  # the layer-wise sparse schemes' entries at ratio (Compressor: k_i per tensor)
+        self.rank = int(rank) if rank is not None else closest_rank(
+            lambda r: factor_entries(self.shapes, r), sparse_k)
+        self.matrices_shape = [matrix_shape(s) for s in self.shapes]
+        self.ranks = [min(n, m, self.rank) for n, m in self.matrices_shape]
+        # factors grouped by matrix shape, shapes in the order first seen (torch's order)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for i, nm in enumerate(self.matrices_shape):
+            by_shape.setdefault(nm, []).append(i)
+        self.p_offsets = [0] * len(self.shapes)
+        self.q_offsets = [0] * len(self.shapes)
+        #: (matrix indices, n, m, r, P start, Q start) per shape
+        self.groups: list[tuple[list[int], int, int, int, int, int]] = []
+        p = q = 0
+        for (n, m), members in by_shape.items():
+            r = min(n, m, self.rank)
+            self.groups.append((members, n, m, r, p, q))
+            for i in members:
+                self.p_offsets[i], self.q_offsets[i] = p, q
+                p += n * r
+                q += m * r
+        self.p_numel, self.q_numel = p, q
+        self.ks = [r * (n + m) for r, (n, m) in zip(self.ranks, self.matrices_shape, strict=True)]
+        self.k = p + q
+
+    @property
+    def num_positions(self) -> int:
+        return 0
+
+    def select(self, acc, seed):
+        raise TypeError("PowerSGD sends factors, not entries: use sparsetrain.comm.PowerSGDReducer "
+                        "(or the steps project / project_back / expand)")
+
+    # --- the factors' places -------------------------------------------------------------------
+    def p_views(self, p: torch.Tensor) -> list[torch.Tensor]:
+        """Each matrix's P, ``[n, r]``, a view of the P buffer (``p_numel`` entries)."""
+        return [p[o : o + n * r].view(n, r)
+                for o, (n, _), r in zip(self.p_offsets, self.matrices_shape, self.ranks, strict=True)]
+
+    def q_views(self, q: torch.Tensor) -> list[torch.Tensor]:
+        """Each matrix's Q, ``[m, r]``, a view of the Q buffer (``q_numel`` entries)."""
+        return [q[o : o + m * r].view(m, r)
+                for o, (_, m), r in zip(self.q_offsets, self.matrices_shape, self.ranks, strict=True)]
+
+    def _blocks(self, buf: torch.Tensor, which: str) -> list[torch.Tensor]:
+        out = []
+        for members, n, m, r, p0, q0 in self.groups:
+            rows, start = (n, p0) if which == "p" else (m, q0)
+            out.append(buf[start : start + len(members) * rows * r].view(len(members), rows, r))
+        return out
+
+    # --- the arithmetic ------------------------------------------------------------------------
+    def start_q(self, q: torch.Tensor, seed: int) -> None:
+        """A Gaussian Q, the same on every rank: ``torch.manual_seed(seed)`` on the CPU, then one
+        ``torch.randn(m, r)`` per matrix in torch's order (by shape group). Torch's hook seeds
+        with ``numpy.random.RandomState(random_seed).randint(1_000_000_000)`` (the exchange does
+        the same). Not orthogonalised: ``project`` does that."""
+        gen = torch.Generator().manual_seed(int(seed))
+        for members, _, m, r, _, _ in self.groups:
+            for i in members:
+                o = self.q_offsets[i]
+                q[o : o + m * r].copy_(torch.randn(m * r, generator=gen, dtype=q.dtype))
+
+    def project(self, mats: Sequence[torch.Tensor], q: torch.Tensor, p: torch.Tensor) -> None:
+        """Orthogonalise Q (in place), then P = M Q for each matrix ``mats[i]`` (``[n, m]``)."""
+        for block in self._blocks(q, "q"):
+            orthogonalise(block)
+        for mat, qi, pi in zip(mats, self.q_views(q), self.p_views(p), strict=True):
+            torch.mm(mat, qi, out=pi)
+
+    def project_back(self, mats: Sequence[torch.Tensor], p: torch.Tensor, q: torch.Tensor) -> None:
+        """Orthogonalise P (summed over ranks; in place), then Q = M^T P for each matrix."""
+        for block in self._blocks(p, "p"):
+            orthogonalise(block)
+        for mat, pi, qi in zip(mats, self.p_views(p), self.q_views(q), strict=True):
+            torch.mm(mat.t(), pi, out=qi)
+
+    def expand(self, p: torch.Tensor, q: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """``outs[i] = P_i Q_i^T``: the decompressed matrices (Q averaged over ranks)."""
+        for pi, qi, out in zip(self.p_views(p), self.q_views(q), outs, strict=True):
+            torch.mm(pi, qi.t(), out=out)
+
+    def __repr__(self) -> str:
+        return f"PowerSGD(rank={self.rank}, matrices={len(self.shapes)}, k={self.k}, n={self.numel})"
+
+
+__all__ = ["MAX_RANK", "PowerSGD", "closest_rank", "factor_entries", "matrix_shape", "orthogonalise"]

@@ -1,0 +1,536 @@
+"""sparsetrain's PowerSGD (``scheme=powersgd``): the arithmetic (float64, exact where it is exact),
+torch's hook on the same gradients, the trainer's reducer and the DDP hook on real gloo ranks,
+bytes, checkpoints, the one-line errors and an end-to-end run from the command line."""
+
+import io
+import math
+import socket
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import TINY, read_json, read_jsonl, run_cli
+from torch import nn
+
+from sparsetrain.comm import (
+    PowerSGDHookState,
+    PowerSGDReducer,
+    build_exchange,
+    build_reducer,
+    powersgd_hook,
+)
+from sparsetrain.comm.powersgd import build_powersgd_reducer
+from sparsetrain.compress import Layout, PowerSGD, uncompressed_flags
+from sparsetrain.compress.powersgd import closest_rank, factor_entries, matrix_shape, orthogonalise
+from sparsetrain.timing import PhaseTimer
+
+F64 = torch.float64
+# a convolution (n < m), a tall matrix (n > m), a rank-2 one (Gram-Schmidt at full rank), a row,
+# vectors (whole under "1d"), and repeated shapes (grouped: one orthogonalisation per shape)
+SHAPES = [(6, 3, 3, 3), (6,), (12, 5), (2, 9), (6, 3, 3, 3), (7,), (1, 30), (12, 5)]
+# for torch's min_compression_rate=1: every matrix worth compressing at rank <= 3, vectors not
+SHAPES_1D = [(6, 3, 3, 3), (6,), (12, 5), (16, 8), (6, 3, 3, 3), (7,), (4, 20), (12, 5)]
+NUMEL = sum(math.prod(s) for s in SHAPES)
+FULL = 64  # >= min(n, m) of every matrix above: full rank
+STEPS, SEED = 5, 7
+
+
+def grad(rank, step, numel=NUMEL):
+    return torch.randn(numel, generator=torch.Generator().manual_seed(100 * rank + step), dtype=F64)
+
+
+def reducer(shapes=SHAPES, rule="1d", rank=FULL, world=1, me=0, **kw):
+    return build_powersgd_reducer(partial(PowerSGD, rank=rank), 0.01, "layerwise", shapes,
+                                  uncompressed_flags(shapes, rule), world_size=world, rank=me, seed=SEED,
+                                  dtype=F64, **kw)
+
+
+def timer():
+    return PhaseTimer("cpu", warmup_steps=0)
+
+
+def compressed_mask(shapes=SHAPES, rule="1d"):
+    """True at the entries of the compressed tensors of the flat buffer."""
+    return torch.cat([torch.full((math.prod(s),), not f) for s, f in zip(shapes, uncompressed_flags(shapes, rule))])
+
+
+# ------------------------------------------------------------------------- the arithmetic, one rank
+def test_matrix_view_and_entries():
+    assert matrix_shape((16, 8, 3, 3)) == (16, 72) and matrix_shape((10,)) == (10, 1)
+    assert factor_entries([(16, 8, 3, 3), (12, 5)], 2) == 2 * (16 + 72) + 2 * (12 + 5)
+    assert factor_entries([(12, 5)], 64) == 5 * 17  # r = min(n, m, rank)
+    assert closest_rank(lambda r: 10 * r, 34) == 3 and closest_rank(lambda r: 10 * r, 35) == 3  # ties: smaller
+
+
+def test_orthogonalise_gram_schmidt_and_qr_give_orthonormal_columns_and_keep_zero_columns():
+    for r in (1, 2, 3, 5):
+        m = torch.randn(3, 9, r, dtype=F64, generator=torch.Generator().manual_seed(r))
+        orthogonalise(m)
+        eye = torch.eye(r, dtype=F64).expand(3, r, r)
+        torch.testing.assert_close(m.transpose(1, 2) @ m, eye, rtol=0, atol=1e-14)
+    zero = torch.zeros(1, 6, 2, dtype=F64)
+    orthogonalise(zero)  # torch's epsilon-free Gram-Schmidt gives NaN here
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+def test_full_rank_returns_the_gradient_on_one_rank():
+    red = reducer()
+    for step in range(STEPS):
+        g = grad(0, step)
+        flat = g.clone()
+        red.reduce(flat, step, timer())
+        assert float((flat - g).abs().max()) < 1e-12, step
+        assert float(red.memory.memory.abs().max()) < 1e-12  # nothing left behind
+
+
+def test_error_feedback_conserves_what_was_not_sent():
+    """memory + decompressed = accumulated (= gradient + memory before), step after step, at
+    rank 1 (far from exact); the whole tensors pass unchanged and never enter the memory."""
+    red = reducer(rank=1)
+    mask = compressed_mask()
+    assert red.memory.memory.numel() == int(mask.sum())
+    for step in range(STEPS):
+        g = grad(0, step)
+        acc = g[mask] + red.memory.memory
+        flat = g.clone()
+        red.reduce(flat, step, timer())
+        torch.testing.assert_close(red.memory.memory + flat[mask], acc, rtol=0, atol=1e-14)
+        assert torch.equal(flat[~mask], g[~mask])
+        assert float(red.memory.memory.abs().max()) > 1e-3  # rank 1 leaves something behind
+
+
+def test_error_feedback_off_keeps_memory_zero_and_reports_the_error():
+    red = reducer(rank=1, error_feedback=False)
+    g = grad(0, 0)
+    flat = g.clone()
+    stats = red.reduce(flat, 0, timer(), want_stats=True)
+    assert float(red.memory.memory.abs().max()) == 0.0 and stats.memory_norm == 0.0
+    mask = compressed_mask()
+    want = float((g[mask] - flat[mask]).norm() / g[mask].norm())
+    assert stats.compression_error == pytest.approx(want, rel=1e-12)
+
+
+def test_stats_with_memory_are_its_norm_over_the_accumulated_norm():
+    red = reducer(rank=1)
+    g = grad(0, 0)
+    mask = compressed_mask()
+    stats = red.reduce(g.clone(), 0, timer(), want_stats=True)
+    norm = float(red.memory.memory.norm())
+    assert stats.memory_norm == pytest.approx(norm, rel=1e-12)
+    assert stats.compression_error == pytest.approx(norm / float(g[mask].norm()), rel=1e-12)
+
+
+def test_bytes_counted_as_sent():
+    """P and Q of every compressed matrix and the whole tensors, all counted as sent; one
+    collective kind, AllReduce; the same on every step after warm-up, dense during it."""
+    for rank in (1, 2, FULL):
+        red = reducer(rank=rank, warmup_steps=1)
+        flags = uncompressed_flags(SHAPES, "1d")
+        factors = sum(min(*matrix_shape(s), rank) * sum(matrix_shape(s)) for s, f in zip(SHAPES, flags) if not f)
+        whole = sum(math.prod(s) for s, f in zip(SHAPES, flags) if f)
+        assert red.entries_sent == factors + whole == red.compressor.k + red.uncompressed_numel
+        assert red.bytes_sent_per_step == 8 * (factors + whole) and red.dense_bytes_per_step == 8 * NUMEL
+        assert red.uncompressed_bytes_per_step == 8 * whole and red.density == (factors + whole) / NUMEL
+        warm = red.reduce(grad(0, 0), 0, timer())
+        assert (warm.bytes_sent, warm.collective) == (8 * NUMEL, "allreduce")
+        sent = red.reduce(grad(0, 1), 1, timer())
+        assert (sent.bytes_sent, sent.collective, sent.density) == (red.bytes_sent_per_step, "allreduce", red.density)
+
+
+def test_resnet20_bytes_and_the_rank_rule_shared_with_torchs_hook():
+    """ResNet-20 (Fashion-MNIST): rank null at the default ratio 0.01 is rank 1, 7,773 entries
+    (31,092 B) per step, torch's hook's bytes at its matched rank; the rule is the one
+    ``sparsetrain.ddp.matched_powersgd_rank`` applies to torch's hook (``closest_rank``)."""
+    from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
+    from sparsetrain.models import build_model
+
+    model = build_model("resnet20", 1, 10)
+    for rank, ratio, sent in ((None, 0.01, 31_092), (1, 0.01, 31_092), (2, 0.01, 56_640), (None, 0.05, 56_640)):
+        _, params, red = build_exchange(model.parameters(), "powersgd", ratio=ratio, world_size=1, rank=0,
+                                        seed=0, compressor=partial(PowerSGD, rank=rank))
+        assert isinstance(red, PowerSGDReducer) and red.bytes_sent_per_step == sent, (rank, ratio)
+        shapes = [tuple(p.shape) for p in params]
+        if rank is None:
+            assert red.compressor.rank == matched_powersgd_rank(shapes, ratio)
+            assert sent == 4 * powersgd_numel(shapes, red.compressor.rank)
+
+
+def test_warmup_is_dense_and_leaves_memory_and_q_alone():
+    red = reducer(rank=1, warmup_steps=2)
+    for step in range(2):
+        g = grad(0, step)
+        flat = g.clone()
+        red.reduce(flat, step, timer())
+        assert torch.equal(flat, g) and not red.q_ready
+        assert red.state_dict()["q"] is None and float(red.memory.memory.abs().max()) == 0.0
+    red.reduce(grad(0, 2), 2, timer())
+    assert red.q_ready and float(red.memory.memory.abs().max()) > 0
+
+
+def test_checkpoint_resume_is_bit_exact():
+    """Memory and Q through torch.save / torch.load(weights_only=True) into a new reducer: the
+    steps after it are the uninterrupted run's, bit for bit (warm start included)."""
+    straight = reducer(rank=2, warmup_steps=1)
+    outs = []
+    for step in range(STEPS):
+        flat = grad(0, step)
+        straight.reduce(flat, step, timer())
+        outs.append(flat)
+    first = reducer(rank=2, warmup_steps=1)
+    for step in range(3):
+        first.reduce(grad(0, step), step, timer())
+    buf = io.BytesIO()
+    torch.save(first.state_dict(), buf)
+    buf.seek(0)
+    resumed = reducer(rank=2, warmup_steps=1)
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
+    for step in range(3, STEPS):
+        flat = grad(0, step)
+        resumed.reduce(flat, step, timer())
+        assert torch.equal(flat, outs[step]), step
+
+
+def test_phases_are_compress_exchange_decompress():
+    red = reducer(rank=1)
+    t = PhaseTimer("cpu", warmup_steps=0)
+    with t.step():
+        red.reduce(grad(0, 0), 0, t)
+    assert {"compress", "exchange", "decompress"} <= set(t.last)
+
+
+# ----------------------------------------------------------------------------- one-line errors
+@pytest.mark.parametrize("rank", [0, -2, 1.5, True])
+def test_bad_rank_is_one_line(rank):
+    with pytest.raises(ValueError) as info:
+        PowerSGD(0.01, Layout.from_sizes([60]), "layerwise", rank=rank, shapes=[(12, 5)])
+    assert str(info.value).startswith(f"scheme.rank={rank!r} is not allowed") and "\n" not in str(info.value)
+
+
+def test_global_scope_and_missing_shapes_refused_in_one_line():
+    from sparsetrain.comm import check_combination
+
+    want = ("scope='global' is not allowed for scheme='powersgd' (PowerSGD compresses each tensor as a "
+            "matrix of its own); allowed: layerwise")
+    with pytest.raises(ValueError) as info:
+        check_combination("powersgd", "global", "allgather", 0.01, partial(PowerSGD, rank=None))
+    assert str(info.value) == want
+    with pytest.raises(ValueError, match=r"^scheme='powersgd' needs the shape of each of the 2 tensors"):
+        build_reducer("powersgd", "layerwise", "allreduce", 0.01, Layout.from_sizes([60, 5]), world_size=1,
+                      rank=0, seed=0, compressor=PowerSGD)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["scheme.rank=0"], "scheme.rank=0 is not allowed; it must be > 0"),
+    (["scheme.rank=-3"], "scheme.rank=-3 is not allowed; it must be > 0"),
+    (["scope=global"], "scope='global' is not allowed for scheme='powersgd' (PowerSGD compresses each tensor "
+                       "as a matrix of its own); allowed: layerwise"),
+])
+def test_config_refuses_bad_rank_and_global_scope_in_one_line(overrides, message):
+    from sparsetrain.config import ConfigError, compose, validate
+
+    with pytest.raises(ConfigError) as info:
+        validate(compose(["scheme=powersgd", *overrides]), env={})
+    assert str(info.value) == message
+
+
+def test_config_composes_it_and_aggregation_does_not_apply():
+    from sparsetrain.config import compose, scheme_compressor, validate
+
+    for agg in ("allgather", "allreduce"):
+        cfg = compose(["scheme=powersgd", f"aggregation={agg}", "scheme.rank=3"])
+        validate(cfg, env={})  # quiet: both collectives are AllReduces whatever the key says
+        factory = scheme_compressor(cfg.scheme)
+        assert factory.func is PowerSGD and factory.keywords == {"rank": 3}
+    validate(compose(["scheme=powersgd"]), env={})  # no dist.ddp needed: its own exchange
+    validate(compose(["scheme=powersgd", "dist.ddp=true"]), env={})
+
+
+# ------------------------------------------------------------------- old runs: torch's hook
+def test_old_powersgd_runs_load_as_torchs_hook():
+    from sparsetrain.analysis.loader import collective_of, row_from_summary
+    from sparsetrain.train.checkpoint import config_differences
+
+    old = {"scheme": {"name": "powersgd", "compressor": None, "rank": None}, "scope": {"name": "layerwise"},
+           "aggregation": {"name": "allreduce"}, "ratio": 0.024, "dist": {"ddp": True}}
+    new = {**old, "scheme": {"name": "powersgd", "compressor": {"_target_": "sparsetrain.compress.PowerSGD"},
+                             "rank": None}, "dist": {"ddp": False}}
+    torch_row = row_from_summary({"status": "completed", "config": old}, None)
+    assert (torch_row["scheme"], torch_row["aggregation"], torch_row["ratio"]) == ("torch_powersgd", "-", 0.024)
+    ours = row_from_summary({"status": "completed", "config": new}, None)
+    assert (ours["scheme"], ours["aggregation"], ours["scope"]) == ("powersgd", "-", "layerwise")
+    assert collective_of(ours) == "allreduce" and collective_of(torch_row) is None  # as before for torch's
+    # a run recorded as scheme=powersgd before issue 24 is scheme=torch_powersgd's (resume, skip)
+    renamed = {**old, "scheme": {"name": "torch_powersgd", "compressor": None, "rank": None}}
+    assert config_differences(old, renamed) == []
+    assert [k for k, *_ in config_differences(old, {**new, "dist": {"ddp": True}})] == ["scheme.name"]
+
+
+# --------------------------------------------------------------------------- 2 gloo ranks
+class FakeBucket:
+    """What torch's PowerSGD hook reads of a DDP bucket: one bucket of the given tensors."""
+
+    def __init__(self, buf, shapes):
+        self.buf, self.shapes = buf, shapes
+
+    def buffer(self):
+        return self.buf
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+    def gradients(self):
+        out, o = [], 0
+        for s in self.shapes:
+            out.append(self.buf[o : o + math.prod(s)].view(s))
+            o += math.prod(s)
+        return out
+
+
+# (rank, uncompressed rule, torch's min_compression_rate, shapes): the same tensors compressed by both
+TORCH_CASES = [(2, "none", 0.0, SHAPES), (3, "1d", 1.0, SHAPES_1D), (1, "1d", 1.0, SHAPES_1D)]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.c3, self.b3 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.relu(self.b2(self.c2(x)))
+        x = F.relu(self.b3(self.c3(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net().to(F64)
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, 3, 8, 8, generator=g).to(F64), torch.randint(0, 10, (4,), generator=g)
+
+
+def _train(model, steps, state=None, hook=None, opt=None):
+    if hook is not None:
+        model.register_comm_hook(state, hook)
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        F.cross_entropy(model(_batch(dist.get_rank(), step)[0]), _batch(dist.get_rank(), step)[1]).backward()
+        out.append([p.grad.detach().clone() for p in model.parameters()])
+        opt.step()
+    return out
+
+
+def _diff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def _scenarios(rank, world):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    # the trainer's reducer at full rank: the average; error feedback conserves, per rank
+    red = reducer(world=world, me=rank)
+    low = reducer(rank=1, world=world, me=rank)
+    mask = compressed_mask()
+    full, conserve = [], []
+    for step in range(STEPS):
+        flat = grad(rank, step)
+        red.reduce(flat, step, timer())
+        full.append(flat)
+        g = grad(rank, step)
+        acc = g[mask] + low.memory.memory
+        low.reduce(g, step, timer())
+        conserve.append(float((low.memory.memory + g[mask] - acc).abs().max()))
+    out["full"], out["conserve"] = full, conserve
+    # torch's hook on the same gradients (float64, both with 2 dense warm-up steps)
+    for rk, rule, rate, shapes in TORCH_CASES:
+        n = sum(math.prod(s) for s in shapes)
+        state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rk, start_powerSGD_iter=2,
+                                 min_compression_rate=rate, use_error_feedback=True, warm_start=True,
+                                 orthogonalization_epsilon=0, random_seed=SEED)
+        ours = reducer(shapes, rule, rk, world=world, me=rank, warmup_steps=2)
+        diffs = []
+        for step in range(STEPS + 2):
+            a = grad(rank, step, n)
+            b = a.clone()
+            got = ph.powerSGD_hook(state, FakeBucket(a, shapes)).wait()
+            ours.reduce(b, step, timer())
+            diffs.append(float(((got[0] if isinstance(got, list) else got) - b).abs().max()))
+        out[("torch", rk, rule)] = diffs
+    # through DDP, one bucket: sparsetrain's hook against torch's, training 6 steps
+    for rk in (1, 3):
+        big = 1 << 20
+        theirs = DDP(_net(), bucket_cap_mb=big)
+        st = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rk, start_powerSGD_iter=2,
+                              min_compression_rate=1, use_error_feedback=True, warm_start=True,
+                              orthogonalization_epsilon=0, random_seed=SEED)
+        g_theirs = _train(theirs, range(6), st, ph.powerSGD_hook)
+        mine = DDP(_net(), bucket_cap_mb=big)
+        state = PowerSGDHookState(mine, compressor=partial(PowerSGD, rank=rk), warmup_steps=2, seed=SEED)
+        g_mine = _train(mine, range(6), state, powersgd_hook)
+        out[("ddp_torch", rk)] = [_diff(a, b) for a, b in zip(g_theirs, g_mine)]
+    # several buckets (and DDP's rebuild after the first iteration): full rank = DDP's AllReduce
+    cap = 0.002
+    plain, hooked = DDP(_net(), bucket_cap_mb=cap), DDP(_net(), bucket_cap_mb=cap)
+    state = PowerSGDHookState(hooked, compressor=partial(PowerSGD, rank=FULL), warmup_steps=1, seed=SEED)
+    g_plain, g_hook = _train(plain, range(4)), _train(hooked, range(4), state, powersgd_hook)
+    out["ddp_full"] = {"diff": [_diff(a, b) for a, b in zip(g_plain, g_hook)], "buckets": len(state._buckets),
+                       "bytes": state.bytes_sent_per_step, "sizes": state.sizes()}
+    # a checkpoint of the hook's state into a fresh DDP (another first-iteration bucket layout)
+    m = DDP(_net(), bucket_cap_mb=cap)
+    straight = _train(m, range(5), PowerSGDHookState(m, compressor=partial(PowerSGD, rank=2), seed=SEED),
+                      powersgd_hook)
+    m = DDP(_net(), bucket_cap_mb=cap)
+    s = PowerSGDHookState(m, compressor=partial(PowerSGD, rank=2), seed=SEED)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    _train(m, range(3), s, powersgd_hook, o)
+    buf = io.BytesIO()
+    torch.save({"model": m.module.state_dict(), "opt": o.state_dict(), "hook": s.state_dict()}, buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    m2 = DDP(_net(), bucket_cap_mb=cap)
+    m2.module.load_state_dict(ck["model"])
+    s2 = PowerSGDHookState(m2, compressor=partial(PowerSGD, rank=2), seed=SEED)
+    s2.load_state_dict(ck["hook"])
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    o2.load_state_dict(ck["opt"])
+    resumed = _train(m2, range(3, 5), s2, powersgd_hook, o2)
+    out["ddp_resume"] = {"diff": [_diff(a, b) for a, b in zip(straight[3:], resumed)], "step": s2.step,
+                         "norm": s2.memory_norm()}
+    return out
+
+
+def _worker(rank, world, port, path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.save(_scenarios(rank, world), f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    path = tmp_path_factory.mktemp("psgd")
+    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
+    return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_full_rank_returns_the_average_on_two_ranks(two):
+    for step in range(STEPS):
+        mean = (grad(0, step) + grad(1, step)) / 2
+        for r in range(2):
+            assert float((two[r]["full"][step] - mean).abs().max()) < 1e-12, (r, step)
+        assert torch.equal(two[0]["full"][step], two[1]["full"][step])  # every rank the same update
+
+
+def test_error_feedback_conserves_on_two_ranks(two):
+    for r in range(2):
+        assert max(two[r]["conserve"]) < 1e-14, two[r]["conserve"]
+
+
+@pytest.mark.parametrize("case", [c[:2] for c in TORCH_CASES])
+def test_matches_torchs_powersgd_hook_on_the_same_gradients(two, case):
+    """torch's powerSGD_hook (error feedback, warm start, epsilon 0, the same random_seed, 2
+    warm-up steps) and PowerSGDReducer on each rank's same float64 gradients: equal within
+    rounding at every step (rank 2: Gram-Schmidt, rank 3: QR; every tensor compressed, or the
+    vectors whole in both)."""
+    for r in range(2):
+        diffs = two[r][("torch", *case)]
+        assert diffs[:2] == [0.0, 0.0]  # the dense warm-up
+        assert max(diffs) < 1e-13, diffs
+
+
+@pytest.mark.parametrize("rk", [1, 3])
+def test_ddp_hook_matches_torchs_hook_in_training(two, rk):
+    """Through DDP (one bucket, float64): sparsetrain's PowerSGD hook and torch's give the same
+    gradients step after step, the models trained on them staying together within rounding."""
+    for r in range(2):
+        diffs = two[r][("ddp_torch", rk)]
+        assert diffs[:2] == [0.0, 0.0] and max(diffs) < 1e-12, diffs
+
+
+def test_ddp_hook_at_full_rank_equals_ddps_allreduce_across_buckets(two):
+    for r in range(2):
+        res = two[r]["ddp_full"]
+        assert max(res["diff"]) < 1e-12, res["diff"]
+        assert res["buckets"] >= 3  # several buckets after DDP's rebuild
+        assert res["bytes"] == res["sizes"]["bytes_sent"] > 0
+
+
+def test_ddp_hook_checkpoint_resumes_into_other_buckets(two):
+    """Memory and Q are kept per parameter: a fresh DDP's first iteration (one initial bucket)
+    takes them back; the resumed steps are the uninterrupted run's within rounding."""
+    for r in range(2):
+        res = two[r]["ddp_resume"]
+        assert res["step"] == 5 and res["norm"] > 0
+        assert max(res["diff"]) < 1e-12, res["diff"]
+
+
+# ------------------------------------------------------------------------- from the command line
+SHORT = (*TINY, "world_size=2", "train.max_steps=6", "train.log_every=1", "train.save_model=true")
+
+
+@pytest.mark.parametrize("path", ["trainer", "ddp"])
+def test_cli_run_trains_end_to_end(path, tmp_path):
+    """``python -m sparsetrain.run scheme=powersgd world_size=2 debug=tiny``: the trainer's exchange
+    (and, with dist.ddp=true and several buckets, sparsetrain's PowerSGD hook) trains, counts
+    its bytes as sent and times compress / exchange / decompress."""
+    extra = ("dist.ddp=true", "dist.bucket_cap_mb=0.05", "scheme.warmup_steps=2") if path == "ddp" else ()
+    run = tmp_path / path
+    proc = run_cli(*SHORT, "scheme=powersgd", *extra, f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["status"] == "completed" and s["steps"] == 6 and s["train_loss"] is not None
+    from sparsetrain.models import build_model
+
+    model = build_model("resnet20", 3, 10)  # debug=tiny: CIFAR-shaped synthetic data
+    want = build_exchange(model.parameters(), "powersgd", world_size=1, rank=0, seed=0,
+                          compressor=partial(PowerSGD, rank=None))[2]
+    assert want.compressor.rank == 1 and s["bytes_sent_per_step"] == want.bytes_sent_per_step
+    assert s["uncompressed_bytes_per_step"] > 0 and 0 < s["density"] < 0.05
+    assert s["memory_norm_max"] > 0
+    warm = 2 if path == "ddp" else 0
+    assert s["compression_start_step"] == warm
+    steps = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "step"]
+    assert [r["bytes_sent"] for r in steps[warm:]] == [s["bytes_sent_per_step"]] * (6 - warm)
+    assert s["wire_bytes_per_step"] == s["bytes_sent_per_step"]  # AllReduce, 2 ranks: 2(W-1)/W = 1
+    t = s["time_ms"]
+    assert t["compress"] > 0 and t["exchange"] > 0 and t["decompress"] > 0
+    assert math.isclose(sum(v for k, v in t.items() if k != "step"), t["step"], rel_tol=0.05), t
+
+
+# ------------------------------------------------------------------------------- the benchmarks
+def test_compressor_benchmark_row():
+    """python -m sparsetrain.benchmarks.compress: PowerSGD's row, in gradient copies, as training
+    builds it (the composed scheme=powersgd, 1-D tensors whole)."""
+    from sparsetrain.benchmarks.compress import powersgd_row
+    from sparsetrain.models import build_model
+
+    shapes = [tuple(p.shape) for p in build_model("resnet20", 3, 10).parameters()]
+    g = torch.randn(sum(math.prod(s) for s in shapes))
+    row = powersgd_row(shapes, g, 0.01, 2, torch.device("cpu"))
+    assert (row["scheme"], row["scope"], row["rank"]) == ("powersgd", "layerwise", 1)
+    assert row["k"] == 7_791  # rank 1: P and Q of every matrix, the 1-D tensors whole
+    assert row["compress_ef_copies"] > 0 and row["decompress_copies"] > 0
