@@ -33,7 +33,7 @@ from omegaconf import MISSING, OmegaConf
 from sparsetrain.errors import ConfigError  # noqa: F401  (re-exported: its old home)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-GROUPS = ("scheme", "scope", "aggregation", "model", "data", "experiment", "debug")
+GROUPS = ("scheme", "scope", "aggregation", "model", "data", "experiment", "point", "debug")
 
 
 @dataclass
@@ -238,6 +238,7 @@ GROUP_HELP = {
     "model": "resnet20 (0.27M parameters) or resnet18 (CIFAR variant, 11.2M, the paper's)",
     "data": "fashion_mnist (offline), cifar10 (downloads into data.root), synthetic (generated)",
     "experiment": "a preset with its own sweep grid (conf/experiment/), run with -m; writes under multirun/<preset>/",
+    "point": "a named point of a study whose points differ in several keys (conf/point/), e.g. frontier_signsgd",
     "debug": "tiny: small, fast settings for smoke runs and tests (synthetic data, 512 images, no W&B)",
 }
 HELP = {
@@ -461,7 +462,7 @@ def check_overrides(args: list[str]) -> None:
         if key in GROUPS:
             allowed = group_options(key)
             for choice in values:
-                if str(choice) not in allowed and not (key in ("experiment", "debug") and choice is None):
+                if str(choice) not in allowed and not (key in ("experiment", "point", "debug") and choice is None):
                     raise ConfigError(f"{key}={choice!r} is not allowed; choose one of: {', '.join(allowed)}")
             continue
         scheme_cls = SCHEME_SCHEMAS[owners[key][0]] if key in owners else SchemeConfig

@@ -637,7 +637,8 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
 STUDY_NAMES = ("baseline", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
-OTHER_PRESETS = ("stability", "ablation", "rq2_low", "rq4_global", "budget", "rq4_steps")
+OTHER_PRESETS = ("stability", "ablation", "rq2_low", "rq4_global", "budget", "rq4_steps", "headline", "headline_dense",
+                 "headline_bytes", "ddp_fair", "ddp_hooks", "frontier")
 
 
 def _grid(params) -> list[list[str]]:
