@@ -826,7 +826,8 @@ def test_beyond_the_paper_judges_the_ddp_fair_study_from_its_presets_configs():
                 acc = accuracy[cfg["scheme"]["name"]] + 0.001 * cfg["seed"] ** 2  # seeds differ, pairs do not
                 rows.append(row_from_summary({"status": "completed", "test_accuracy": acc, "train_loss": 0.2,
                                                  "config": cfg}, None))
-    verdicts, comparisons = sa.findings_tables(pd.DataFrame(rows), BEYOND_FINDINGS, name="beyond_")
+    ddp_fair = tuple(f for f in BEYOND_FINDINGS if f.key == "ddp_fair")
+    verdicts, comparisons = sa.findings_tables(pd.DataFrame(rows), ddp_fair, name="beyond_")
     shown = comparisons.display
     assert list(shown["A: test accuracy (%)"].str.extract(r"\(n=(\d)\)")[0]) == ["3", "5", "5"]
     assert list(shown["B: test accuracy (%)"].str.extract(r"\(n=(\d)\)")[0]) == ["3", "3", "3"]
@@ -836,6 +837,36 @@ def test_beyond_the_paper_judges_the_ddp_fair_study_from_its_presets_configs():
     assert verdicts.display["verdict"].iloc[0] == "measured: 2 A higher, 1 B higher"
     assert verdicts.title.startswith("Beyond the paper")
     assert verdict(["within noise", "within noise"], claimed=False) == "measured: 2 within noise"
+
+
+def test_frontier_comparisons_select_the_frontier_presets_runs_paired_on_seeds_0_to_2():
+    """Every side of the frontier's comparisons finds the runs experiment=frontier writes (every
+    point, composed from the presets) or the headline runs it reuses, three seeds a side, paired."""
+    config = pytest.importorskip("sparsetrain.config")
+    from omegaconf import OmegaConf
+
+    from sparsetrain.analysis.findings import BEYOND_FINDINGS
+    from sparsetrain.analysis.loader import row_from_summary
+
+    def row(overrides, seed):
+        cfg = OmegaConf.to_container(config.compose([*overrides, f"seed={seed}"]), resolve=True)
+        acc = 0.85 + 0.01 * (hash(str(overrides)) % 5) + 0.001 * seed ** 2
+        return row_from_summary({"status": "completed", "test_accuracy": acc, "train_loss": 0.3, "config": cfg}, None)
+
+    with open(config.CONF_DIR / "experiment" / "frontier.yaml") as f:
+        sweep = yaml.safe_load(f)["hydra"]["sweeper"]["params"]
+    rows = [row(["experiment=frontier", f"point={p}"], seed)
+            for p in sweep["point"].split(",") for seed in (0, 1, 2)]
+    rows += [row(["experiment=headline", "scheme=blockk"], seed) for seed in range(5)]
+    rows += [row(["experiment=headline_dense"], seed) for seed in range(5)]
+    frontier = tuple(f for f in BEYOND_FINDINGS if f.key.startswith("frontier"))
+    assert [f.key for f in frontier] == ["frontier_low", "frontier_high", "frontier_dense"]
+    _, comparisons = sa.findings_tables(pd.DataFrame(rows), frontier, name="beyond_")
+    shown = comparisons.display
+    assert len(shown) == 16
+    for side in ("A: test accuracy (%)", "B: test accuracy (%)"):
+        assert (shown[side].str.extract(r"\(n=(\d)\)")[0] == "3").all(), shown[["comparison (A vs B)", side]]
+    assert (shown["test"] == "paired t (n=3)").all()
 
 
 def test_paper_findings_cover_every_research_question():

@@ -163,6 +163,51 @@ BEYOND_FINDINGS: tuple[Finding, ...] = (
     )),
 )
 
+# The frontier (experiment=frontier): the compression families at the headline budget, seeds 0-2
+# (the headline protocol's first three, so that comparisons with its reused runs are paired), at
+# about 1.5% of dense bytes (block-k at 1%: the headline's runs) and at signSGD's 3.6%, PowerSGD
+# rank 1 (2.9%) and QSGD at s = 1 at their own bytes, fp16 and bf16 (torch's hooks) beside dense SGD.
+FRONTIER_SEEDS = {"seed": [0, 1, 2]}
+_LOW, _HIGH = 0.00504, 0.01567  # top-k's and random-k's ratios at each level (block-k: 0.01, 0.03126)
+_F = {
+    "topk_low": {"scheme": "topk", "ratio": _LOW, **LAYERWISE},
+    "randk_low": {"scheme": "randk", "ratio": _LOW, **LAYERWISE},
+    "blockk_low": {"scheme": "blockk", "ratio": 0.01, **LAYERWISE},
+    "topk_high": {"scheme": "topk", "ratio": _HIGH, **LAYERWISE},
+    "randk_high": {"scheme": "randk", "ratio": _HIGH, **LAYERWISE},
+    "blockk_high": {"scheme": "blockk", "ratio": 0.03126, **LAYERWISE},
+    "signsgd": {"scheme": "signsgd", **LAYERWISE},
+    "powersgd": {"scheme": "powersgd", "scope": "layerwise", "world_size": 2},
+    "qsgd": {"scheme": "qsgd", "error_feedback": False, "levels": 1, **LAYERWISE},
+    "fp16": {"scheme": "fp16", "world_size": 2, "exchange": "ddp hook"},
+    "bf16": {"scheme": "bf16", "world_size": 2, "exchange": "ddp hook"},
+}
+_F_NAMES = {"topk_low": "top-k 0.5%", "randk_low": "random-k 0.5%", "blockk_low": "block-random-k 1%",
+            "topk_high": "top-k 1.57%", "randk_high": "random-k 1.57%", "blockk_high": "block-random-k 3.13%",
+            "signsgd": "signSGD", "powersgd": "PowerSGD rank 1", "qsgd": "QSGD s=1",
+            "fp16": "fp16 (torch hook)", "bf16": "bf16 (torch hook)"}
+
+
+def _frontier(a: str, b: str, where: str) -> Comparison:
+    side_a = _DENSE_HEADLINE if a == "dense" else _F[a]
+    name_a = "dense SGD" if a == "dense" else _F_NAMES[a]
+    return Comparison(f"{name_a} vs {_F_NAMES[b]}, {where}, 2 workers, 4 epochs",
+                      {**side_a, **FRONTIER_SEEDS}, {**_F[b], **FRONTIER_SEEDS}, "?", HEADLINE)
+
+
+BEYOND_FINDINGS += (
+    Finding("frontier_low", "At about 1.5% of dense SGD's bytes per step (16.4 kB): the three sparsifiers.",
+            tuple(_frontier(a, b, "1.5% of dense bytes") for a, b in
+                  (("topk_low", "blockk_low"), ("blockk_low", "randk_low"), ("topk_low", "randk_low")))),
+    Finding("frontier_high", "At signSGD's bytes per step (3.6% of dense SGD's, 39.1 kB): signSGD and the "
+            "three sparsifiers.", tuple(_frontier(a, b, "3.6% of dense bytes") for a, b in
+                                        (("signsgd", "topk_high"), ("signsgd", "blockk_high"), ("signsgd", "randk_high"),
+                                         ("topk_high", "blockk_high"), ("blockk_high", "randk_high")))),
+    Finding("frontier_dense", "Each family against dense SGD at the same budget: what its bytes cost in accuracy.",
+            tuple(_frontier("dense", b, "own bytes") for b in
+                  ("topk_high", "blockk_high", "randk_high", "signsgd", "powersgd", "qsgd", "fp16", "bf16"))),
+)
+
 # The second pass's comparisons (every one at 2 epochs, 3 seeds), judged by the same test.
 SECOND_PASS_FINDINGS: tuple[Finding, ...] = (
     Finding("rq1_scope", RQ1_CLAIM, tuple(_scope(s, "1%, 2 workers, 2 epochs", {}) for s in SPARSE)),
@@ -179,8 +224,10 @@ SECOND_PASS_FINDINGS: tuple[Finding, ...] = (
 
 
 def _side(runs: pd.DataFrame, axes: dict, base: dict) -> pd.DataFrame:
-    """The runs of one side: ``base`` with ``axes`` on top (dense SGD passes its ``-`` axes)."""
-    return select(runs, {axis: [value] for axis, value in {**base, **axes}.items()})
+    """The runs of one side: ``base`` with ``axes`` on top (dense SGD passes its ``-`` axes); an
+    axis given a list keeps any of its values (``seed: [0, 1, 2]``)."""
+    return select(runs, {axis: value if isinstance(value, list) else [value]
+                         for axis, value in {**base, **axes}.items()})
 
 
 def side_accuracy(side: pd.DataFrame) -> pd.Series:
@@ -301,4 +348,7 @@ TITLES = {"second_pass_": "The paper's findings, second pass (2 epochs)",
           "beyond_": "Beyond the paper (no claim to reproduce: A higher, B higher or within noise)"}
 NOTES = {"beyond_": ("DDP hook runs (experiment=ddp_fair): the exchange inside DDP's backward, 2 dense "
                      "warm-up steps (torch's PowerSGD hook needs 2); dense SGD: the trainer's exchange, no "
-                     "warm-up (experiment=headline_dense).",)}
+                     "warm-up (experiment=headline_dense).",
+                     "Frontier (experiment=frontier): seeds 0-2 on both sides (the headline protocol's block-k "
+                     "1% and dense SGD runs reused, paired); layer-wise, AllGather; QSGD without error "
+                     "feedback; fp16 and bf16 through DDP.")}

@@ -27,6 +27,8 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # The headline protocol: RQ1 and RQ2 at 1%, 4 epochs, 5 seeds (and block-k at top-k's bytes).
     "headline": (("rq1_scope", "rq2_scheme", "plateau"), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
     "ddp_fair": (("ddp_hooks",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
+    # Beyond the paper: the compression families at two byte levels (experiment=frontier).
+    "frontier": (("runs",), ("accuracy_vs_epoch", "accuracy_vs_bytes")),
 }
 # Presets that add points to another study's tables.
 STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "rq4_steps": "rq4_workers",
@@ -48,6 +50,8 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
     "budget": (("baseline", "rq1_scope", "budget"), {"scope": ["layerwise"]}),
     "headline": (("headline_dense", "headline", "headline_bytes"), {}),
     "ddp_fair": (("headline_dense", "ddp_fair"), {}),
+    # the frontier's own points, the headline protocol's dense SGD and layer-wise runs it reuses
+    "frontier": (("headline_dense", "headline", "frontier"), {"scope": ["layerwise"]}),
 }
 ALL = (tuple(TABLES), tuple(PLOTS))
 # Runs of no known study (one's own sweep): one table of every configuration, not every study's
