@@ -42,6 +42,10 @@ before, every bucket's memory is split back into per-parameter pieces, and each 
 its parameters' pieces when it first runs: no memory is lost or misplaced, whatever the new
 layout. (torch's PowerSGD hook instead refuses error feedback before iteration 2.) The same
 re-homing loads a checkpoint into any bucket layout.
+
+Over 400 lines on purpose: the hook works on DDP's bucket in place, so where each parameter's
+entries lie in a bucket (the slot map), the memory re-homing and the hook read the same layout
+and change together.
 """
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types

@@ -13,7 +13,8 @@
 from sparsetrain.comm.build import build_exchange, build_reducer
 from sparsetrain.comm.dense import DenseReducer
 from sparsetrain.comm.flat import flat_gradients
-from sparsetrain.comm.powersgd import PowerSGDHookState, PowerSGDReducer, powersgd_hook
+from sparsetrain.comm.powersgd import PowerSGDReducer
+from sparsetrain.comm.powersgd_ddp import PowerSGDHookState, powersgd_hook
 from sparsetrain.comm.protocol import ExchangeStats, Reducer
 from sparsetrain.comm.rules import AGGREGATIONS, check_combination
 from sparsetrain.comm.sparse import SparseReducer

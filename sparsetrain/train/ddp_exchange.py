@@ -5,7 +5,7 @@ the exchange done by a communication hook during backward. The hook by scheme:
   signsgd, qsgd        bucket), aggregation, ratio, error feedback, ``scheme.uncompressed``,
                        warm-up and seed
   none                 DDP's own AllReduce (through the same hook, so it is timed the same way)
-  powersgd             sparsetrain's PowerSGD, ``sparsetrain.comm.powersgd.powersgd_hook``: the
+  powersgd             sparsetrain's PowerSGD, ``sparsetrain.comm.powersgd_ddp.powersgd_hook``: the
                        trainer's PowerSGD reducer per bucket, on the bucket in place (P's
                        AllReduce waited for inside the hook: ``exchange``, not ``compress``)
   torch_powersgd       torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
@@ -45,7 +45,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsetrain.comm import ExchangeStats
-from sparsetrain.comm.powersgd import PowerSGDHookState, is_powersgd, powersgd_hook
+from sparsetrain.comm.powersgd import is_powersgd
+from sparsetrain.comm.powersgd_ddp import PowerSGDHookState, powersgd_hook
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
 from sparsetrain.results import TORCH_HOOK_SCHEMES
 from sparsetrain.timing import PhaseTimer
