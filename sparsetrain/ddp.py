@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from sparsetrain.comm import SparseReducer, build_reducer, check_combination
+from sparsetrain.comm.flat import packed_runs
 from sparsetrain.compress import (
     BlockRandomK,
     Layout,
@@ -72,20 +73,6 @@ def bucket_seed(seed: int, step: int, bucket: int, rank: int | None = None) -> i
     rank)``. ``rank=None``: the same on every rank (AllReduce); a rank: its own (AllGather)."""
     return step_seed(step_seed(seed, bucket), step, rank)
 
-
-def _runs(pieces) -> list[tuple[int, int, int]]:
-    """``(bucket offset, offset in the packed part, length)`` of tensors ``(bucket offset,
-    length)`` taken in order and packed one after another; tensors adjacent in the bucket too
-    merge into one run."""
-    runs: list[list[int]] = []
-    pos = 0
-    for offset, n in pieces:
-        if runs and runs[-1][0] + runs[-1][2] == offset:
-            runs[-1][2] += n
-        else:
-            runs.append([offset, pos, n])
-        pos += n
-    return [tuple(r) for r in runs]
 
 
 class _Bucket:
@@ -107,8 +94,8 @@ class _Bucket:
         self.reducer: SparseReducer | None = reducer
         order = compressed_first(flags)
         self.compressed = [(keys[i], sizes[i]) for i in order if not flags[i]]  # memory layout
-        self.grad_runs = _runs((offsets[i], sizes[i]) for i in order if not flags[i])
-        self.whole_runs = _runs((offsets[i], sizes[i]) for i in order if flags[i])
+        self.grad_runs = packed_runs((offsets[i], sizes[i]) for i in order if not flags[i])
+        self.whole_runs = packed_runs((offsets[i], sizes[i]) for i in order if flags[i])
         self._shift = None  # where a compressed entry's index lands in the bucket: see place()
         self._run_starts = self._run_shift = None
         if reducer is None:
@@ -172,15 +159,11 @@ class _Bucket:
             return
         for a, _, n in self.whole_runs:
             buf[a : a + n].zero_()
-        size = red._message_nbytes
-        for r in range(world):
-            msg = red._recv[r * size : (r + 1) * size]
-            values = msg[: red._values_nbytes].view(red.dtype) / world
+        for r, values, wire in red.messages():
             if r == red.rank:  # own positions already expanded
                 positions, idx = payload.positions, own
             else:
-                positions = msg[red._positions_start : red._positions_end].view(red.pos_dtype)
-                idx = comp.indices(positions)
+                positions, idx = wire, comp.indices(wire)
             comp.decompress_add(values[:k], positions, buf, indices=self.place(idx))
             for a, w, n in self.whole_runs:
                 buf[a : a + n].add_(values[k + w : k + w + n])
@@ -191,7 +174,7 @@ class _Bucket:
         ``SparseReducer.unpack`` does, into the bucket's compressed tensors where they are one
         run, else into a buffer in memory order copied to them."""
         red = self.reducer
-        comp, k, world = red.compressor, red.compressor.num_values, red.world_size
+        comp, k = red.compressor, red.compressor.num_values
         if len(self.grad_runs) == 1:
             a, _, n = self.grad_runs[0]
             dense = buf[a : a + n]
@@ -202,11 +185,8 @@ class _Bucket:
         dense.zero_()
         for a, _, n in self.whole_runs:
             buf[a : a + n].zero_()
-        size = red._message_nbytes
-        for r in range(world):
-            msg = red._recv[r * size : (r + 1) * size]
-            values = msg[: red._values_nbytes].view(red.dtype) / world
-            comp.decompress_add(values[:k], msg[red._positions_start : red._positions_end].view(red.pos_dtype), dense)
+        for _, values, wire in red.messages():
+            comp.decompress_add(values[:k], wire, dense)
             for a, w, n in self.whole_runs:
                 buf[a : a + n].add_(values[k + w : k + w + n])
         if len(self.grad_runs) > 1:

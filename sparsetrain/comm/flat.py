@@ -28,3 +28,18 @@ def flat_gradients(params, uncompressed=None, *, device=None, dtype=torch.float3
     for p, view in zip(params, as_layout(params).views(flat, [p.shape for p in params])):
         p.grad = view
     return flat, params, flags
+
+
+def packed_runs(pieces) -> list[tuple[int, int, int]]:
+    """``(offset in the buffer, offset in the packed part, length)`` of tensors ``(offset in the
+    buffer, length)`` taken in order and packed one after another; tensors adjacent in the buffer
+    too merge into one run (one copy instead of one per tensor)."""
+    runs: list[list[int]] = []
+    pos = 0
+    for offset, n in pieces:
+        if runs and runs[-1][0] + runs[-1][2] == offset:
+            runs[-1][2] += n
+        else:
+            runs.append([offset, pos, n])
+        pos += n
+    return [(a, b, c) for a, b, c in runs]

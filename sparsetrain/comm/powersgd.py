@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from sparsetrain.comm.dense import average_dense
+from sparsetrain.comm.flat import packed_runs
 from sparsetrain.comm.protocol import ExchangeStats
 from sparsetrain.compress import (
     ErrorFeedback,
@@ -55,19 +56,6 @@ def is_powersgd(compressor) -> bool:
 def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
-
-def _runs(pieces) -> list[tuple[int, int, int]]:
-    """``(buffer offset, packed offset, length)`` of tensors ``(buffer offset, length)`` packed one
-    after another; tensors adjacent in the buffer too merge into one run."""
-    runs: list[list[int]] = []
-    pos = 0
-    for offset, n in pieces:
-        if runs and runs[-1][0] + runs[-1][2] == offset:
-            runs[-1][2] += n
-        else:
-            runs.append([offset, pos, n])
-        pos += n
-    return [(a, b, c) for a, b, c in runs]
 
 
 class PowerSGDReducer:
@@ -108,8 +96,8 @@ class PowerSGDReducer:
         #: (buffer offset, n, m) of each compressed tensor, in buffer order
         self._mats = [(o, *compressor.matrices_shape[j])
                       for j, o in enumerate(o for o, f in zip(offsets, flags) if not f)]
-        self._grad_runs = _runs((o, n) for o, n, f in zip(offsets, sizes, flags) if not f)
-        self._whole_runs = _runs((o, n) for o, n, f in zip(offsets, sizes, flags) if f)
+        self._grad_runs = packed_runs((o, n) for o, n, f in zip(offsets, sizes, flags) if not f)
+        self._whole_runs = packed_runs((o, n) for o, n, f in zip(offsets, sizes, flags) if f)
         self.compressed_numel = sum(n for n, f in zip(sizes, flags) if not f)
         self.uncompressed_numel = self.numel - self.compressed_numel
         self.memory = ErrorFeedback(self.compressed_numel, enabled=error_feedback, device=device, dtype=dtype)

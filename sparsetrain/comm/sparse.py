@@ -221,16 +221,22 @@ class SparseReducer:
             whole.copy_(self._values[k:])
         else:
             whole.zero_()
-            size = self._message_nbytes
-            for r in range(world):
-                msg = self._recv[r * size : (r + 1) * size]
-                values = msg[: self._values_nbytes].view(self.dtype) / world
+            for r, values, wire in self.messages():
                 if r == self.rank and payload.indices is not None:  # own positions already expanded
                     comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
                 else:
-                    positions = msg[self._positions_start : self._positions_end].view(self.pos_dtype)
-                    comp.decompress_add(values[:k], positions, grad)
+                    comp.decompress_add(values[:k], wire, grad)
                 whole.add_(values[k:])
+
+    def messages(self):
+        """After an AllGather, every rank's message in rank order: ``(rank, its values section
+        divided by the ranks, its wire section)`` (views of the receive buffer; the values a new
+        tensor). ``unpack`` and the DDP hook (``sparsetrain.ddp``) read them alike."""
+        size, world = self._message_nbytes, self.world_size
+        for r in range(world):
+            msg = self._recv[r * size : (r + 1) * size]
+            yield (r, msg[: self._values_nbytes].view(self.dtype) / world,
+                   msg[self._positions_start : self._positions_end].view(self.pos_dtype))
 
     def attach(self, params, flat_grad: torch.Tensor, **buckets) -> SparseReducer:
         """Nothing to start during backward: compression needs the whole gradient."""
