@@ -360,7 +360,7 @@ class QSGD(Quantizer):
         values.copy_(self.bucket_norms(acc))
         norms = values.to(acc.dtype)  # the norms as sent: decode multiplies by them
         # s / ||x|| per bucket (0 where the norm is 0), rounded once to acc's dtype
-        factors = torch.where(norms > 0, s / norms.double(), torch.zeros((), dtype=torch.float64)).to(acc.dtype)
+        factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
         if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels and generator (PCG64)
             a = acc.numpy()
             r = np.abs(a, out=self.scratch("r", a.dtype))
