@@ -76,9 +76,13 @@ class PowerSGDConfig(SchemeConfig):
 class QSGDConfig(SchemeConfig):
     """scheme=qsgd (``base_qsgd``)."""
 
-    # s: each entry is rounded at random to one of s + 1 levels of |x| / ||x|| per tensor (0..s),
+    # s: each entry is rounded at random to one of s + 1 levels of |x| / ||x|| per bucket (0..s),
     # 1 + ceil(log2(s + 1)) bits an entry; passed to QSGD
     levels: int = 127
+    # entries per bucket, each with its own float32 norm: each tensor (the whole compressed buffer
+    # with scope=global) cut into consecutive buckets, the last one shorter; None: one norm per
+    # tensor (per buffer). 512: the paper's d. Passed to QSGD
+    bucket_size: int | None = 512
 
 
 # The schemes with keys of their own, and their schema: conf/scheme/<name>.yaml names
@@ -252,7 +256,8 @@ HELP = {
     "scheme.uncompressed": "tensors sent whole: 1d (biases, batch-norm), none, or N (tensors under N entries)",
     "scheme.warmup_steps": "exchange densely for the first N steps, then compress (memory starts empty)",
     "scheme.rank": "scheme=powersgd, torch_powersgd only: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
-    "scheme.levels": "scheme=qsgd only: quantization levels s per tensor, an integer in [1, 65535] (1 + ceil(log2(s+1)) bits an entry)",
+    "scheme.levels": "scheme=qsgd only: quantization levels s per bucket, an integer in [1, 65535] (1 + ceil(log2(s+1)) bits an entry)",
+    "scheme.bucket_size": "scheme=qsgd only: entries per bucket, each with its own float32 norm, an integer >= 1 (null: one norm per tensor, or per buffer with scope=global)",
     "scope.name": "the scope (set it with scope=...)",
     "aggregation.name": "the aggregation (set it with aggregation=...)",
     "model._target_": "the function that builds the model (set by model=...)",
@@ -577,6 +582,10 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     levels = cfg.scheme.get("levels")
     if levels is not None and not 1 <= levels <= 65535:  # QSGD's levels (an int: the schema says so)
         raise ConfigError(f"scheme.levels={levels} is not allowed; it must be an integer in [1, 65535]")
+    bucket_size = cfg.scheme.get("bucket_size")
+    if bucket_size is not None and not bucket_size >= 1:  # QSGD's buckets (an int or null: the schema)
+        raise ConfigError(f"scheme.bucket_size={bucket_size} is not allowed; it must be an integer >= 1, "
+                          "or null (one norm per tensor)")
     for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
                        "train.bn_recalibrate": cfg.train.bn_recalibrate}.items():
         if value < 0:

@@ -59,14 +59,16 @@ def test_each_scheme_has_only_its_own_keys():
     assert make("scheme=powersgd", "scheme.rank=2").scheme.rank == 2
     assert make("scheme=torch_powersgd", "scheme.rank=2").scheme.rank == 2
     assert make("scheme=qsgd", "scheme.levels=3").scheme.levels == 3
-    assert scheme_compressor(make("scheme=qsgd", "scheme.levels=3").scheme).keywords == {"levels": 3}
+    assert scheme_compressor(make("scheme=qsgd", "scheme.levels=3").scheme).keywords == {"levels": 3, "bucket_size": 512}
+    assert scheme_compressor(make("scheme=qsgd", "scheme.bucket_size=null").scheme).keywords == {
+        "levels": 127, "bucket_size": None}
     for scheme in ("none", "topk", "randk", "fp16", "bf16", "signsgd"):
         node = make(f"scheme={scheme}").scheme
-        assert "block_size" not in node and "rank" not in node and "levels" not in node, scheme
+        assert not {"block_size", "rank", "levels", "bucket_size"} & set(node), scheme
     with pytest.raises(ConfigCompositionException):  # Hydra refuses it too, where the CLI does not check
         make("scheme=topk", "scheme.block_size=64")
     assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd", "torch_powersgd"),
-                                "scheme.levels": ("qsgd",)}
+                                "scheme.levels": ("qsgd",), "scheme.bucket_size": ("qsgd",)}
     assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd", "torch_powersgd", "qsgd"}
     assert "scheme=blockk" in HELP["scheme.block_size"] and "scheme=powersgd" in HELP["scheme.rank"]
 
@@ -96,6 +98,8 @@ def test_schema_rejects_typos_and_types(override):
         (["scheme=qsgd", "aggregation=allreduce"], "aggregation='allreduce' is not available for scheme='qsgd'"),
         (["scheme=qsgd", "scheme.levels=0"], "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
         (["scheme=qsgd", "scheme.levels=70000"], "scheme.levels=70000 is not allowed"),
+        (["scheme=qsgd", "scheme.bucket_size=0"], "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
+        (["scheme=qsgd", "scheme.bucket_size=-1"], "scheme.bucket_size=-1 is not allowed; it must be an integer >= 1"),
         (["scheme=torch_powersgd", "dist.ddp=true", "scheme.rank=0"], "scheme.rank=0"),
         (["scheme=powersgd", "scheme.rank=0"], "scheme.rank=0"),
         (["scheme=powersgd", "scope=global"], "scope='global' is not allowed for scheme='powersgd'"),

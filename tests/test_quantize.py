@@ -48,6 +48,17 @@ def segments(x, layout, scope):
     return x.split(list(layout.sizes)) if scope == "layerwise" else [x]
 
 
+def buckets(x, layout, scope, size):
+    """QSGD's buckets by hand: each segment cut into runs of ``size`` entries, the last shorter
+    (``size`` None: the segments themselves)."""
+    return [b for seg in segments(x, layout, scope) for b in (seg.split(size) if size else [seg])]
+
+
+def num_buckets(sizes, size=512):
+    """QSGD's norms for segments of ``sizes`` entries (``size`` None: one per segment)."""
+    return sum(math.ceil(n / size) if size else 1 for n in sizes)
+
+
 def scaled_sign(x, layout, scope, scales=None):
     """EF-SGD's scaled sign by hand: per segment mean|x| * sign(x), an exact zero sent as +
     (``scales``: the means as sent, else computed here)."""
@@ -128,39 +139,113 @@ def test_scaled_sign_is_exact(scope):
 @pytest.mark.parametrize("path", ["numpy", "torch"])
 @pytest.mark.parametrize("levels", [1, 4, 200])
 @pytest.mark.parametrize("scope", SCOPES)
-def test_qsgd_is_unbiased_within_its_variance(levels, scope, path, monkeypatch):
-    """The mean of N decodes tends to x: each decoded entry is ||x|| sign(x_i) l_i / s with l_i one of
-    two neighbouring levels, so its variance is at most (||x|| / s)^2 / 4 and the mean's standard
-    deviation at most ||x|| / (2 s sqrt(N)); every entry lies within 5 of those. The mean squared
-    error obeys QSGD's bound E||Q(x) - x||^2 <= min(n / s^2, sqrt(n) / s) ||x||^2 per segment."""
+@pytest.mark.parametrize("bucket_size", [None, 16])
+def test_qsgd_is_unbiased_within_its_variance(bucket_size, levels, scope, path, monkeypatch):
+    """The mean of N decodes tends to x: each decoded entry is ||x|| sign(x_i) l_i / s with ||x||
+    its bucket's norm and l_i one of two neighbouring levels, so its variance is at most
+    (||x|| / s)^2 / 4 and the mean's standard deviation at most ||x|| / (2 s sqrt(N)); every entry
+    lies within 5 of those. The mean squared error obeys QSGD's bound E||Q(x) - x||^2 <=
+    min(n / s^2, sqrt(n) / s) ||x||^2 per bucket. Buckets of 16: a segment shorter than one (5),
+    segments and a buffer that end in a short bucket (40, 203; 248 with scope=global)."""
     import sparsetrain.compress.quantize as q
 
     if path == "torch":  # the CUDA path's ops (torch's generator), on the CPU
         monkeypatch.setattr(q, "_numpy_ok", lambda t: False)
     layout = Layout.from_sizes([5, 40, 203])
     x = grad_of(1, 0, layout.total)
-    comp = QSGD(1.0, layout, scope, levels=levels)
+    comp = QSGD(1.0, layout, scope, levels=levels, bucket_size=bucket_size)
+    parts = buckets(x, layout, scope, bucket_size)
+    assert comp.num_values == len(parts) == num_buckets(layout.sizes if scope == "layerwise" else [248], bucket_size)
+    assert [j - i for i, j in comp.bucket_spans()] == [b.numel() for b in parts]
     N = 2000
     total = torch.zeros_like(x)
-    sq_err = torch.zeros(len(segments(x, layout, scope)), dtype=torch.float64)
+    sq_err = torch.zeros(len(parts), dtype=torch.float64)
+    norm = torch.cat([b.norm().expand(b.numel()) for b in parts])
     for seed in range(N):
         p = comp.compress(x, step_seed(SEED, seed, 0))
         d = comp.decompress(p.values, p.positions)
         total += d
         sq_err += torch.stack([(a - b).pow(2).sum() for a, b in
-                               zip(segments(d, layout, scope), segments(x, layout, scope), strict=True)])
-        if seed < 3:  # decoded entries are ||x|| * sign * level / s, level in [0, s]
-            norm = torch.cat([s.norm().expand(s.numel()) for s in segments(x, layout, scope)])
+                               zip(buckets(d, layout, scope, bucket_size), parts, strict=True)])
+        if seed < 3:  # decoded entries are ||x|| * sign * level / s, level in [0, s], ||x|| the bucket's
+            torch.testing.assert_close(p.values, torch.stack([b.norm() for b in parts]), rtol=1e-14, atol=0)
             level = d.abs() * levels / norm
             assert torch.allclose(level, level.round(), atol=1e-9) and level.max() <= levels + 1e-9
             assert torch.all((d == 0) | (torch.sign(d) == torch.sign(x)))
     mean = total / N
-    norm = torch.cat([s.norm().expand(s.numel()) for s in segments(x, layout, scope)])
     sigma = norm / (2 * levels * math.sqrt(N))
     assert torch.all((mean - x).abs() <= 5 * sigma), float(((mean - x).abs() / sigma).max())
-    for seg, err in zip(segments(x, layout, scope), sq_err / N, strict=True):
-        n = seg.numel()
-        assert err <= min(n / levels**2, math.sqrt(n) / levels) * seg.pow(2).sum() * 1.1
+    for b, err in zip(parts, sq_err / N, strict=True):
+        n = b.numel()
+        assert err <= min(n / levels**2, math.sqrt(n) / levels) * b.pow(2).sum() * 1.1
+
+
+@pytest.mark.parametrize("path", ["numpy", "torch"])
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("levels, bucket_size", [(1, 512), (3, 100), (127, 7), (200, None), (5, 1)])
+def test_qsgd_decodes_exactly_from_the_packed_message(levels, bucket_size, scope, path, monkeypatch):
+    """The message is one norm per bucket (float64 here) and each entry's signed level packed in
+    bits_per_entry bits: decoding it by hand (unpack, sign-extend, times the bucket's norm / s)
+    gives the decoded vector bit for bit."""
+    import sparsetrain.compress.quantize as q
+
+    if path == "torch":
+        monkeypatch.setattr(q, "_numpy_ok", lambda t: False)
+    comp = QSGD(1.0, COMPRESSED, scope, levels=levels, bucket_size=bucket_size)
+    x = grad_of(0, 2, COMPRESSED.total)
+    p = comp.compress(x, 11)
+    sizes = list(COMPRESSED.sizes) if scope == "layerwise" else [NC]
+    assert p.values.numel() == comp.num_values == num_buckets(sizes, bucket_size)
+    assert p.positions.dtype == torch.uint8 and p.positions.numel() == math.ceil(NC * comp.bits_per_entry / 8)
+    bits = comp.bits_per_entry
+    codes = unpack_codes(p.positions, bits, NC).long()
+    signed = torch.where(codes >= 2 ** (bits - 1), codes - 2**bits, codes)
+    assert signed.abs().max() <= levels
+    expect = torch.empty(NC, dtype=torch.float64)
+    spans = comp.bucket_spans()
+    assert len(spans) == comp.num_values and spans[0][0] == 0 and spans[-1][1] == NC
+    for (i, j), norm in zip(spans, p.values, strict=True):
+        expect[i:j] = signed[i:j].double() * (norm / levels)
+    assert torch.equal(comp.decompress(p.values, p.positions), expect)
+
+
+@pytest.mark.parametrize("bucket_size", [0, -1, 1.5, True, "3"])
+def test_qsgd_bad_bucket_size_one_line(bucket_size):
+    with pytest.raises(ValueError) as err:
+        QSGD(1.0, COMPRESSED, "layerwise", bucket_size=bucket_size)
+    msg = str(err.value)
+    assert "scheme.bucket_size=" in msg and "integer >= 1" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["scheme=qsgd", "scheme.bucket_size=0"], "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
+    (["scheme=qsgd", "scheme.bucket_size=-1"], "scheme.bucket_size=-1 is not allowed; it must be an integer >= 1"),
+    (["scheme=qsgd", "scheme.bucket_size=1.5"], "scheme.bucket_size=1.5 is not allowed"),
+    (["scheme=signsgd", "scheme.bucket_size=64"], "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
+    (["scheme=topk", "scheme.bucket_size=null"], "scheme=topk has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
+])
+def test_qsgd_bad_bucket_size_in_the_config_one_line(overrides, needle):
+    """The CLI's checks, in process: the command line's (types, a scheme's own key with another
+    scheme), then the composed config's (ranges)."""
+    from sparsetrain.config import ConfigError, check_overrides, compose, validate
+
+    with pytest.raises(ConfigError) as err:
+        check_overrides(overrides)
+        validate(compose(overrides), env={})
+    msg = str(err.value)
+    assert needle in msg and "\n" not in msg, msg
+
+
+def test_qsgd_bucket_size_reaches_the_compressor():
+    from sparsetrain.config import check_overrides, compose, scheme_compressor, validate
+
+    for value, expect in (("512", 512), ("1", 1), ("null", None)):
+        overrides = ["scheme=qsgd", f"scheme.bucket_size={value}"]
+        check_overrides(overrides)
+        cfg = compose(overrides)
+        validate(cfg, env={})
+        assert scheme_compressor(cfg.scheme)(1.0, COMPRESSED).bucket_size == expect
+    assert compose(["scheme=qsgd"]).scheme.bucket_size == 512  # the paper's d
 
 
 def test_qsgd_is_reproducible_per_seed_and_zero_stays_zero():
@@ -189,11 +274,13 @@ def test_qsgd_bits_per_entry(levels, bits):
 
 # ---- error feedback conserves what was not sent ----------------------------------------------------
 @pytest.mark.parametrize("scope", SCOPES)
-@pytest.mark.parametrize("name", ["signsgd", "qsgd"])
+@pytest.mark.parametrize("name", ["signsgd", "qsgd", "qsgd_b100", "qsgd_tensor"])
 def test_error_feedback_conserves_what_was_not_sent(name, scope):
     """float64: memory = accumulated - decoded, bit for bit, so memory + decoded = accumulated (to
-    rounding), step after step; stats match their definitions."""
-    comp = compressor_for(name)(0.01, COMPRESSED, scope)
+    rounding), step after step; stats match their definitions. QSGD at its default buckets (512),
+    buckets of 100 at s = 1, one norm per tensor."""
+    options = {"qsgd_b100": {"levels": 1, "bucket_size": 100}, "qsgd_tensor": {"bucket_size": None}}.get(name, {})
+    comp = compressor_for(name.partition("_")[0])(0.01, COMPRESSED, scope, **options)
     ef = ErrorFeedback(COMPRESSED.total, dtype=torch.float64)
     for step in range(4):
         g = grad_of(0, step, COMPRESSED.total)
@@ -230,10 +317,14 @@ def build(name, scope, rank, world, *, levels=3, error_feedback=True, dtype=torc
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("name, bits", [("signsgd", 1), ("qsgd", 3)])
 def test_bytes_as_sent(name, bits, scope):
-    """Per rank and step: one float32 per compressed tensor (one with scope=global) and the whole
-    tensors' 65 values, then the packed codes, the message padded to a multiple of 4 bytes."""
+    """Per rank and step: one float32 per compressed tensor (one with scope=global; QSGD: per
+    bucket of 512 entries) and the whole tensors' 65 values, then the packed codes, the message
+    padded to a multiple of 4 bytes."""
     red = build(name, scope, 0, 1, dtype=torch.float32)
-    floats = (3 if scope == "layerwise" else 1) + 65
+    sizes = list(COMPRESSED.sizes) if scope == "layerwise" else [NC]
+    floats = (len(sizes) if name == "signsgd" else num_buckets(sizes)) + 65
+    assert floats - 65 == {("signsgd", "layerwise"): 3, ("signsgd", "global"): 1,
+                           ("qsgd", "layerwise"): 1 + 1 + 24, ("qsgd", "global"): 25}[name, scope]
     expect = 4 * floats + math.ceil(NC * bits / 8)
     expect = -(-expect // 4) * 4
     assert red.bytes_sent_per_step == expect
@@ -372,9 +463,11 @@ def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_pa
     numel, whole = sum(p.numel() for p in params), sum(p.numel() for p in params if p.ndim <= 1)
     assert s["dense_bytes_per_step"] == 4 * numel and s["density"] == 1.0
     assert s["uncompressed_bytes_per_step"] == 4 * whole
-    tensors = sum(p.ndim > 1 for p in params)  # the compressed ones, one scale (norm) each
+    sizes = [p.numel() for p in params if p.ndim > 1]  # the compressed ones, one scale each
     if "scope=global" in overrides:
-        tensors = 1  # one for the whole compressed buffer
+        sizes = [numel - whole]  # one for the whole compressed buffer
+    # QSGD: one norm per bucket of 512 (with DDP, the buffer of each DDP bucket is cut)
+    tensors = len(sizes) if "scheme=signsgd" in overrides else num_buckets(sizes)
     packed = math.ceil((numel - whole) * bits / 8)
     message = 4 * (tensors + whole) + packed  # scales, whole tensors, packed codes
     if "dist.ddp=true" not in overrides:  # one message, padded to a multiple of 4 bytes
@@ -392,6 +485,8 @@ def test_cli_bad_options_stop_with_one_line(tmp_path):
         (("scheme=qsgd", "scheme.levels=0"), "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
         (("scheme=qsgd", "scheme.levels=1.5"), "scheme.levels=1.5 is not allowed"),
         (("scheme=signsgd", "scheme.levels=3"), "scheme=signsgd has no key 'levels'; levels belongs to scheme=qsgd"),
+        (("scheme=qsgd", "scheme.bucket_size=0"), "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
+        (("scheme=signsgd", "scheme.bucket_size=64"), "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
         (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
     ):
         proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)

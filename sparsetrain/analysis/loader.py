@@ -54,6 +54,7 @@ AXES = (
     "error_feedback",
     "block_size",
     "levels",
+    "bucket_size",
     "uncompressed",
     "warmup_steps",
     "exchange",
@@ -74,6 +75,9 @@ DENSE = "dense"
 # at its default, 256: a newer run of another scheme, without the key, shows that same value, so
 # its cells and its groups stay those of the runs before.
 BLOCK_SIZE_OF_OTHER_SCHEMES = 256
+# scheme.bucket_size (QSGD's entries per norm) null: one norm per tensor, as every QSGD run before
+# the key existed
+PER_TENSOR = "tensor"
 
 STATUSES_DONE = ("completed",)
 
@@ -155,6 +159,13 @@ def _block_size(cfg: dict, scheme: str | None):
     return _get(cfg, "scheme", "block_size")
 
 
+def _bucket_size(cfg: dict, scheme: str | None):
+    if scheme != "qsgd":
+        return NOT_APPLICABLE
+    value = _get(cfg, "scheme", "bucket_size")
+    return PER_TENSOR if value is None else value
+
+
 def _axes_from_config(cfg: dict) -> dict:
     scheme = recorded_scheme(cfg.get("scheme"))  # scheme=powersgd before issue 24: torch_powersgd
     row = {
@@ -167,6 +178,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "error_feedback": _get(cfg, "scheme", "error_feedback"),
         "block_size": _block_size(cfg, scheme),
         "levels": _get(cfg, "scheme", "levels", default=NOT_APPLICABLE),  # scheme=qsgd's own key
+        "bucket_size": _bucket_size(cfg, scheme),  # scheme=qsgd's own key
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),

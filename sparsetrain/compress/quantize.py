@@ -1,8 +1,9 @@
 """Quantizers: every entry sent, in a few bits, through the same exchange as the sparsifiers.
 
 A quantizer's message (``compress.base``) is a values section of one float per tensor (its
-scale or norm; one for the whole buffer with ``scope="global"``) and a wire section of packed
-bits (``uint8``, ``bits_per_entry`` bits per entry, packed tightly across tensors). Every rank's
+scale; one for the whole buffer with ``scope="global"``) or per bucket (QSGD's norms) and a wire
+section of packed bits (``uint8``, ``bits_per_entry`` bits per entry, packed tightly across
+tensors). Every rank's
 message is different, so they travel by AllGather (AllReduce is refused: nothing in them can be
 summed), and every rank decodes every message. Error feedback subtracts the decoded message:
 ``memory = acc - decode(message)``.
@@ -11,15 +12,17 @@ summed), and every rank decodes every message. Error feedback subtracts the deco
   SignSGD"): per tensor, ``mean(|acc|) * sign(acc)``. One bit per entry: 1 for a negative entry,
   0 otherwise, so **an exact zero decodes to +scale** (as do -0.0 and NaN). Bytes per rank:
   ceil(n / 8) + 4 per tensor (float32).
-- ``QSGD``: stochastic quantization (Alistarh et al. 2017) to ``levels`` = s levels per tensor:
-  ``r_i = |x_i| / ||x||_2 * s`` is rounded to ``floor(r_i)`` or ``floor(r_i) + 1`` at random,
-  the latter with probability ``r_i - floor(r_i)`` (as ``floor(r_i + u_i)``, u_i uniform in
-  [0, 1)), so ``E[decoded] = x``: decoded entry ``||x|| * sign(x_i) * level_i / s``. Randomness
+- ``QSGD``: stochastic quantization (Alistarh et al. 2017) to ``levels`` = s levels per bucket:
+  each tensor (the whole buffer with ``scope="global"``) is cut into consecutive buckets of
+  ``bucket_size`` entries, the last one shorter (512 by default, the paper's d; None: one bucket
+  per tensor), each with its own 2-norm ||x||. ``r_i = |x_i| / ||x||_2 * s`` is rounded to
+  ``floor(r_i)`` or ``floor(r_i) + 1`` at random, the latter with probability ``r_i -
+  floor(r_i)`` (as ``floor(r_i + u_i)``, u_i uniform in [0, 1)), so ``E[decoded] = x``: decoded entry ``||x|| * sign(x_i) * level_i / s``. Randomness
   seeded with the step's seed (``step_seed``: per step and rank), so runs are reproducible:
   numpy's PCG64 on the CPU, torch's generator on CUDA (the two draw different numbers). Each
   entry's code is its signed level ``sign(x_i) * level_i`` in two's complement, ``1 +
   ceil(log2(s + 1))`` bits (the sign and the level; s = 127: one byte), packed tightly (no byte
-  alignment per entry). Bytes per rank: ceil(n * bits / 8) + 4 per tensor. A tensor whose norm
+  alignment per entry). Bytes per rank: ceil(n * bits / 8) + 4 per bucket. A bucket whose norm
   is 0 sends level 0 everywhere.
 
 Packed bit order (``pack_codes``): entry i's code occupies bits ``[i * bits, (i + 1) * bits)``
@@ -283,33 +286,85 @@ class SignSGD(Quantizer):
 
 
 class QSGD(Quantizer):
-    """Stochastic quantization to ``levels`` levels per segment (Alistarh et al. 2017),
-    unbiased, randomness from ``seed``; each entry's signed level ``sign(x_i) * l_i`` in
-    ``1 + ceil(log2(levels + 1))`` bits (two's complement), one float (the segment's 2-norm) per
-    segment."""
+    """Stochastic quantization to ``levels`` levels per bucket (Alistarh et al. 2017), unbiased,
+    randomness from ``seed``; each entry's signed level ``sign(x_i) * l_i`` in
+    ``1 + ceil(log2(levels + 1))`` bits (two's complement), one float (the bucket's 2-norm) per
+    bucket. Each segment (a tensor; the whole buffer with ``scope="global"``) is cut into
+    consecutive buckets of ``bucket_size`` entries, the last one shorter (the paper's d = 512, the
+    default); ``bucket_size=None``: one bucket per segment (one norm per tensor)."""
 
     MAX_LEVELS = 65535
 
-    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127, **kw):
+    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127,
+                 bucket_size: int | None = 512, **kw):
         if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
                 or not 1 <= levels <= self.MAX_LEVELS:
             raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
                              f"[1, {self.MAX_LEVELS}]")
+        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, float))
+                                        or int(bucket_size) != bucket_size or bucket_size < 1):
+            raise ValueError(f"scheme.bucket_size={bucket_size!r} is not allowed; it must be an integer >= 1, "
+                             "or null (one norm per tensor)")
         self.levels = int(levels)
+        self.bucket_size = None if bucket_size is None else int(bucket_size)
         self.bits_per_entry = 1 + math.ceil(math.log2(self.levels + 1))
         super().__init__(ratio, layout, scope, **kw)
         bits = self.bits_per_entry
         self._mask, self._top = (1 << bits) - 1, 1 << (bits - 1)  # the code's bits; its sign bit
         self._signed = np.int8 if bits <= 8 else np.int32  # a code as a signed integer
+        # per segment: (start, full buckets, their size, the last short bucket's size or 0)
+        self._cuts = []
+        for o, n in zip(self.layout.offsets, self.layout.sizes, strict=True):
+            size = n if self.bucket_size is None or self.bucket_size >= n else self.bucket_size
+            self._cuts.append((o, n // size, size, n % size))
+        self._num_buckets = sum(full + (tail > 0) for _, full, _, tail in self._cuts)
+
+    @property
+    def num_values(self) -> int:
+        """One float per bucket: its 2-norm."""
+        return self._num_buckets
+
+    def bucket_spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each bucket, in the order of the norms."""
+        out = []
+        for o, full, size, tail in self._cuts:
+            out += [(o + b * size, o + (b + 1) * size) for b in range(full)]
+            if tail:
+                out.append((o + full * size, o + full * size + tail))
+        return out
+
+    def _pieces(self, x):
+        """``(view, first, count)`` per run of buckets of ``x`` (a tensor or numpy array): each
+        segment's full buckets as a ``[count, size]`` view, then its short last bucket as a
+        ``[1, tail]`` view; ``first`` the index of the run's first norm."""
+        b = 0
+        for o, full, size, tail in self._cuts:
+            if full:
+                yield x[o : o + full * size].reshape(full, size), b, full
+                b += full
+            if tail:
+                yield x[o + full * size : o + full * size + tail].reshape(1, tail), b, 1
+                b += 1
+
+    def bucket_norms(self, x: torch.Tensor) -> torch.Tensor:
+        """The 2-norm of each bucket of ``x``, in order."""
+        return torch.cat([torch.linalg.vector_norm(v, dim=1) for v, _, _ in self._pieces(x)])
+
+    def _scale_buckets(self, x, factors) -> None:
+        """``x`` (a tensor or numpy array) times its bucket's factor, in place, entry by entry."""
+        for v, b, count in self._pieces(x):
+            v *= factors[b : b + count].reshape(count, 1)
 
     def encode(self, acc, seed, values, wire):
         s = self.levels
-        values.copy_(self.per_segment(acc, torch.linalg.vector_norm))
+        values.copy_(self.bucket_norms(acc))
+        norms = values.to(acc.dtype)  # the norms as sent: decode multiplies by them
+        # s / ||x|| per bucket (0 where the norm is 0), rounded once to acc's dtype
+        factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
         if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels and generator (PCG64)
             a = acc.numpy()
             r = np.abs(a, out=self.scratch("r", a.dtype))
-            for (i, j), norm in zip(self.spans(), values.to(acc.dtype).tolist(), strict=True):
-                np.multiply(r[i:j], a.dtype.type(s / norm if norm > 0 else 0.0), out=r[i:j])  # |x| / ||x|| * s
+            self._scale_buckets(r, factors.numpy())  # |x| / ||x|| * s
             u = np.random.default_rng(int(seed)).random(self.numel, dtype=a.dtype, out=self.scratch("u", a.dtype))
             np.floor(np.add(r, u, out=r), out=r)  # floor(r + u): floor(r) + 1 with probability r - floor(r)
             np.copysign(np.minimum(r, s, out=r), a, out=r)  # the signed level
@@ -321,8 +376,7 @@ class QSGD(Quantizer):
                        self.bits_per_entry, wire)
             return
         r = torch.abs(acc)
-        for seg, norm in zip(self.segments(r), values.to(acc.dtype), strict=True):
-            seg.mul_(torch.where(norm > 0, s / norm, torch.zeros_like(norm)))  # |x| / ||x|| * s
+        self._scale_buckets(r, factors.to(acc.device))  # |x| / ||x|| * s
         gen = torch.Generator(device=acc.device)
         gen.manual_seed(int(seed))
         u = torch.rand(self.numel, generator=gen, dtype=acc.dtype, device=acc.device)
@@ -332,7 +386,7 @@ class QSGD(Quantizer):
 
     def decode_add(self, values, wire, out):
         codes = unpack_codes(wire, self.bits_per_entry, self.numel)
-        units = values.div(self.levels)  # ||x|| / s
+        units = values.div(self.levels)  # ||x|| / s per bucket
         if _numpy_ok(codes) and _numpy_ok(out):
             c = codes.numpy()
             if self.bits_per_entry == 8:
@@ -341,15 +395,15 @@ class QSGD(Quantizer):
                 signed = np.subtract(np.bitwise_xor(c, self._top), self._top, dtype=np.int32)
             dec = self.scratch("decoded", torch.empty((), dtype=out.dtype).numpy().dtype)
             np.copyto(dec, signed, casting="unsafe")
-            for (i, j), unit in zip(self.spans(), units.tolist(), strict=True):
-                np.multiply(dec[i:j], dec.dtype.type(unit), out=dec[i:j])  # sign(x_i) l_i x ||x|| / s
-                out[i:j].add_(torch.from_numpy(dec[i:j]))
+            self._scale_buckets(dec, units.cpu().numpy())  # sign(x_i) l_i x ||x|| / s
+            out.add_(torch.from_numpy(dec))
             return
         signed = codes.to(torch.int32).bitwise_xor_(self._top).sub_(self._top).to(out.dtype)
-        for lv, o, unit in zip(self.segments(signed), self.segments(out), units, strict=True):
-            # the product rounded before the sum (no fused multiply-add), as on the CPU: error
-            # feedback's memory is then exactly acc - decoded
-            o.add_(lv.mul(unit))
+        # the product rounded before the sum (no fused multiply-add), as on the CPU: error
+        # feedback's memory is then exactly acc - decoded
+        self._scale_buckets(signed, units)
+        out.add_(signed)
 
     def __repr__(self) -> str:
-        return f"QSGD(levels={self.levels}, scope={self.scope!r}, bits={self.bits_per_entry}, n={self.numel})"
+        return (f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, scope={self.scope!r}, "
+                f"bits={self.bits_per_entry}, n={self.numel})")
