@@ -193,6 +193,8 @@ def write_results(root: Path) -> Path:
                 fixed={**headline, "scheme": "blockk", "ratio": 0.01992})
     write_sweep(root / "ddp_fair", {"seed": "0,1", "scheme": "blockk,powersgd"}, "ddp_fair",
                 fixed={**headline, "dist.ddp": True, "ratio": 0.0238, "scheme.warmup_steps": 2})
+    write_sweep(root / "frontier", {"seed": "0,1", "scheme": "topk,randk"}, "frontier",
+                fixed={**headline, "ratio": 0.00504})
     return root
 
 

@@ -124,9 +124,9 @@ _APP = textwrap.dedent(
         t = torch.tensor([float(env.global_rank + 1)])
         dist.all_reduce(t)
         dist.destroy_process_group()
-        rec = dict(point=cfg.point, rank=env.global_rank, world=env.num_tasks, sum=t.item(),
+        rec = dict(point=cfg.label, rank=env.global_rank, world=env.num_tasks, sum=t.item(),
                    exe=sys.executable)
-        with open(os.path.join(cfg.out, f"{cfg.point}_{env.global_rank}.json"), "w") as f:
+        with open(os.path.join(cfg.out, f"{cfg.label}_{env.global_rank}.json"), "w") as f:
             json.dump(rec, f)
         return rec
 
@@ -149,7 +149,7 @@ def test_hydra_sweep_with_repo_slurm_launcher(tmp_path):
             world_size: 1
             dist:
               ranks_per_node: null
-            point: a
+            label: a
             out: {out}
             hydra:
               searchpath:
@@ -163,7 +163,7 @@ def test_hydra_sweep_with_repo_slurm_launcher(tmp_path):
             "app.py",
             "-m",
             "hydra/launcher=slurm",
-            "point=a,b",
+            "label=a,b",
             "world_size=2",
             f"hydra.sweep.dir={tmp_path / 'sweep'}",
         ],

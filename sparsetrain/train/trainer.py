@@ -140,9 +140,10 @@ class Trainer:
                 if logged_step(self.step, cfg.train.log_every):  # the reducer's stats steps too
                     self.tally.note_logged(result.stats)
                     self.record.log_step(self.step, result.loss, result.stats, result.lr)
-                    # Every rank checks at the same steps, so all stop together.
+                    # Every rank checks at the same steps, so all stop together; a signal at
+                    # the run's last step lets it complete, as at the last epoch's end below.
                     signum = self.stop.agreed()
-                    if signum:
+                    if signum and not self._ends_run():
                         self.elapsed_s += time.perf_counter() - t0
                         self._preempt(signum)
                 if self._hit_max_steps():
