@@ -826,8 +826,8 @@ def test_beyond_the_paper_judges_the_ddp_fair_study_from_its_presets_configs():
             for point in _grid(base.hydra.sweeper.params):
                 cfg = OmegaConf.to_container(compose("config", overrides=[f"experiment={name}", *point]), resolve=True)
                 acc = accuracy[cfg["scheme"]["name"]] + 0.001 * cfg["seed"] ** 2  # seeds differ, pairs do not
-                rows.append(row_from_summary({"status": "completed", "test_accuracy": acc, "train_loss": 0.2,
-                                                 "config": cfg}, None))
+                rows.append({**row_from_summary({"status": "completed", "test_accuracy": acc, "train_loss": 0.2,
+                                                    "config": cfg}, None), "experiment": name})
     ddp_fair = tuple(f for f in BEYOND_FINDINGS if f.key == "ddp_fair")
     verdicts, comparisons = sa.findings_tables(pd.DataFrame(rows), ddp_fair, name="beyond_")
     shown = comparisons.display
@@ -853,7 +853,9 @@ def test_frontier_comparisons_select_the_frontier_presets_runs_paired_on_seeds_0
     def row(overrides, seed):
         cfg = OmegaConf.to_container(config.compose([*overrides, f"seed={seed}"]), resolve=True)
         acc = 0.85 + 0.01 * (hash(str(overrides)) % 5) + 0.001 * seed ** 2
-        return row_from_summary({"status": "completed", "test_accuracy": acc, "train_loss": 0.3, "config": cfg}, None)
+        experiment = overrides[0].removeprefix("experiment=")
+        return {**row_from_summary({"status": "completed", "test_accuracy": acc, "train_loss": 0.3, "config": cfg},
+                                   None), "experiment": experiment}
 
     with open(config.CONF_DIR / "experiment" / "frontier.yaml") as f:
         sweep = yaml.safe_load(f)["hydra"]["sweeper"]["params"]
