@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from conftest import TINY, read_json, read_jsonl, run_cli
-from torch import nn
+from test_ddp_hook import Net
 
 from sparsetrain.comm import (
     PowerSGDHookState,
@@ -296,22 +296,7 @@ class FakeBucket:
 TORCH_CASES = [(2, "none", 0.0, SHAPES), (3, "1d", 1.0, SHAPES_1D), (1, "1d", 1.0, SHAPES_1D)]
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
-        self.c2, self.b2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
-        self.c3, self.b3 = nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16)
-        self.fc = nn.Linear(16, 10)
-
-    def forward(self, x):
-        x = F.relu(self.b1(self.c1(x)))
-        x = F.relu(self.b2(self.c2(x)))
-        x = F.relu(self.b3(self.c3(x)))
-        return self.fc(x.mean((2, 3)))
-
-
-def _net():
+def _net():  # the sparse hook tests' small CNN (1-D and n-D tensors in the same buckets)
     torch.manual_seed(0)
     return Net().to(F64)
 
