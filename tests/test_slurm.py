@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,35 @@ def _start_sweep(*overrides: str, sweep: Path) -> subprocess.Popen:
 
 def _steps(run: Path) -> int:
     return sum(r["kind"] == "step" for r in read_jsonl(run / "metrics.jsonl"))
+
+
+def _cluster_state() -> str:
+    """The node's state and the queue, for a failure message."""
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], capture_output=True, text=True,
+                           timeout=30).stdout.strip()
+    return f"node: {node!r}; queue: {queue or 'empty'!r}"
+
+
+@pytest.fixture(autouse=True)
+def _empty_queue():
+    """Start each test on an empty queue. A job an earlier test cancelled holds the node's CPUs
+    while it completes, and a world_size=2 job needs both, so it would wait behind it and eat
+    into the test's own timeouts."""
+    deadline = time.monotonic() + 300
+    while subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout.strip():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the cluster still has jobs after 300 s: {_cluster_state()}")
+        time.sleep(1)
+
+
+def _wait(cond, proc: subprocess.Popen, what: str, timeout: float) -> None:
+    """`wait_until`, with the cluster's state in the failure message (a job may be held back)."""
+    try:
+        wait_until(cond, proc, what, timeout=timeout, poll=0.5)
+    except pytest.fail.Exception as exc:
+        pytest.fail(f"{exc}; {_cluster_state()}")
 
 
 def _squeue_state(job_id: str) -> str:
@@ -109,7 +139,7 @@ def test_cancelled_job_is_failed_and_reported_with_logs(tmp_path):
     proc = _start_sweep("scheme=randk", "world_size=2", "train.max_steps=100000",
                         "train.epochs=1000", "train.log_every=1", sweep=sweep)
     try:
-        wait_until(lambda: _steps(run) >= 1, proc, "training step", timeout=120, poll=0.5)
+        _wait(lambda: _steps(run) >= 1, proc, "training step", timeout=300)
         job_id = read_json(run / "summary.json")["slurm_job_id"]
         subprocess.run(["scancel", job_id], check=True, timeout=30)
         _, err = proc.communicate(timeout=120)
@@ -134,11 +164,11 @@ def test_preempted_job_requeues_and_resumes_at_the_step(tmp_path):
     proc = _start_sweep("scheme=randk", "world_size=2", "train.epochs=3", "train.log_every=1",
                         sweep=sweep)
     try:
-        wait_until(lambda: _steps(run) >= 5, proc, "a step past the first epoch checkpoint", timeout=120, poll=0.5)
+        _wait(lambda: _steps(run) >= 5, proc, "a step past the first epoch checkpoint", timeout=300)
         job_id = read_json(run / "summary.json")["slurm_job_id"]
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True, timeout=30)
         # SLURM holds a requeued job back for a while (BeginTime); let it start again now.
-        wait_until(lambda: _squeue_state(job_id) == "PENDING", proc, "requeue", timeout=60, poll=0.5)
+        _wait(lambda: _squeue_state(job_id) == "PENDING", proc, "requeue", timeout=120)
         stopped = read_json(run / "summary.json")
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], timeout=30)
         _, err = proc.communicate(timeout=180)
