@@ -145,3 +145,23 @@ def test_bench_ddp_tiny_end_to_end(tmp_path):
     assert 0.8 < sent["ddp_powersgd"] / sent["ddp_blockk"] < 1.2  # matched bytes
     assert re.search(r"^\| ddp_blockk +\|", (tmp_path / "ddp.txt").read_text(), re.M)
     assert set(_ours()) <= before
+
+
+def test_bench_ddp_goals_use_the_per_round_ratios():
+    """A round times every configuration once, so the goals compare rounds pairwise: a slow round
+    (the machine's drift) cancels out of the ratio."""
+    from sparsetrain.benchmarks.ddp import goals
+
+    def conf(rounds, sent=1000):
+        return {"round_ms": rounds, "step_ms": sorted(rounds)[len(rounds) // 2], "bytes_sent_per_step": sent}
+
+    compute = [600.0, 900.0, 600.0, 900.0, 600.0, 900.0]
+    res = {"configs": {"compute": conf(compute), "reducer_blockk": conf([c * 1.2 for c in compute]),
+                       "ddp_blockk": conf([c * 1.08 for c in compute]),
+                       "ddp_powersgd": conf([c * 1.3 for c in compute], sent=980)}}
+    g = goals(res)
+    assert g["ddp_blockk/compute"] == pytest.approx([1.08] * 3)
+    assert g["ddp_blockk/compute<=1.10"] and g["ddp_blockk<=reducer_blockk"] and g["ddp_blockk<ddp_powersgd"]
+    assert g["ddp_blockk/reducer_blockk"][0] == pytest.approx(0.9)
+    res["configs"]["ddp_blockk"] = conf([c * 1.15 for c in compute])
+    assert not goals(res)["ddp_blockk/compute<=1.10"]

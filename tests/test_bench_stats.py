@@ -154,6 +154,8 @@ def test_grid_aligns_columns_and_refuses_ragged_rows():
 def test_parse_rows_expands_a_scheme_to_every_aggregation_the_studies_train():
     assert step.parse_rows("compute,dense,blockk_ag,blockk_ar,ddp") == ["compute", "dense", "blockk_ag", "blockk_ar", "ddp"]
     assert step.parse_rows("topk_ag,randk_ar,topk_ag") == ["topk_ag", "randk_ar"]
+    # a scheme's name is all of its rows, as --help says
+    assert step.parse_rows("compute,blockk,randk_ar") == ["compute", "blockk_ag", "blockk_ar", "randk_ar"]
     with pytest.raises(SystemExit):
         step.parse_rows("nosuch")
 

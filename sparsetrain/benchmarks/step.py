@@ -88,12 +88,15 @@ PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "s
 
 
 def parse_rows(text: str) -> list[str]:
+    """Row names in the order given, each once; a scheme's name (``blockk``) stands for all of
+    its rows (``blockk_ag, blockk_ar``)."""
     out = []
-    for row in (s.strip() for s in text.split(",")):
-        if row and row not in ROWS:
-            raise SystemExit(f"--schemes: unknown row {row!r}; known: {', '.join(ROWS)}")
-        if row and row not in out:
-            out.append(row)
+    for name in (s.strip() for s in text.split(",")):
+        rows = [name] if name in ROWS else [r for r in ROWS if r.startswith(f"{name}_")]
+        if name and not rows:
+            raise SystemExit(f"--schemes: unknown row {name!r}; known: {', '.join(ROWS)} "
+                             "(or a scheme's name for all of its rows)")
+        out += [r for r in rows if r not in out]
     return out
 
 
