@@ -110,3 +110,24 @@ def read_terminal(master: int, proc, timeout: float, each=None) -> bytes:
         if each is not None:
             each()
     return out
+
+
+def slurm_state() -> str:
+    """The SLURM node's state and the queue, for a failure message."""
+    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True,
+                          timeout=30).stdout.strip()
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], capture_output=True, text=True,
+                           timeout=30).stdout.strip()
+    return f"node: {node!r}; queue: {queue or 'empty'!r}"
+
+
+@pytest.fixture
+def empty_slurm_queue():
+    """Start a SLURM test on an empty queue. A job an earlier test cancelled holds the node's CPUs
+    while it completes, and a 2-task job needs both, so it would wait behind it and eat into the
+    test's own timeouts (CI once failed that way)."""
+    deadline = time.monotonic() + 300
+    while subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout.strip():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the SLURM cluster still has jobs after 300 s: {slurm_state()}")
+        time.sleep(1)

@@ -11,14 +11,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, read_json, read_jsonl, wait_until
+from conftest import ROOT, TINY, read_json, read_jsonl, slurm_state, wait_until
 from test_slurm_cluster import _PROBLEM
 
-pytestmark = [pytest.mark.slurm,
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("empty_slurm_queue"),
               pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
 
 SLURM = ("-m", "hydra/launcher=slurm", *TINY, "data.train_size=256")
@@ -49,33 +48,12 @@ def _steps(run: Path) -> int:
     return sum(r["kind"] == "step" for r in read_jsonl(run / "metrics.jsonl"))
 
 
-def _cluster_state() -> str:
-    """The node's state and the queue, for a failure message."""
-    node = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T %E"], capture_output=True, text=True,
-                          timeout=30).stdout.strip()
-    queue = subprocess.run(["squeue", "-h", "-o", "%i %T %r"], capture_output=True, text=True,
-                           timeout=30).stdout.strip()
-    return f"node: {node!r}; queue: {queue or 'empty'!r}"
-
-
-@pytest.fixture(autouse=True)
-def _empty_queue():
-    """Start each test on an empty queue. A job an earlier test cancelled holds the node's CPUs
-    while it completes, and a world_size=2 job needs both, so it would wait behind it and eat
-    into the test's own timeouts."""
-    deadline = time.monotonic() + 300
-    while subprocess.run(["squeue", "-h"], capture_output=True, text=True, timeout=30).stdout.strip():
-        if time.monotonic() > deadline:
-            pytest.fail(f"the cluster still has jobs after 300 s: {_cluster_state()}")
-        time.sleep(1)
-
-
 def _wait(cond, proc: subprocess.Popen, what: str, timeout: float) -> None:
     """`wait_until`, with the cluster's state in the failure message (a job may be held back)."""
     try:
         wait_until(cond, proc, what, timeout=timeout, poll=0.5)
     except pytest.fail.Exception as exc:
-        pytest.fail(f"{exc}; {_cluster_state()}")
+        pytest.fail(f"{exc}; {slurm_state()}")
 
 
 def _squeue_state(job_id: str) -> str:
