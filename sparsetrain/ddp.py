@@ -153,20 +153,22 @@ class _Bucket:
             buf[a : a + n].zero_()
         if red.aggregation == "allreduce":
             red._values.div_(world)
-            comp.decompress_add(red._values[:k], payload.positions, buf, indices=self.place(own))
+            self.place_add(buf, red._values[:k], own)
             for a, w, n in self.whole_runs:
                 buf[a : a + n].copy_(red._values[k + w : k + w + n])
             return
         for a, _, n in self.whole_runs:
             buf[a : a + n].zero_()
         for r, values, wire in red.messages():
-            if r == red.rank:  # own positions already expanded
-                positions, idx = payload.positions, own
-            else:
-                positions, idx = wire, comp.indices(wire)
-            comp.decompress_add(values[:k], positions, buf, indices=self.place(idx))
+            idx = own if r == red.rank else comp.indices(wire)  # own positions already expanded
+            self.place_add(buf, values[:k], idx)
             for a, w, n in self.whole_runs:
                 buf[a : a + n].add_(values[k + w : k + w + n])
+
+    def place_add(self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
+        """``buf[place(idx)] += values``: a message's values added where its entries lie in the
+        bucket (``idx`` index the compressed layout; the bucket orders tensors its own way)."""
+        buf.index_add_(0, self.place(idx), values.to(buf.dtype))
 
     def _unpack_dense(self, buf: torch.Tensor) -> None:
         """``unpack`` for a compressor whose messages decode to every compressed entry (the

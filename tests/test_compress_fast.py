@@ -179,3 +179,22 @@ def test_error_feedback_step_refuses_pieces_that_do_not_cover_the_memory():
     g = grad(LAYOUT.total, 0)
     with pytest.raises(ValueError, match="entries"):
         ErrorFeedback(LAYOUT.total).step(pieces_of(g[:-1], (10,)), TopK(0.01, LAYOUT, "global"))
+
+
+# --- block-k layer-wise: decompress by slices equals the index_add ----------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("ratio", [0.001, 0.02, 0.5, 1.0])
+def test_blockk_layerwise_decompress_by_slices_equals_index_add(ratio, dtype):
+    """Runs that wrap around a tensor's end, tensors that send nothing or everything, values in
+    another dtype than ``out``, and several messages added in turn (AllGather's unpack)."""
+    comp = BlockRandomK(ratio, LAYOUT, "layerwise")
+    fast, ref = grad(LAYOUT.total, 1, dtype), grad(LAYOUT.total, 1, dtype)
+    wrapped = 0
+    for seed in range(6):
+        positions, idx = comp.select(grad(LAYOUT.total, seed), seed)
+        values = grad(comp.k, 100 + seed, torch.float32)
+        comp.decompress_add(values, positions, fast)
+        ref.index_add_(0, idx, values.to(dtype))  # the generic path: Compressor.decompress_add
+        wrapped += sum(s + k > n for s, n, k in zip(positions.tolist(), SIZES, comp.ks, strict=True))
+        assert same(fast, ref), (ratio, seed)
+    assert wrapped > 0 or ratio < 0.5  # the wrap-around branch ran (a run of half a tensor or more wraps often)

@@ -215,7 +215,10 @@ class Compressor:
         *,
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``out[indices] += values`` (duplicates accumulate). Returns ``out``."""
+        """Add one message, decoded, to ``out`` (in the compressed layout): ``out[i] += value``
+        for each of its entries, duplicates accumulating. ``indices``: ``self.indices(positions)``
+        when the caller already has it (its own message); a subclass may decode without it.
+        Returns ``out``."""
         idx = indices if indices is not None else self.indices(positions)
         return out.index_add_(0, idx, values.to(out.dtype))
 

@@ -345,7 +345,8 @@ class BlockRandomK(Compressor):
             S = len(sizes)
             ks_t = torch.tensor(self.ks, dtype=torch.int64)
             entry_segment = torch.repeat_interleave(torch.arange(S), ks_t)
-            kstarts = torch.tensor(Layout.from_sizes(self.ks).offsets, dtype=torch.int64)
+            self._kstarts = list(Layout.from_sizes(self.ks).offsets)  # where each tensor's run starts in the values
+            kstarts = torch.tensor(self._kstarts, dtype=torch.int64)
             self.entry_segment = entry_segment.to(dev)
             self.entry_in_run = (torch.arange(self.k) - kstarts[entry_segment]).to(dev)
             self.entry_offset = torch.tensor(offs, dtype=torch.int64)[entry_segment].to(dev)
@@ -378,6 +379,22 @@ class BlockRandomK(Compressor):
         else:
             starts = self.sampler.sample(gen).mul_(self.block_size)
         return starts, self.indices(starts)
+
+    def decompress_add(self, values, positions, out, *, indices=None):
+        """``out[indices] += values``. Layer-wise on the CPU, as at most two slice adds per tensor
+        (its run, and the part that wraps around its end) instead of an index_add over k expanded
+        indices: the same additions in the same order (a message's positions are distinct), so
+        the same bits, for a fraction of the memory traffic. Elsewhere the generic index_add."""
+        if self.scope != "layerwise" or out.device.type != "cpu":
+            return super().decompress_add(values, positions, out, indices=indices)
+        values = values.to(out.dtype)
+        for start, off, n, k, v0 in zip(positions.tolist(), self.layout.offsets, self.layout.sizes,
+                                        self.ks, self._kstarts, strict=True):
+            head = min(k, n - start)
+            out[off + start: off + start + head].add_(values[v0: v0 + head])
+            if head < k:
+                out[off: off + k - head].add_(values[v0 + head: v0 + k])
+        return out
 
     def indices(self, positions):
         positions = positions.long()
