@@ -261,7 +261,7 @@ def test_old_powersgd_runs_load_as_torchs_hook():
     assert (torch_row["scheme"], torch_row["aggregation"], torch_row["ratio"]) == ("torch_powersgd", "-", 0.024)
     ours = row_from_summary({"status": "completed", "config": new}, None)
     assert (ours["scheme"], ours["aggregation"], ours["scope"]) == ("powersgd", "-", "layerwise")
-    assert collective_of(ours) == "allreduce" and collective_of(torch_row) is None  # as before for torch's
+    assert collective_of(ours) == "allreduce" == collective_of(torch_row)  # torch's hook AllReduces too
     # a run recorded as scheme=powersgd before issue 24 is scheme=torch_powersgd's (resume, skip)
     renamed = {**old, "scheme": {"name": "torch_powersgd", "compressor": None, "rank": None}}
     assert config_differences(old, renamed) == []

@@ -19,6 +19,7 @@ from sparsetrain.analysis import time_to_accuracy as tta
 from sparsetrain.costmodel import WIRE_OVERHEAD
 
 ALPHA = 50e-6
+DENSE_HALF = 500_000  # fp16: every entry of the fake runs' 1 MB gradient in 2 bytes
 DATA = Path(__file__).parent / "data"
 
 
@@ -124,6 +125,50 @@ def test_shared_compute_is_the_median_of_the_same_work_and_break_even_names_the_
     assert never.display["fastest"].iloc[0] == "none reached" and math.isnan(never.data["speedup"].iloc[0])
     plot_break_even(even)  # draws
     plot_break_even(never)
+
+
+def _as_torch_hook(run: Path, scheme: str, sent: int, compress_ms: float) -> None:
+    """Turn a fake dense run into one of torch's DDP hooks (``fp16``, ``bf16``, ``torch_powersgd``):
+    its bytes, and the host time inside the hook that the trainer records as compress."""
+    import yaml
+
+    cfg = yaml.safe_load((run / ".hydra" / "config.yaml").read_text())
+    cfg["scheme"]["name"], cfg["dist"]["ddp"] = scheme, True
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(config=cfg, bytes_sent_per_step=sent)
+    summary["time_ms"] = {**summary["time_ms"], "compress": compress_ms, "decompress": 0.0}
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_torch_hooks_allreduce_and_the_16_bit_ones_are_dense_baselines(tmp_path):
+    """fp16 / bf16 / torch's PowerSGD run through DDP with AllReduce: their predicted step is the
+    AllReduce of their bytes, and the break-even map counts the 16-bit ones as dense baselines."""
+    from sparsetrain.analysis.break_even import break_even_table
+    from sparsetrain.analysis.loader import collective_of
+
+    root = _sweep(tmp_path / "r")
+    for seed in (0, 1):
+        run = write_run(root / f"fp16{seed}", make_config(scheme="none", seed=seed))
+        _as_torch_hook(run, "fp16", DENSE_HALF, compress_ms=1.5)
+    runs = sa.load_runs(root)
+    fp16 = runs[runs["scheme"] == "fp16"]
+    assert len(fp16) == 2 and {collective_of(r) for _, r in fp16.iterrows()} == {"allreduce"}
+    for name in ("bf16", "torch_powersgd"):
+        assert collective_of({"scheme": name, "aggregation": "-"}) == "allreduce"
+    model = tta.default_model(ALPHA)
+    table = tta.time_to_accuracy_table(runs, 0.5, [0.1, 100], [8], model, compute="own")
+    data = table.data.set_index(["scheme", "bandwidth_gbit", "workers"])
+    for gbit in (0.1, 100):
+        row = fp16.iloc[0].to_dict()
+        local = sum(row[f"time_{p}_ms"] for p in ("data", "forward", "backward", "optimizer")) + 1.5
+        ms, _ = tta.predict_step_ms(row, 8, gbit * 1e9, model)
+        assert ms == pytest.approx(local + 1e3 * (14 * ALPHA + 2 * 7 / 8 * DENSE_HALF * beta(gbit)), rel=1e-12)
+        assert not math.isnan(data.loc[("fp16", float(gbit), 8), "time_to_target_s_mean"])
+    even = break_even_table(table).data.set_index("bandwidth_gbit")
+    # fp16 sends half of dense SGD's bytes for the same steps: the best dense baseline wherever the
+    # wire counts
+    assert even.loc[0.1, "best_dense"].startswith("fp16 (torch hook)")
 
 
 def test_warmup_steps_are_dense_steps(tmp_path):

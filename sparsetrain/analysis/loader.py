@@ -304,9 +304,10 @@ def _stability(row: dict) -> str | None:
 
 def collective_of(row: dict) -> str | None:
     """The collective that carries a run's exchange after warm-up: dense SGD AllReduces, a sparse
-    scheme uses its aggregation (None when unknown); sparsetrain's PowerSGD AllReduces (its P,
-    then its Q: one AllReduce of their bytes here, one latency too few)."""
-    if row.get("scheme") in (DENSE, "powersgd"):
+    scheme uses its aggregation (None when unknown). PowerSGD, sparsetrain's and torch's hook,
+    AllReduces its P, then its Q (one AllReduce of their bytes here, one latency too few); torch's
+    fp16 and bf16 hooks AllReduce the 16-bit gradient."""
+    if row.get("scheme") in (DENSE, "powersgd", *TORCH_HOOK_SCHEMES):
         return "allreduce"
     aggregation = row.get("aggregation")
     return aggregation if aggregation in ("allreduce", "allgather") else None
