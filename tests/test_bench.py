@@ -29,7 +29,7 @@ def test_bench_step_tiny_end_to_end(tmp_path):
     before = set(_ours())
     cmd = [sys.executable, "-m", "sparsetrain.benchmarks.step", "--rates", "2gbit,paper",
            "--nproc", "2", "--batch", "2", "--steps", "1", "--warmup", "0", "--rounds", "2", "--visits", "2",
-           "--schemes", "compute,dense,blockk_ag,blockk_ar,ddp", "--out", str(tmp_path)]
+           "--schemes", "compute,dense,blockk_ag,blockk_ar,ddp,powersgd,signsgd_ag,qsgd_ag", "--out", str(tmp_path)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads((tmp_path / "step.json").read_text())
@@ -39,7 +39,7 @@ def test_bench_step_tiny_end_to_end(tmp_path):
     for r in doc["results"]:
         s = r["schemes"]
         # "blockk" = both aggregations the studies train it with
-        assert set(s) == {"compute", "dense", "blockk_ag", "blockk_ar", "ddp"}
+        assert set(s) == {"compute", "dense", "blockk_ag", "blockk_ar", "ddp", "powersgd", "signsgd_ag", "qsgd_ag"}
         # two visits of one round each, merged: rates interleave in time
         assert r["meta"]["rounds"] == 2 and r["meta"]["visits"] == 2 and r["meta"]["preset"] == "cpu_scale"
         assert s["dense"]["phases_ms"]["exchange"] > 0
@@ -53,9 +53,13 @@ def test_bench_step_tiny_end_to_end(tmp_path):
             assert o["uncompressed"] == "1d" and o["error_feedback"] and o["model"] == "resnet18"
         # AllGather sends its own positions too: more bytes than the shared-seed AllReduce
         assert s["blockk_ag"]["bytes_sent_per_step"] > s["blockk_ar"]["bytes_sent_per_step"]
+        # the other families, each under dense SGD's bytes and timed by phase
+        for row in ("powersgd", "signsgd_ag", "qsgd_ag"):
+            assert 0 < s[row]["bytes_sent_per_step"] < s["dense"]["bytes_sent_per_step"]
+            assert s[row]["phases_ms"]["compress"] > 0 and s[row]["phases_ms"]["exchange"] > 0
     assert "compute_flat" in doc["noise_check"]
     rows = list(csv.DictReader(open(tmp_path / "step.csv")))
-    assert len(rows) == 10 and (tmp_path / "step_vs_bandwidth.png").exists()
+    assert len(rows) == 16 and (tmp_path / "step_vs_bandwidth.png").exists()
     assert "noise check" in (tmp_path / "step.txt").read_text()
     assert set(_ours()) <= before  # every namespace and link of the run is gone
 
