@@ -19,7 +19,8 @@ momentum) plus the row's scheme / aggregation, through the trainer's own ``build
   blockk_ag  block-random-k, AllGather    blockk_ar  block-random-k, AllReduce (shared seed; RQ3)
   powersgd   sparsetrain's PowerSGD (P then Q AllReduced), its rank matched to the sparse rows' bytes
   signsgd_ag signSGD (scaled sign, error feedback), AllGather of packed signs and scales
-  qsgd_ag    QSGD (scheme.levels, no error feedback), AllGather of packed levels and norms
+  qsgd_ag    QSGD at the frontier study's s = 1 (2 bits an entry, a norm per 512), no error feedback,
+             AllGather of packed levels and norms
   ddp        torch DistributedDataParallel (gloo, 25 MB buckets), the baseline
 
 Every row is rebuilt and timed once per round, rows rotated round-robin, for --rounds rounds,
@@ -81,10 +82,17 @@ ROWS = {
     "blockk_ar": ["scheme=blockk", "aggregation=allreduce"],
     "powersgd": ["scheme=powersgd"],  # its rank matched to the sparse rows' bytes; two AllReduces
     "signsgd_ag": ["scheme=signsgd", "aggregation=allgather"],
-    "qsgd_ag": ["scheme=qsgd", "aggregation=allgather"],
+    "qsgd_ag": ["scheme=qsgd", "scheme.levels=1", "aggregation=allgather"],  # as experiment=frontier trains it
     "ddp": ["scheme=none", "dist.ddp=true"],
 }
 PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "skew", "optimizer")
+
+
+def _collective(opts: dict) -> str:
+    """The collective a row's exchange runs: its aggregation; PowerSGD AllReduces whatever the key
+    says; dense SGD's and compute-only's rows show none."""
+    scheme = opts.get("scheme", "none")
+    return {"none": "-", "powersgd": "allreduce"}.get(scheme, opts.get("aggregation", "-"))
 
 
 def parse_rows(text: str) -> list[str]:
@@ -262,7 +270,7 @@ def table(res: dict) -> str:
         xc = r.get("x_compute_ci")
         peak = [v for v in r.get("peak_rss_mb_per_rank", []) if v is not None]
         rows.append([
-            name, opts.get("aggregation", "-") if opts.get("scheme", "none") != "none" else "-",
+            name, _collective(opts),
             num(r["step_ms"]), f"{num(r['ci_low_ms'])}-{num(r['ci_high_ms'])}",
             f"{num(r.get('x_compute'), 3)} ({num(xc[0], 3)}-{num(xc[1], 3)})" if xc else "-",
             num(r["step_ms"] / dense if dense else None, 3),
