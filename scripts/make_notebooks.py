@@ -135,8 +135,9 @@ def study_notebook(name: str, title: str, question: str) -> nbformat.NotebookNod
             f"Points from {folders} (those present){kept}. Runs come from `python -m sparsetrain.run -m "
             f"experiment={name}`; `make figures` writes the same tables and figures (`python -m "
             f"sparsetrain.analysis --studies results --out figures`). Runs that failed, did not finish "
-            "or did not train (final train loss above ln 10) are left out of the numbers and listed "
-            "under each table."
+            "or did not train (final train loss not below ln 10, or final test accuracy below 20%) are "
+            "left out of the numbers and listed under each table; runs that blew up early and recovered "
+            "count, and each table says how many did."
         ),
         parameters_cell("../results", f"../outputs/notebooks/{name}"),
         new_code_cell(SETUP.format(name=name, load=LOAD_STUDY.format(study=name))),
@@ -179,9 +180,12 @@ def overview_notebook() -> nbformat.NotebookNode:
             '        sa.write_table(table, OUT / study)\n'
             '        display(Markdown(table.to_markdown()))'
         ),
-        new_markdown_cell("## The paper's findings\n\nEach comparison judged by one rule "
-                          "(`sparsetrain/analysis/findings.py`): the ranges mean ± std over seeds "
-                          "do not overlap."),
+        new_markdown_cell("## The paper's findings\n\nEach comparison "
+                          "(`sparsetrain/analysis/findings.py`) is a difference in points with its 95% "
+                          "interval and p-value: a paired t-test on per-seed differences where both "
+                          "sides ran the same seeds, Welch's t-test otherwise (scipy.stats), "
+                          "Holm-adjusted within a finding; outside the noise means adjusted p < 0.05, "
+                          "and a side with one run is shown, never judged."),
         new_code_cell(
             'for table in sa.findings_tables(runs):\n'
             '    sa.write_table(table, OUT / "findings")\n'
