@@ -57,8 +57,15 @@ def test_bench_step_tiny_end_to_end(tmp_path):
         for row in ("powersgd", "signsgd_ag", "qsgd_ag"):
             assert 0 < s[row]["bytes_sent_per_step"] < s["dense"]["bytes_sent_per_step"]
             assert s[row]["phases_ms"]["compress"] > 0 and s[row]["phases_ms"]["exchange"] > 0
+        # the collective each row's reducer ran, as recorded (PowerSGD AllReduces whatever
+        # `aggregation` says; compute-only exchanges nothing)
+        assert {n: s[n]["collective"] for n in ("compute", "dense", "blockk_ag", "blockk_ar", "powersgd", "ddp")} == {
+            "compute": None, "dense": "allreduce", "blockk_ag": "allgather", "blockk_ar": "allreduce",
+            "powersgd": "allreduce", "ddp": "allreduce"}
     assert "compute_flat" in doc["noise_check"]
     rows = list(csv.DictReader(open(tmp_path / "step.csv")))
+    assert {(r["row"], r["aggregation"], r["collective"]) for r in rows if r["row"] == "powersgd"} == {
+        ("powersgd", "allgather", "allreduce")}
     assert len(rows) == 16 and (tmp_path / "step_vs_bandwidth.png").exists()
     assert "noise check" in (tmp_path / "step.txt").read_text()
     assert set(_ours()) <= before  # every namespace and link of the run is gone

@@ -173,6 +173,26 @@ def test_report_rewrites_a_saved_run_byte_for_byte(tmp_path):
         step.render({**doc, "schema": 1}, tmp_path)
 
 
+def test_a_rows_collective_is_the_recorded_one_else_the_studies_rule():
+    """The step table's and the cluster check's collective: what the worker recorded from the
+    reducer; for files written before it did, the options by loader.collective_of's rule."""
+    from sparsetrain.analysis.cluster_check import _timed_collective, bench_collective
+
+    old = {"bytes_sent_per_step": 100}
+    assert bench_collective("powersgd", {**old, "options": {"scheme": "powersgd", "aggregation": "allgather"}}) == "allreduce"
+    assert bench_collective("dense", {**old, "options": {"scheme": "none", "aggregation": "allgather"}}) == "allreduce"
+    assert bench_collective("topk_ag", {**old, "options": {"scheme": "topk", "aggregation": "allgather"}}) == "allgather"
+    assert bench_collective("compute", {"bytes_sent_per_step": 0, "options": {"scheme": "none"}}) is None
+    assert bench_collective("blockk", {}) == "allreduce"  # schema 1: by the row's name
+    assert bench_collective("x", {**old, "collective": "allgather", "options": {"scheme": "powersgd"}}) == "allgather"
+    # the cluster check times only exchanges that are a phase of their own
+    ddp = {**old, "collective": "allreduce", "options": {"scheme": "none", "ddp": True}}
+    assert bench_collective("ddp", ddp) == "allreduce" and _timed_collective("ddp", ddp) is None
+    ovl = {**old, "options": {"scheme": "none", "overlap": True}}
+    assert _timed_collective("dense_ovl", ovl) is None
+    assert _timed_collective("powersgd", {**old, "options": {"scheme": "powersgd"}}) == "allreduce"
+
+
 def _row(med, lo, hi, **kw):
     return {"step_ms": med, "ci_low_ms": lo, "ci_high_ms": hi, "ci_level": 0.96, "round_ms": [med] * 9,
             "phases_ms": {"exchange": kw.pop("exchange", 0.0)}, "bytes_sent_per_step": 0,

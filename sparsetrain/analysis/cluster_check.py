@@ -18,21 +18,38 @@ import pandas as pd
 
 from sparsetrain.costmodel import Collective
 
+from .loader import DENSE, collective_of
 from .time_to_accuracy import COLLECTIVES, COMPUTE_PHASES, ExchangeModel
 
 # Schema 1 (the first pass) names rows by scheme only; schema 2 rows carry their config options.
 BENCH_COLLECTIVE = {"dense": "allreduce", "topk": "allgather", "randk": "allreduce", "blockk": "allreduce"}
 
 
-def _collective(row: str, result: dict) -> str | None:
-    """The collective a benchmark row's exchange phase ran, or None for rows whose exchange is
-    not a phase of its own (compute-only, the overlapped dense path, torch DDP)."""
+def bench_collective(row: str, result: dict) -> str | None:
+    """The collective that carried a step-benchmark row's exchange; None when it exchanged
+    nothing (compute-only). The worker records the reducer's own (``collective``); files written
+    before it did say it through the row's options, read by the studies' rule
+    (``loader.collective_of``: dense SGD and PowerSGD AllReduce, a sparse scheme its aggregation),
+    or, for schema 1, through the row's name."""
+    if "collective" in result:
+        return result["collective"]
     options = result.get("options")
     if not options:
         return BENCH_COLLECTIVE.get(row)
-    if options.get("scheme") == "none":
-        return None if options.get("overlap") or row != "dense" else "allreduce"
-    return options.get("aggregation")
+    if not result.get("bytes_sent_per_step"):
+        return None
+    scheme = options.get("scheme")
+    return collective_of({**options, "scheme": DENSE if scheme == "none" else scheme})
+
+
+def _timed_collective(row: str, result: dict) -> str | None:
+    """:func:`bench_collective` for rows whose exchange is a phase of its own; None for the
+    overlapped dense path and torch DDP, whose exchange runs inside backward."""
+    options = result.get("options") or {}
+    dense_inside_backward = options.get("scheme") == "none" and (row != "dense" or options.get("overlap"))
+    if options.get("ddp") or dense_inside_backward:  # (`overlap` applies to dense SGD only)
+        return None
+    return bench_collective(row, result)
 
 
 def bench_check(step: dict, costmodel: dict, tolerance: float = 0.2) -> pd.DataFrame:
@@ -51,7 +68,7 @@ def bench_check(step: dict, costmodel: dict, tolerance: float = 0.2) -> pd.DataF
         meta = result["meta"]
         world, rate = int(meta["world_size"]), float(meta["rate_bits"])
         for scheme, r in result["schemes"].items():
-            collective = _collective(scheme, r)
+            collective = _timed_collective(scheme, r)
             if collective is None:
                 continue
             ph = r["phases_ms"]

@@ -175,7 +175,7 @@ def row_options(cfg) -> dict:
     return {"scheme": cfg.scheme.name, "scope": cfg.scope.name, "aggregation": cfg.aggregation.name,
             "ratio": cfg.ratio, "uncompressed": cfg.scheme.uncompressed,
             "error_feedback": cfg.scheme.error_feedback, "block_size": cfg.scheme.get("block_size"),
-            "warmup_steps": cfg.scheme.warmup_steps, "overlap": cfg.dist.overlap,
+            "warmup_steps": cfg.scheme.warmup_steps, "overlap": cfg.dist.overlap, "ddp": cfg.dist.ddp,
             "model": cfg.model.name, "seed": cfg.seed}
 
 

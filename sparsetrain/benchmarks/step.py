@@ -59,6 +59,7 @@ import sys
 import time
 from pathlib import Path
 
+from sparsetrain.analysis.cluster_check import bench_collective
 from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.stats import (
     LEVEL,
@@ -86,13 +87,6 @@ ROWS = {
     "ddp": ["scheme=none", "dist.ddp=true"],
 }
 PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "skew", "optimizer")
-
-
-def _collective(opts: dict) -> str:
-    """The collective a row's exchange runs: its aggregation; PowerSGD AllReduces whatever the key
-    says; dense SGD's and compute-only's rows show none."""
-    scheme = opts.get("scheme", "none")
-    return {"none": "-", "powersgd": "allreduce"}.get(scheme, opts.get("aggregation", "-"))
 
 
 def parse_rows(text: str) -> list[str]:
@@ -140,17 +134,18 @@ def worker(a) -> None:
         net, flat, reducer = ex.net, ex.flat, ex.reducer
         if cfg.dist.ddp:  # DDP's own AllReduce inside backward, as dist.ddp=true trains
             reducer.settle(x)
-        sent = reducer.bytes_sent_per_step
+        sent, collective = reducer.bytes_sent_per_step, reducer.collective
         if name == "compute":  # the same model and buffer, no exchange
             reducer.detach()
-            reducer, sent = None, 0
+            reducer, sent, collective = None, 0, None
         opt = optimizer_from_config(cfg, model)
         timer = PhaseTimer("cpu", warmup_steps=warmup)
         run_step = TrainStep(net, opt, reducer, flat, timer, "cpu",
                              before_exchange=skew if a.skew_phase and reducer is not None else None)
         batches = ((x.clone(), y.clone()) for _ in itertools.count())
         times = harness.timed_steps(run_step, batches, warmup, steps)
-        res = {"steps": times, "phases": timer.means(), "bytes_sent_per_step": sent, "numel": numel}
+        res = {"steps": times, "phases": timer.means(), "bytes_sent_per_step": sent, "numel": numel,
+               "collective": collective}
         if measure_mem:
             res["peak_rss_mb"] = harness.rss_mb("VmHWM")
             res["peak_growth_mb"] = res["peak_rss_mb"] - rss0
@@ -170,6 +165,7 @@ def worker(a) -> None:
             out[name]["phases"].append(res["phases"])
             e = extra.setdefault(name, {})
             e["bytes_sent_per_step"], e["numel"] = res["bytes_sent_per_step"], res["numel"]
+            e["collective"] = res["collective"]
             if "peak_rss_mb" in res:
                 e["peak_rss_mb"], e["peak_growth_mb"] = res["peak_rss_mb"], res["peak_growth_mb"]
     allr = harness.gather({"out": out, "extra": extra})
@@ -178,6 +174,7 @@ def worker(a) -> None:
         for n in names:
             summary[n].update({
                 "bytes_sent_per_step": allr[0]["extra"][n]["bytes_sent_per_step"],
+                "collective": allr[0]["extra"][n]["collective"],  # the reducer's, after warm-up
                 "peak_rss_mb_per_rank": [q["extra"][n].get("peak_rss_mb") for q in allr],
                 "peak_growth_mb_per_rank": [q["extra"][n].get("peak_growth_mb") for q in allr],
                 "options": harness.row_options(cfgs[n]),
@@ -266,11 +263,10 @@ def table(res: dict) -> str:
     rows = []
     for name, r in s.items():
         ph = r["phases_ms"]
-        opts = r.get("options", {})
         xc = r.get("x_compute_ci")
         peak = [v for v in r.get("peak_rss_mb_per_rank", []) if v is not None]
         rows.append([
-            name, _collective(opts),
+            name, bench_collective(name, r) or "-",
             num(r["step_ms"]), f"{num(r['ci_low_ms'])}-{num(r['ci_high_ms'])}",
             f"{num(r.get('x_compute'), 3)} ({num(xc[0], 3)}-{num(xc[1], 3)})" if xc else "-",
             num(r["step_ms"] / dense if dense else None, 3),
@@ -279,7 +275,7 @@ def table(res: dict) -> str:
             fl.get(name, ""),
         ])
     level = min((r.get("ci_level", 1.0) for r in s.values()), default=1.0)
-    cols = ["row", "aggregation", "step ms", f"{level:.1%} interval", "x compute (interval)", "x dense",
+    cols = ["row", "collective", "step ms", f"{level:.1%} interval", "x compute (interval)", "x dense",
             "compress", "exchange", "decompress", "skew", "MB sent", "peak MB", "flag"]
     return "\n".join([head, grid(cols, rows)])
 
@@ -316,7 +312,7 @@ def write_outputs(results: list[dict], out: Path) -> None:
     (out / "step.txt").write_text(report(results) + "\n")
     with open(out / "step.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["label", "rate_bits", "row", "scheme", "aggregation", "step_ms", "ci_low_ms",
+        w.writerow(["label", "rate_bits", "row", "scheme", "aggregation", "collective", "step_ms", "ci_low_ms",
                     "ci_high_ms", "ci_level", "x_compute", *(f"{k}_ms" for k in PHASE_COLUMNS),
                     "bytes_sent_per_step", "peak_rss_mb_max", "flag"])
         for res in results:
@@ -325,6 +321,7 @@ def write_outputs(results: list[dict], out: Path) -> None:
                 ph, o = r["phases_ms"], r.get("options", {})
                 peak = [v for v in r.get("peak_rss_mb_per_rank", []) if v is not None]
                 w.writerow([m["label"], m["rate_bits"], name, o.get("scheme"), o.get("aggregation"),
+                            bench_collective(name, r) or "",
                             f"{r['step_ms']:.2f}", f"{r['ci_low_ms']:.2f}", f"{r['ci_high_ms']:.2f}",
                             f"{r['ci_level']:.4f}", f"{r.get('x_compute', float('nan')):.4f}",
                             *(f"{ph.get(k, 0.0):.2f}" for k in PHASE_COLUMNS),
