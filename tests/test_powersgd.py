@@ -519,3 +519,21 @@ def test_compressor_benchmark_row():
     assert (row["scheme"], row["scope"], row["rank"]) == ("powersgd", "layerwise", 1)
     assert row["k"] == 7_791  # rank 1: P and Q of every matrix, the 1-D tensors whole
     assert row["compress_ef_copies"] > 0 and row["decompress_copies"] > 0
+
+
+def test_a_set_rank_is_the_runs_axis_and_ratio_then_picks_nothing():
+    """scheme.rank set: tables and labels say rank=1, not the ratio it ignores; null: the rank was
+    matched to `ratio`'s bytes, so the ratio stays what tells runs apart."""
+    from sparsetrain.analysis.loader import MATCHED_TO_RATIO, NOT_APPLICABLE, row_from_summary
+
+    base = {"scope": {"name": "layerwise"}, "aggregation": {"name": "allgather"}, "ratio": 0.01, "dist": {}}
+    ours = {"name": "powersgd", "compressor": {"_target_": "sparsetrain.compress.PowerSGD"}}
+    set_rank = row_from_summary({"status": "completed", "config": {**base, "scheme": {**ours, "rank": 1}}}, None)
+    assert (set_rank["rank"], set_rank["ratio"]) == (1, NOT_APPLICABLE)
+    matched = row_from_summary({"status": "completed", "config": {**base, "scheme": {**ours, "rank": None}}}, None)
+    assert (matched["rank"], matched["ratio"]) == (MATCHED_TO_RATIO, 0.01)
+    torch_hook = {"name": "torch_powersgd", "compressor": None, "rank": 2}
+    row = row_from_summary({"status": "completed", "config": {**base, "scheme": torch_hook, "dist": {"ddp": True}}}, None)
+    assert (row["rank"], row["ratio"]) == (2, NOT_APPLICABLE)
+    topk = row_from_summary({"status": "completed", "config": {**base, "scheme": {"name": "topk"}}}, None)
+    assert (topk["rank"], topk["ratio"]) == (NOT_APPLICABLE, 0.01)

@@ -228,7 +228,7 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
                         yerr=0.0 if math.isnan(row["test_accuracy_std"]) else row["test_accuracy_std"] * 100,
                         fmt=MARKERS[markers[key] % len(MARKERS)], color=SCHEME_COLORS.get(row["scheme"]),
                         capsize=3, markersize=6)
-            if "ratio" in others and row["scheme"] != DENSE:
+            if "ratio" in others and row["scheme"] != DENSE and row["ratio"] != NOT_APPLICABLE:
                 ax.annotate(f"{row['ratio']:g}", (row[f"{metric}_mean"], row["test_accuracy_mean"] * 100),
                             textcoords="offset points", xytext=(5, 3), fontsize=7)
         ax.set_xscale("log")

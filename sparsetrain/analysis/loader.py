@@ -55,6 +55,7 @@ AXES = (
     "block_size",
     "levels",
     "bucket_size",
+    "rank",
     "uncompressed",
     "warmup_steps",
     "exchange",
@@ -78,6 +79,10 @@ BLOCK_SIZE_OF_OTHER_SCHEMES = 256
 # scheme.bucket_size (QSGD's entries per norm) null: one norm per tensor, as every QSGD run before
 # the key existed
 PER_TENSOR = "tensor"
+# scheme.rank (PowerSGD's, sparsetrain's and torch's hook) null: the rank whose bytes come closest
+# to the sparse schemes' at `ratio`
+MATCHED_TO_RATIO = "matched"
+POWERSGD_SCHEMES = ("powersgd", "torch_powersgd")
 
 STATUSES_DONE = ("completed",)
 
@@ -166,6 +171,13 @@ def _bucket_size(cfg: dict, scheme: str | None):
     return PER_TENSOR if value is None else value
 
 
+def _powersgd_rank(cfg: dict, scheme: str | None):
+    if scheme not in POWERSGD_SCHEMES:
+        return NOT_APPLICABLE
+    value = _get(cfg, "scheme", "rank")
+    return MATCHED_TO_RATIO if value is None else value
+
+
 def _axes_from_config(cfg: dict) -> dict:
     scheme = recorded_scheme(cfg.get("scheme"))  # scheme=powersgd before issue 24: torch_powersgd
     row = {
@@ -179,6 +191,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "block_size": _block_size(cfg, scheme),
         "levels": _get(cfg, "scheme", "levels", default=NOT_APPLICABLE),  # scheme=qsgd's own key
         "bucket_size": _bucket_size(cfg, scheme),  # scheme=qsgd's own key
+        "rank": _powersgd_rank(cfg, scheme),  # PowerSGD's own key
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
@@ -193,13 +206,15 @@ def _axes_from_config(cfg: dict) -> dict:
     }
     # Where the exchange ran: the trainer's own reducer after backward, or a DDP hook (dist.ddp).
     row["exchange"] = "ddp hook" if _get(cfg, "dist", "ddp") else "trainer"
+    if row["rank"] not in (NOT_APPLICABLE, MATCHED_TO_RATIO):
+        row["ratio"] = NOT_APPLICABLE  # a rank of its own: `ratio` picks nothing
     if scheme in TORCH_HOOK_SCHEMES:  # torch's hooks: no scope, aggregation, ... of sparsetrain's
         for axis in DENSE_IRRELEVANT:
             row[axis] = NOT_APPLICABLE
         if scheme in ("fp16", "bf16"):
             row["ratio"] = 1.0  # every entry, in half the bytes
-        return row  # torch_powersgd keeps its ratio: its rank is matched to that ratio's bytes
-    if scheme == "powersgd":  # two AllReduces whatever the key says (its rank, too, is matched to ratio)
+        return row  # torch_powersgd keeps its ratio unless its rank is set: the rank matched to it
+    if scheme == "powersgd":  # two AllReduces whatever the key says
         row["aggregation"] = NOT_APPLICABLE
     if scheme in QUANTIZER_SCHEMES:
         row["ratio"] = 1.0  # every entry, in a few bits
