@@ -40,21 +40,17 @@ lint: venv  ## ruff
 comma := ,
 TTA_TARGET ?= 0.75
 TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
-# the compression families (issue 24): the frontier's points with the headline protocol's dense
-# SGD and layer-wise runs and the fair DDP comparison (torch's PowerSGD hook), all at the headline
-# budget (4 epochs), where 85% separates the families
-FRONTIER_TTA_TARGET ?= 0.85
-FRONTIER_TTA_RESULTS = $(if $(wildcard $(RESULTS)/frontier),$(wildcard $(RESULTS)/headline_dense $(RESULTS)/headline $(RESULTS)/ddp_fair $(RESULTS)/frontier))
+# (The frontier's time to 85% across the compression families is one of its study figures:
+# sparsetrain.analysis.report.TIME_TO_ACCURACY, written by --studies.)
 
 figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(FIGURES), benchmarks in place
 	@# Each study from the sweeps that hold its points (sparsetrain.analysis.report.SOURCES: dense
-	@# SGD from baseline, ...), the same assembly the notebooks show.
+	@# SGD from baseline, ...), the same assembly the notebooks show; the frontier's time to
+	@# accuracy and break-even map into $(FIGURES)/frontier_time_to_accuracy.
 	$(ANALYSE) --studies $(RESULTS) --out $(FIGURES)
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),
 	@# from the second pass's 2-rank runs (dense baseline, RQ1's schemes and scopes).
 	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --bandwidth 1$(comma)10$(comma)100 --workers 8$(comma)64 --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")
-	@# The same across the compression families (fp16 / bf16 count as dense baselines).
-	$(if $(FRONTIER_TTA_RESULTS),$(ANALYSE) $(FRONTIER_TTA_RESULTS) --where scope=layerwise --time-to-accuracy $(FRONTIER_TTA_TARGET) --bandwidth 1$(comma)10$(comma)100 --workers 8$(comma)64 --out $(FIGURES)/frontier_time_to_accuracy,@echo "figures: frontier_time_to_accuracy: no frontier results yet")
 	@# The timing half, where the results tree holds it (a tree of one's own sweeps may not).
 	$(if $(wildcard $(RESULTS)/bench/step.json),$(PY) -m sparsetrain.benchmarks.step --report $(RESULTS)/bench/step.json --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/step.json: step report skipped")
 	$(if $(wildcard $(RESULTS)/bench/collectives.json),$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/collectives.json: cost model skipped")

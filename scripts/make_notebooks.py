@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from sparsetrain.analysis.report import SOURCES, STUDIES
+from sparsetrain.analysis.report import SOURCES, STUDIES, TIME_TO_ACCURACY
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -155,6 +155,26 @@ def study_notebook(name: str, title: str, question: str) -> nbformat.NotebookNod
             f'fig = {FIGURE_CALLS[figure]}\npaths = sa.save_figure(fig, OUT, "{figure}")\n'
             'display(Image(filename=paths["png"]))'
         ))
+    if name in TIME_TO_ACCURACY:
+        cells += [
+            new_markdown_cell(
+                f"## Time to {TIME_TO_ACCURACY[name]:.0%} test accuracy and the break-even map\n\n"
+                "Predicted for each configuration at 1, 10 and 100 Gbit/s and 8 and 64 workers: its "
+                "measured compute and compress + decompress per step, the exchange of its bytes from "
+                "the default alpha-beta cost model, and the steps its runs took to the target. The "
+                "break-even map names, at each point, the configuration that gets there first and "
+                "its speed-up over the best dense baseline (dense SGD, fp16, bf16). Timings are from "
+                "a shared machine: predictions, not measurements."
+            ),
+            new_code_cell(
+                f'written = sa.write_time_to_accuracy(runs, sa.TIME_TO_ACCURACY[{name!r}], OUT / "time_to_accuracy")\n'
+                'for path in written:\n'
+                '    if path.suffix == ".md":\n'
+                '        display(Markdown(path.read_text()))\n'
+                '    elif path.suffix == ".png":\n'
+                '        display(Image(filename=path))'
+            ),
+        ]
     return new_notebook(cells=cells, metadata=METADATA)
 
 
@@ -180,14 +200,16 @@ def overview_notebook() -> nbformat.NotebookNode:
             '        sa.write_table(table, OUT / study)\n'
             '        display(Markdown(table.to_markdown()))'
         ),
-        new_markdown_cell("## The paper's findings\n\nEach comparison "
+        new_markdown_cell("## The findings\n\nThe paper's, the second pass's own comparisons, and "
+                          "those beyond the paper (no claim to reproduce), as `make figures` writes "
+                          "them to `figures/findings/`. Each comparison "
                           "(`sparsetrain/analysis/findings.py`) is a difference in points with its 95% "
                           "interval and p-value: a paired t-test on per-seed differences where both "
                           "sides ran the same seeds, Welch's t-test otherwise (scipy.stats), "
                           "Holm-adjusted within a finding; outside the noise means adjusted p < 0.05, "
                           "and a side with one run is shown, never judged."),
         new_code_cell(
-            'for table in sa.findings_tables(runs):\n'
+            'for table in sa.all_findings_tables(runs):\n'
             '    sa.write_table(table, OUT / "findings")\n'
             '    display(Markdown(table.to_markdown()))'
         ),

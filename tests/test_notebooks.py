@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from test_analysis import assert_png, write_results  # the contract's fake run folders
 
-from sparsetrain.analysis import SOURCES, STUDIES
+from sparsetrain.analysis import SOURCES, STUDIES, TIME_TO_ACCURACY
 from sparsetrain.analysis.__main__ import main as sa_main
 from sparsetrain.analysis.notebooks import NOTEBOOKS, NOTEBOOKS_DIR, run_all_notebooks
 
@@ -85,5 +85,11 @@ def test_every_notebook_runs_on_a_results_tree(tmp_path):
     for name, (tables, _) in STUDIES.items():
         for table in tables:
             assert (out / name / f"{table}.md").read_text() == (cli / name / f"{table}.md").read_text(), (name, table)
-    for table in ("verdicts", "findings"):
+    for table in ("verdicts", "findings", "beyond_verdicts", "beyond_findings"):
         assert (out / "00_overview" / "findings" / f"{table}.md").read_text() == (cli / "findings" / f"{table}.md").read_text()
+    # the frontier's time to accuracy and break-even map: its notebook and `make figures` alike
+    for name, target in TIME_TO_ACCURACY.items():
+        for table in ("time_to_accuracy", "break_even"):
+            shown = (out / name / "time_to_accuracy" / f"{table}.md").read_text()
+            assert shown == (cli / f"{name}_time_to_accuracy" / f"{table}.md").read_text()
+            assert f"{target:.0%}" in shown

@@ -36,6 +36,8 @@ from .loader import (
 from .report import (
     SOURCES,
     STUDIES,
+    TIME_TO_ACCURACY,
+    all_findings_tables,
     build_figures,
     build_tables,
     load_study,
@@ -44,6 +46,7 @@ from .report import (
     study_of,
     write_report,
     write_studies,
+    write_time_to_accuracy,
 )
 from .table import Table, write_table
 from .tables import (
@@ -61,7 +64,8 @@ from .time_to_accuracy import plot_time_to_accuracy, time_to_accuracy_table
 from .wandb_runs import load_wandb_runs
 
 __all__ = [
-    "AXES", "DENSE", "FINDINGS", "PHASES", "SOURCES", "STUDIES", "TABLES", "Table", "report",
+    "AXES", "DENSE", "FINDINGS", "PHASES", "SOURCES", "STUDIES", "TABLES", "TIME_TO_ACCURACY", "Table", "report",
+    "all_findings_tables", "write_time_to_accuracy",
     "budget_table", "build_figures", "build_tables", "completed", "curves_of", "expected_grid",
     "find_run_dirs", "findings_tables", "load_curves", "load_runs", "load_study",
     "load_wandb_runs", "not_completed", "plateau_table", "plot_accuracy_vs_bytes",

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 from .loader import load_runs, not_completed
-from .report import STUDIES, select, write_report, write_studies
+from .report import STUDIES, select, write_report, write_studies, write_time_to_accuracy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,15 +113,7 @@ def _numbers(parser, flag: str, text: str, kind=float) -> list:
 
 
 def _time_to_accuracy(parser, args, where) -> int:
-    from .break_even import break_even_table, plot_break_even
-    from .figures import save_figure
-    from .table import write_table
-    from .time_to_accuracy import (
-        default_model,
-        fitted_model,
-        plot_time_to_accuracy,
-        time_to_accuracy_table,
-    )
+    from .time_to_accuracy import default_model, fitted_model
 
     target = args.time_to_accuracy
     if not 0 < target <= 1:
@@ -144,16 +136,8 @@ def _time_to_accuracy(parser, args, where) -> int:
         print(f"error: no runs found under {', '.join(map(str, args.paths))} (a run folder holds "
               "summary.json or .hydra/config.yaml)", file=sys.stderr)
         return 1
-    table = time_to_accuracy_table(runs, target, bandwidths, workers, model)
-    written = [*write_table(table, args.out).values()]
-    written += save_figure(plot_time_to_accuracy(table), args.out, "time_to_accuracy").values()
-    # which configuration gets there first, against the best dense baseline, at each point
-    even = break_even_table(table)
-    written += [*write_table(even, args.out).values()]
-    written += save_figure(plot_break_even(even), args.out, "break_even").values()
-    if not args.quiet:
-        print(table.to_markdown())
-        print(even.to_markdown())
+    written = write_time_to_accuracy(runs, target, args.out, bandwidths, workers, model,
+                                     echo=None if args.quiet else print)
     print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
     return 0
 

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from .break_even import break_even_table, plot_break_even
 from .figures import PLOTS, save_figure
 from .findings import BEYOND_FINDINGS, SECOND_PASS_FINDINGS, findings_tables
 from .loader import curves_of, load_runs, select
 from .table import Table, write_table
 from .tables import TABLES, status_table
+from .time_to_accuracy import ExchangeModel, plot_time_to_accuracy, time_to_accuracy_table
 
 # Each study (an experiment preset, a sweep) and the tables and figures that answer it.
 STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -50,12 +52,31 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
     "budget": (("baseline", "rq1_scope", "budget"), {"scope": ["layerwise"]}),
     "headline": (("headline_dense", "headline", "headline_bytes"), {}),
     "ddp_fair": (("headline_dense", "ddp_fair"), {}),
-    # the frontier's own points, the headline protocol's dense SGD and layer-wise runs it reuses
-    "frontier": (("headline_dense", "headline", "frontier"), {"scope": ["layerwise"]}),
+    # the frontier's own points, the headline protocol's dense SGD and layer-wise runs it reuses,
+    # and ddp_fair's two points at 2.9% (torch's PowerSGD hook, block-k through the DDP hook)
+    "frontier": (("headline_dense", "headline", "ddp_fair", "frontier"), {"scope": ["layerwise"]}),
 }
+# Studies that also get the time to a test accuracy and the break-even map across their
+# configurations (``time_to_accuracy``: measured compute + the default cost model's exchange at
+# BANDWIDTHS_GBIT and WORKERS), written beside the study as ``<study>_time_to_accuracy/``.
+TIME_TO_ACCURACY = {"frontier": 0.85}
+BANDWIDTHS_GBIT, WORKERS = (1, 10, 100), (8, 64)
 ALL = (tuple(TABLES), tuple(PLOTS))
 # Runs of no known study (one's own sweep): one table of every configuration, not every study's
 RUNS = (("runs",), ("accuracy_vs_epoch", "accuracy_vs_bytes"))
+
+
+def write_time_to_accuracy(runs: pd.DataFrame, target: float, out: str | Path, bandwidths_gbit=BANDWIDTHS_GBIT,
+                           workers=WORKERS, model: ExchangeModel | None = None, echo=None) -> list[Path]:
+    """``time_to_accuracy.*`` and ``break_even.*`` (which configuration reaches ``target`` first
+    at each bandwidth and worker count, against the best dense baseline) into ``out``."""
+    table = time_to_accuracy_table(runs, target, bandwidths_gbit, workers, model)
+    even = break_even_table(table)
+    written = [*write_table(table, out).values(), *save_figure(plot_time_to_accuracy(table), out, "time_to_accuracy").values(),
+               *write_table(even, out).values(), *save_figure(plot_break_even(even), out, "break_even").values()]
+    for shown in (table, even) if echo else ():
+        echo(shown.to_markdown())
+    return written
 
 
 def study_of(experiment) -> str | None:
@@ -109,30 +130,38 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
     present = studies_present(results)
     for study in SOURCES:
         shutil.rmtree(out / study, ignore_errors=True)
+        shutil.rmtree(out / f"{study}_time_to_accuracy", ignore_errors=True)
         if study not in present:
             continue
         runs, curves = load_study(results, study, include_failed)
         tables, files = report_group(runs, curves, out / study, study, include_failed)
         written += files
+        if study in TIME_TO_ACCURACY:
+            written += write_time_to_accuracy(runs, TIME_TO_ACCURACY[study], out / f"{study}_time_to_accuracy")
         for table in tables if echo else ():
             echo(table.to_markdown())
     if not written:
         raise LookupError(f"no study folder under {results} (expected one of: {', '.join(SOURCES)})")
     everything = load_runs(results)  # every sweep of the tree, studies or not
     status = status_table(everything)
-    # The paper's findings, each judged from the runs of its setting (the headline protocol for
-    # RQ1 and RQ2 at 1%, the second pass's for the rest), and the second pass's own comparisons
-    # judged by the same test, to read what changed; comparisons beyond the paper (no claim).
     shutil.rmtree(out / "findings", ignore_errors=True)
-    verdicts, comparisons = findings_tables(everything)
-    for table in (verdicts, comparisons, *findings_tables(everything, SECOND_PASS_FINDINGS, name="second_pass_"),
-                  *findings_tables(everything, BEYOND_FINDINGS, name="beyond_")):
+    tables = all_findings_tables(everything)
+    for table in tables:
         written += write_table(table, out / "findings").values()
     written += write_table(status, out).values()
     if echo:
-        for table in (verdicts, comparisons, status):
+        for table in (*tables[:2], status):
             echo(table.to_markdown())
     return written
+
+
+def all_findings_tables(runs: pd.DataFrame) -> list[Table]:
+    """Verdicts and comparisons of the paper's findings (each judged from the runs of its setting:
+    the headline protocol for RQ1 and RQ2 at 1%, the second pass's for the rest), then of the
+    second pass's own comparisons judged by the same test (to read what changed), then of the
+    comparisons beyond the paper (no claim): ``figures/findings/``."""
+    return [*findings_tables(runs), *findings_tables(runs, SECOND_PASS_FINDINGS, name="second_pass_"),
+            *findings_tables(runs, BEYOND_FINDINGS, name="beyond_")]
 
 
 def build_tables(runs: pd.DataFrame, names=None, include_failed: bool = False) -> list[Table]:
