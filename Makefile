@@ -37,7 +37,6 @@ test-full: venv data  ## every test, slow ones too
 lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
-comma := ,
 TTA_TARGET ?= 0.75
 TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
 # (The frontier's time to 85% across the compression families is one of its study figures:
@@ -50,7 +49,7 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	$(ANALYSE) --studies $(RESULTS) --out $(FIGURES)
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),
 	@# from the second pass's 2-rank runs (dense baseline, RQ1's schemes and scopes).
-	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --bandwidth 1$(comma)10$(comma)100 --workers 8$(comma)64 --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")
+	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")
 	@# The timing half, where the results tree holds it (a tree of one's own sweeps may not).
 	$(if $(wildcard $(RESULTS)/bench/step.json),$(PY) -m sparsetrain.benchmarks.step --report $(RESULTS)/bench/step.json --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/step.json: step report skipped")
 	$(if $(wildcard $(RESULTS)/bench/collectives.json),$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/collectives.json: cost model skipped")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .loader import load_runs, not_completed
 from .report import STUDIES, select, write_report, write_studies, write_time_to_accuracy
+from .time_to_accuracy import BANDWIDTHS_GBIT, WORKERS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,10 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-to-accuracy", type=float, metavar="TARGET",
                         help="predicted time to reach this test accuracy (a fraction, e.g. 0.85) per scheme, "
                              "bandwidth and worker count, instead of the study tables")
-    parser.add_argument("--bandwidth", default="1,10,100", metavar="GBIT,...",
-                        help="link bandwidths in Gbit/s for --time-to-accuracy (default 1,10,100)")
-    parser.add_argument("--workers", default="8,64", metavar="N,...",
-                        help="worker counts for --time-to-accuracy (default 8,64)")
+    bandwidths, workers = (",".join(map(str, values)) for values in (BANDWIDTHS_GBIT, WORKERS))
+    parser.add_argument("--bandwidth", default=bandwidths, metavar="GBIT,...",
+                        help=f"link bandwidths in Gbit/s for --time-to-accuracy (default {bandwidths})")
+    parser.add_argument("--workers", default=workers, metavar="N,...",
+                        help=f"worker counts for --time-to-accuracy (default {workers})")
     parser.add_argument("--costmodel", type=Path, metavar="JSON",
                         help="fitted alpha-beta (sparsetrain.benchmarks.collectives' costmodel.json) for "
                              "--time-to-accuracy; default: the cost model's default alpha and beta")

@@ -13,7 +13,13 @@ from .findings import BEYOND_FINDINGS, SECOND_PASS_FINDINGS, findings_tables
 from .loader import curves_of, load_runs, select
 from .table import Table, write_table
 from .tables import TABLES, status_table
-from .time_to_accuracy import ExchangeModel, plot_time_to_accuracy, time_to_accuracy_table
+from .time_to_accuracy import (
+    BANDWIDTHS_GBIT,
+    WORKERS,
+    ExchangeModel,
+    plot_time_to_accuracy,
+    time_to_accuracy_table,
+)
 
 # Each study (an experiment preset, a sweep) and the tables and figures that answer it.
 STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -58,9 +64,8 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
 }
 # Studies that also get the time to a test accuracy and the break-even map across their
 # configurations (``time_to_accuracy``: measured compute + the default cost model's exchange at
-# BANDWIDTHS_GBIT and WORKERS), written beside the study as ``<study>_time_to_accuracy/``.
+# its default BANDWIDTHS_GBIT and WORKERS), written beside the study as ``<study>_time_to_accuracy/``.
 TIME_TO_ACCURACY = {"frontier": 0.85}
-BANDWIDTHS_GBIT, WORKERS = (1, 10, 100), (8, 64)
 ALL = (tuple(TABLES), tuple(PLOTS))
 # Runs of no known study (one's own sweep): one table of every configuration, not every study's
 RUNS = (("runs",), ("accuracy_vs_epoch", "accuracy_vs_bytes"))

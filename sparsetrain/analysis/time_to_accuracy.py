@@ -52,6 +52,8 @@ from .table import LABELS, Table
 #: datacenter Ethernet with TCP; pass ``alpha_s`` or a fitted ``costmodel.json`` to change it
 DEFAULT_ALPHA_S = 50e-6
 COLLECTIVES = ("allreduce", "allgather")
+# The default grid of predictions: a slow, a common and a fast link, a small and a large cluster
+BANDWIDTHS_GBIT, WORKERS = (1, 10, 100), (8, 64)
 #: the measured phases that stay when only the network changes
 COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -219,7 +221,7 @@ def _mean_std(values: pd.Series, digits: str) -> str:
     return text
 
 
-def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=(1, 10, 100), workers=(8, 64),
+def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BANDWIDTHS_GBIT, workers=WORKERS,
                            model: ExchangeModel | None = None, compute: str = "shared") -> Table:
     """Configuration (scheme + the axes that vary) x bandwidth x workers: predicted step ms,
     steps to ``target`` and time to ``target`` (mean ± std over the seeds that reached it, and
