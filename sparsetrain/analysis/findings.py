@@ -170,7 +170,10 @@ BEYOND_FINDINGS: tuple[Finding, ...] = (
 # (the headline protocol's first three, so that comparisons with its reused runs are paired), at
 # about 1.5% of dense bytes (block-k at 1%: the headline's runs) and at signSGD's 3.6%, PowerSGD
 # rank 1 (2.9%) and QSGD at s = 1 at their own bytes, fp16 and bf16 (torch's hooks) beside dense SGD.
-FRONTIER_SEEDS = {"seed": [0, 1, 2]}
+# The points of the two byte levels also ran seeds 3-4 (results/frontier_s34, the same commit), as
+# the headline protocol's dense SGD and block-k 1% did: a comparison pairs the seeds both sides ran.
+FRONTIER_SEEDS = [0, 1, 2]
+FRONTIER_MORE_SEEDS = [0, 1, 2, 3, 4]
 _LOW, _HIGH = 0.00504, 0.01567  # top-k's and random-k's ratios at each level (block-k: 0.01, 0.03126)
 _F = {
     "topk_low": {"scheme": "topk", "ratio": _LOW, **LAYERWISE},
@@ -191,11 +194,17 @@ _F_NAMES = {"topk_low": "top-k 0.5%", "randk_low": "random-k 0.5%", "blockk_low"
             "fp16": "fp16 (torch hook)", "bf16": "bf16 (torch hook)"}
 
 
+def _frontier_seeds(point: str) -> list[int]:
+    more = point in ("dense", "signsgd") or point.endswith(("_low", "_high"))
+    return FRONTIER_MORE_SEEDS if more else FRONTIER_SEEDS
+
+
 def _frontier(a: str, b: str, where: str) -> Comparison:
     side_a = _DENSE_HEADLINE if a == "dense" else _F[a]
     name_a = "dense SGD" if a == "dense" else _F_NAMES[a]
+    seeds = [seed for seed in _frontier_seeds(a) if seed in _frontier_seeds(b)]
     return Comparison(f"{name_a} vs {_F_NAMES[b]}, {where}, 2 workers, 4 epochs",
-                      {**side_a, **FRONTIER_SEEDS}, {**_F[b], **FRONTIER_SEEDS}, "?", HEADLINE)
+                      {**side_a, "seed": seeds}, {**_F[b], "seed": seeds}, "?", HEADLINE)
 
 
 BEYOND_FINDINGS += (
@@ -352,6 +361,7 @@ TITLES = {"second_pass_": "The paper's findings, second pass (2 epochs)",
 NOTES = {"beyond_": ("DDP hook runs (experiment=ddp_fair): the exchange inside DDP's backward, 2 dense "
                      "warm-up steps (torch's PowerSGD hook needs 2); dense SGD: the trainer's exchange, no "
                      "warm-up (experiment=headline_dense).",
-                     "Frontier (experiment=frontier): seeds 0-2 on both sides (the headline protocol's block-k "
-                     "1% and dense SGD runs reused, paired); layer-wise, AllGather; QSGD without error "
+                     "Frontier (experiment=frontier): seeds 0-4 on both sides where both ran them (the points at "
+                     "1.5% and 3.6%, and the headline protocol's block-k 1% and dense SGD runs, reused), "
+                     "seeds 0-2 otherwise, paired; layer-wise, AllGather; QSGD without error "
                      "feedback; fp16 and bf16 through DDP.")}

@@ -59,8 +59,9 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
     "headline": (("headline_dense", "headline", "headline_bytes"), {}),
     "ddp_fair": (("headline_dense", "ddp_fair"), {}),
     # the frontier's own points, the headline protocol's dense SGD and layer-wise runs it reuses,
-    # and ddp_fair's two points at 2.9% (torch's PowerSGD hook, block-k through the DDP hook)
-    "frontier": (("headline_dense", "headline", "ddp_fair", "frontier"), {"scope": ["layerwise"]}),
+    # and ddp_fair's two points at 2.9% (torch's PowerSGD hook, block-k through the DDP hook);
+    # frontier_s34: seeds 3-4 of its points at 1.5% and 3.6%
+    "frontier": (("headline_dense", "headline", "ddp_fair", "frontier", "frontier_s34"), {"scope": ["layerwise"]}),
 }
 # Studies that also get the time to a test accuracy and the break-even map across their
 # configurations (``time_to_accuracy``: measured compute + the default cost model's exchange at
