@@ -104,7 +104,8 @@ QUESTIONS = {
         "Beyond the paper: the compression families side by side",
         "Top-k, random-k, block-random-k, signSGD, QSGD, PowerSGD, fp16 and bf16 at the headline "
         "budget (4 epochs, 2 workers), at about 1.5% and 3.6% of dense SGD's bytes per step (PowerSGD "
-        "and QSGD at their fewest), 3 seeds, beside the headline protocol's dense SGD and block-k runs.",
+        "and QSGD at their fewest), seeds 0-4 at the two byte levels and 0-2 for the other points, beside "
+        "the headline protocol's dense SGD and block-k runs.",
     ),
 }
 
