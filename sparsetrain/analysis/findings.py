@@ -170,10 +170,10 @@ BEYOND_FINDINGS: tuple[Finding, ...] = (
 # (the headline protocol's first three, so that comparisons with its reused runs are paired), at
 # about 1.5% of dense bytes (block-k at 1%: the headline's runs) and at signSGD's 3.6%, PowerSGD
 # rank 1 (2.9%) and QSGD at s = 1 at their own bytes, fp16 and bf16 (torch's hooks) beside dense SGD.
-# The points of the two byte levels also ran seeds 3-4 (results/frontier_s34, the same commit), as
-# the headline protocol's dense SGD and block-k 1% did: a comparison pairs the seeds both sides ran.
-FRONTIER_SEEDS = [0, 1, 2]
-FRONTIER_MORE_SEEDS = [0, 1, 2, 3, 4]
+# The points that ran seeds 0-4: the two byte levels' (seeds 3-4 in results/frontier_s34, the same
+# commit) and the headline protocol's dense SGD and block-k 1%; the others ran 0-2. A comparison
+# pairs the seeds both of its sides ran.
+FIVE_SEEDS = {"dense", "topk_low", "randk_low", "blockk_low", "topk_high", "randk_high", "blockk_high", "signsgd"}
 _LOW, _HIGH = 0.00504, 0.01567  # top-k's and random-k's ratios at each level (block-k: 0.01, 0.03126)
 _F = {
     "topk_low": {"scheme": "topk", "ratio": _LOW, **LAYERWISE},
@@ -194,15 +194,10 @@ _F_NAMES = {"topk_low": "top-k 0.5%", "randk_low": "random-k 0.5%", "blockk_low"
             "fp16": "fp16 (torch hook)", "bf16": "bf16 (torch hook)"}
 
 
-def _frontier_seeds(point: str) -> list[int]:
-    more = point in ("dense", "signsgd") or point.endswith(("_low", "_high"))
-    return FRONTIER_MORE_SEEDS if more else FRONTIER_SEEDS
-
-
 def _frontier(a: str, b: str, where: str) -> Comparison:
     side_a = _DENSE_HEADLINE if a == "dense" else _F[a]
     name_a = "dense SGD" if a == "dense" else _F_NAMES[a]
-    seeds = [seed for seed in _frontier_seeds(a) if seed in _frontier_seeds(b)]
+    seeds = list(range(5 if {a, b} <= FIVE_SEEDS else 3))
     return Comparison(f"{name_a} vs {_F_NAMES[b]}, {where}, 2 workers, 4 epochs",
                       {**side_a, "seed": seeds}, {**_F[b], "seed": seeds}, "?", HEADLINE)
 
