@@ -125,6 +125,10 @@ class DataConfig:
     download: bool = True
     train_size: int | None = None  # first N training examples (None: all)
     test_size: int | None = None
+    # Validation split: N training images held out (one fixed draw for every run, never trained
+    # on) that every choice reads. 0 keeps every training image, as the studies before the tuned
+    # protocol ran (experiment=protocol sets 5000).
+    val_size: int = 0
     augment: bool = True
 
 
@@ -216,6 +220,26 @@ def _tasks_per_node(world_size: int, ranks_per_node: int | None) -> int:
     return min(world_size, ranks_per_node or world_size)
 
 
+TUNED_DIR = CONF_DIR / "tuned"
+
+
+def tuned_value(scheme: str, scope: str, key: str) -> Any:
+    """``key`` (``lr``, ``warmup_epochs``) of the tuned choice for ``scheme`` at ``scope``, from
+    ``conf/tuned/<scheme>_<scope>.yaml`` (written by ``python -m sparsetrain.analysis --tuning ...
+    --write-tuned``): what experiment=protocol's ``${st_tuned:...}`` reads. ``ConfigError`` (one
+    line) when the scheme was not tuned."""
+    path = TUNED_DIR / f"{scheme}_{scope}.yaml"
+    if not path.is_file():
+        tuned = sorted(p.stem for p in TUNED_DIR.glob("*.yaml")) if TUNED_DIR.is_dir() else []
+        raise ConfigError(
+            f"scheme={scheme} scope={scope} has no tuned values (conf/tuned/{path.name}); tuned: "
+            f"{', '.join(tuned) or 'none yet (run experiment=tune)'}; or give optim.lr and optim.warmup_epochs")
+    value = OmegaConf.load(path).get(key)
+    if value is None:
+        raise ConfigError(f"conf/tuned/{path.name} has no {key!r}")
+    return value
+
+
 def register() -> None:
     """Register schemas and resolvers; idempotent (tests compose configs many times)."""
     store = ConfigStore.instance()
@@ -223,7 +247,7 @@ def register() -> None:
     store.store(group="scheme", name="base_scheme", node=SchemeConfig)
     for name, cls in SCHEME_SCHEMAS.items():
         store.store(group="scheme", name=f"base_{name}", node=cls)
-    for name, fn in (("st_nodes", _nodes), ("st_tasks_per_node", _tasks_per_node)):
+    for name, fn in (("st_nodes", _nodes), ("st_tasks_per_node", _tasks_per_node), ("st_tuned", tuned_value)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -268,6 +292,7 @@ HELP = {
     "data.download": "download a data set that is not there",
     "data.train_size": "train on the first N training examples (null: all); for short runs",
     "data.test_size": "evaluate on the first N test examples (null: all); evaluation dominates short runs",
+    "data.val_size": "hold out N training images as the validation split (the same draw for every run); choices read it, the test set is only reported (0: none)",
     "data.augment": "random crops and flips of the training images",
     "train.epochs": "epochs to train; the lr warm-up and milestones are fractions of them",
     "train.max_steps": "stop after N steps (null: no cap); raising it resumes a capped run further",
@@ -538,6 +563,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     from sparsetrain.compress import parse_uncompressed
 
     env = os.environ if env is None else env
+    _resolve_tuned(cfg)
     if cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size} is not allowed; it must be an integer >= 1")
     try:
@@ -587,7 +613,8 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         raise ConfigError(f"scheme.bucket_size={bucket_size} is not allowed; it must be an integer >= 1, "
                           "or null (one norm per tensor)")
     for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
-                       "train.bn_recalibrate": cfg.train.bn_recalibrate}.items():
+                       "train.bn_recalibrate": cfg.train.bn_recalibrate,
+                       "data.val_size": cfg.data.get("val_size", 0)}.items():
         if value < 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be >= 0")
     _check_ddp(cfg)
@@ -600,6 +627,21 @@ def validate(cfg: Any, env: dict | None = None) -> None:
             "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
             "allowed without one: offline, disabled"
         )
+
+
+def _resolve_tuned(cfg: Any) -> None:
+    """Resolve ``optim`` first, so that a scheme without tuned values (``${st_tuned:...}``) stops
+    with its own line rather than OmegaConf's wrapped one."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(cfg.optim, resolve=True)
+    except InterpolationResolutionError as exc:
+        first = str(exc).splitlines()[0]
+        head = f"{ConfigError.__name__} raised while resolving interpolation: "
+        if first.startswith(head):  # OmegaConf wraps the resolver's error: keep its line
+            raise ConfigError(first[len(head):]) from None
+        raise
 
 
 def _check_milestones(milestones: list[float]) -> None:

@@ -9,7 +9,10 @@ Data sets (``DATASETS``):
 - ``synthetic``: generated, CIFAR-shaped (3x32x32, 10 classes), learnable, deterministic from seed.
 
 Images are float32 N,C,H,W, normalised per channel with the mean/std of the full training split
-(so a ``train_size`` subset normalises exactly like the full run). Augmentation (random crop with
+(so a ``train_size`` subset normalises exactly like the full run), less the validation images when
+``val_size`` holds some out. The validation split (``val_size`` images of the training split, drawn
+once with ``VAL_SPLIT_SEED`` whatever the run's seed, never trained on) is what every choice reads:
+tuning, "did not train", budgets and time-to-accuracy targets; the test set is only reported. Augmentation (random crop with
 zero padding, horizontal flip) runs as tensor ops on whole batches in ``ShardedLoader``: no
 DataLoader workers and no per-sample Python, in the spirit of airbench.
 
@@ -29,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sparsetrain.errors import one_line_error
+from sparsetrain.errors import ConfigError, one_line_error
 
 __all__ = [
     "DATASETS",
@@ -55,6 +58,9 @@ _CIFAR_FILES = (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch", "batche
 SYNTHETIC_TRAIN_SIZE = 2048
 SYNTHETIC_TEST_SIZE = 512
 _SYNTHETIC_NOISE = 1.5
+# The validation split's draw: one fixed permutation of the training split, the same for every run
+# (seed, scheme, commit), so that every run is chosen on the same held-out images.
+VAL_SPLIT_SEED = 20261202
 _SYNTHETIC_BLOCK = 256  # samples per independently seeded block: the first N never depend on size
 
 
@@ -115,6 +121,13 @@ class Dataset:
     flip: bool
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    # held out of the training split (``val_size``); empty when there is no validation split
+    val_x: torch.Tensor | None = None
+    val_y: torch.Tensor | None = None
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_y is not None and len(self.val_y) > 0
 
 
 def load_dataset(
@@ -125,9 +138,12 @@ def load_dataset(
     train_size: int | None = None,
     test_size: int | None = None,
     seed: int = 0,
+    val_size: int = 0,
 ) -> Dataset:
-    """Load ``name`` into memory. ``train_size``/``test_size`` keep the first N samples of each
-    split (deterministic), for quick runs. ``seed`` only matters for ``synthetic``.
+    """Load ``name`` into memory. ``val_size`` images of the training split are held out as the
+    validation split (``split_validation``); ``train_size``/``test_size`` then keep the first N
+    samples of the rest and of the test split (deterministic), for quick runs. ``seed`` only
+    matters for ``synthetic`` (the validation draw never depends on it).
 
     Raises ``DatasetUnavailable`` when the data are missing and cannot be fetched.
     """
@@ -142,8 +158,11 @@ def load_dataset(
         n_test = SYNTHETIC_TEST_SIZE if test_size is None else test_size
         train_x, train_y, test_x, test_y = _make_synthetic(seed, n_train, n_test)
 
-    # Statistics of the whole training split, before any subsetting. For synthetic data, the
-    # population statistics, so they too are the same whatever train_size is.
+    val_x, val_y = train_x[:0], train_y[:0]
+    if val_size:
+        train_x, train_y, val_x, val_y = split_validation(train_x, train_y, val_size)
+    # Statistics of the whole training split (less the validation images), before any subsetting.
+    # For synthetic data, the population statistics, so they too are the same whatever train_size is.
     if name == "synthetic":
         mean, std = _synthetic_stats(seed)
     else:
@@ -163,7 +182,25 @@ def load_dataset(
         flip=info.flip,
         mean=tuple(mean.tolist()),
         std=tuple(std.tolist()),
+        val_x=_normalise(val_x, mean, std),
+        val_y=torch.as_tensor(val_y, dtype=torch.int64),
     )
+
+
+def split_validation(x, y, val_size: int):
+    """``(train_x, train_y, val_x, val_y)``: ``val_size`` samples drawn from ``x, y`` by one fixed
+    permutation (``VAL_SPLIT_SEED``), each split kept in its original order. The draw depends only
+    on the split's length, so every run holds out the same images."""
+    n = len(y)
+    if not 0 < val_size < n:
+        raise ConfigError(f"data.val_size={val_size} is not allowed: it must be in [0, {n}) "
+                         f"(the training split holds {n} examples)")
+    order = np.random.default_rng(VAL_SPLIT_SEED).permutation(n)
+    held = np.zeros(n, dtype=bool)
+    held[order[:val_size]] = True
+    keep = np.flatnonzero(~held)
+    out = np.flatnonzero(held)
+    return x[keep], y[keep], x[out], y[out]
 
 
 def _first(x, y, n: int | None):

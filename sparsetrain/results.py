@@ -332,26 +332,42 @@ def recorded_scheme(node: Any) -> Any:
 # accuracy says nothing about the scheme. Tables list it apart and never rank it.
 
 
-def untrained_why(loss: float | None, accuracy: float | None, num_classes: int = 10) -> str | None:
+def untrained_why(loss: float | None, accuracy: float | None, num_classes: int = 10,
+                  split: str = "test") -> str | None:
     """Why final numbers count as not trained (one line), or None: the final train loss is not
-    below a uniform guess (ln classes), or the final test accuracy is below 20 %, whatever the
-    loss (an accuracy not known does not count against the run)."""
+    below a uniform guess (ln classes), or the final accuracy on ``split`` (validation where the
+    run held one out, else test) is below 20 %, whatever the loss (an accuracy not known does
+    not count against the run)."""
     bound = math.log(num_classes)
     if loss is None or not math.isfinite(float(loss)):
         return f"final train loss {loss} is not finite"
     if float(loss) >= bound:
         return f"final train loss {float(loss):.3g} >= ln({num_classes}) = {bound:.2f}, a uniform guess"
     if accuracy is not None and float(accuracy) < MIN_TRAINED_ACCURACY:
-        return f"final test accuracy {100 * float(accuracy):.1f}% < {100 * MIN_TRAINED_ACCURACY:g}%"
+        return f"final {split} accuracy {100 * float(accuracy):.1f}% < {100 * MIN_TRAINED_ACCURACY:g}%"
     return None
 
 
+def judged_numbers(summary: dict) -> tuple[float | None, float | None, str]:
+    """What "did not train" reads of a summary: the train loss at the end of training (the mean
+    over the run's last steps, ``train_loss_final``; runs written before it: the last epoch's
+    mean) and the validation accuracy (runs without a validation split: the test accuracy),
+    with the split's name."""
+    loss = summary.get("train_loss_final")
+    if loss is None:
+        loss = summary.get("train_loss")
+    if summary.get("val_accuracy") is not None:
+        return loss, summary["val_accuracy"], "validation"
+    return loss, summary.get("test_accuracy"), "test"
+
+
 def untrained_reason(summary: dict) -> str | None:
-    """``untrained_why`` of a completed run's summary; None for a run that did not complete."""
+    """``untrained_why`` of a completed run's summary (``judged_numbers``); None for a run that
+    did not complete."""
     if summary.get("status") != "completed":
         return None
-    return untrained_why(summary.get("train_loss"), summary.get("test_accuracy"),
-                         summary.get("num_classes") or 10)
+    loss, accuracy, split = judged_numbers(summary)
+    return untrained_why(loss, accuracy, summary.get("num_classes") or 10, split)
 
 
 def peak_loss_of(summary: dict) -> float | None:

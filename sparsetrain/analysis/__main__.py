@@ -8,6 +8,11 @@ With ``--studies`` the one path is a results tree (``results/``): every study wh
 gets its tables and figures in ``DIR/<study>/``, each from the folders and runs that
 ``report.SOURCES`` names (dense SGD from ``baseline``, ...): what `make figures` and the notebooks show.
 
+With ``--tuning`` the paths are the tuning study's sweeps (``results/tune results/tune_dense``):
+every trial, the choice per scheme and scope by validation accuracy (``trials.md``, ``trials.csv``,
+``val_vs_lr.png``; ``sparsetrain.analysis.tuning``) and, with ``--write-tuned DIR``, the files
+the tuned protocol reads (``conf/tuned``).
+
 With ``--time-to-accuracy TARGET`` it makes the time-to-accuracy table and figure instead
 (``time_to_accuracy.{md,csv,tex,png,pdf}``; see ``sparsetrain.analysis.time_to_accuracy``):
 ``--bandwidth`` (Gbit/s) and ``--workers`` lists, ``--costmodel`` a fitted ``costmodel.json``
@@ -42,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--include-failed", action="store_true", help="put runs that did not complete into the numbers")
     parser.add_argument("--strict", action="store_true", help="exit 3 when any run did not complete")
     parser.add_argument("--quiet", action="store_true", help="do not print the tables")
+    parser.add_argument("--tuning", action="store_true",
+                        help="the paths are tuning sweeps (experiment=tune): every trial and the choice per "
+                             "scheme and scope by validation accuracy, into OUT")
+    parser.add_argument("--write-tuned", type=Path, metavar="DIR",
+                        help="with --tuning: write the choices where experiment=protocol reads them (conf/tuned)")
     parser.add_argument("--time-to-accuracy", type=float, metavar="TARGET",
                         help="predicted time to reach this test accuracy (a fraction, e.g. 0.85) per scheme, "
                              "bandwidth and worker count, instead of the study tables")
@@ -66,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         if not sep or not values:
             parser.error(f"--where {item!r}: expected AXIS=VALUE[,VALUE...]")
         where.setdefault(axis, []).extend(values.split(","))
+    if args.write_tuned is not None and not args.tuning:
+        parser.error("--write-tuned goes with --tuning")
+    if args.tuning:
+        return _tuning(args, where)
     if args.time_to_accuracy is not None:
         return _time_to_accuracy(parser, args, where)
     if args.studies:
@@ -101,6 +115,25 @@ def main(argv: list[str] | None = None) -> int:
         if args.strict:
             print(f"error: {len(missing)} runs are not in the numbers ({counts}) (--strict)", file=sys.stderr)
             return 3
+    return 0
+
+
+def _tuning(args, where) -> int:
+    from .tuning import write
+
+    runs = select(load_runs(*args.paths), where)
+    if runs.empty:
+        print(f"error: no runs found under {', '.join(map(str, args.paths))}", file=sys.stderr)
+        return 1
+    try:
+        written = write(runs, args.out, args.write_tuned)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print((args.out / "trials.md").read_text())
+    print(f"wrote {len(written)} files ({args.out}{', ' + str(args.write_tuned) if args.write_tuned else ''})",
+          file=sys.stderr)
     return 0
 
 

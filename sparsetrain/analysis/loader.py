@@ -66,6 +66,7 @@ AXES = (
     "epochs_planned",
     "batch_size",
     "lr",
+    "warmup_epochs",
 )
 REPLICATE = "seed"
 # Axes that do not apply to dense SGD: its rows carry this marker instead of a value.
@@ -200,6 +201,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "epochs_planned": _get(cfg, "train", "epochs"),
         "batch_size": _get(cfg, "train", "batch_size"),
         "lr": _get(cfg, "optim", "lr"),
+        "warmup_epochs": _get(cfg, "optim", "warmup_epochs"),  # the lr warm-up, in epochs
         "train_size": _get(cfg, "data", "train_size") or "all",  # null: the whole training set
         # evaluation with recomputed batch-norm statistics: another measurement, not averaged in
         "bn_recalibrate": _get(cfg, "train", "bn_recalibrate", default=0),
@@ -259,7 +261,9 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         error=summary.get("error"),
         test_accuracy=_num(summary.get("test_accuracy")),
         test_loss=_num(summary.get("test_loss")),
+        val_accuracy=_num(summary.get("val_accuracy")),  # NaN: the run held no validation split
         train_loss=_num(summary.get("train_loss")),
+        train_loss_final=_num(summary.get("train_loss_final")),  # NaN: written before it existed
         steps=_num(summary.get("steps")),
         epochs=_num(summary.get("epochs")),
         bytes_sent_per_step=_num(summary.get("bytes_sent_per_step")),
@@ -314,7 +318,9 @@ def _stability(row: dict) -> str | None:
     if row["status"] == DID_NOT_TRAIN:
         return DID_NOT_TRAIN
     peak = None if math.isnan(row["loss_peak"]) else row["loss_peak"]
-    return stability_of(row["train_loss"], row["test_accuracy"], peak)
+    loss = row["train_loss"] if math.isnan(row.get("train_loss_final", math.nan)) else row["train_loss_final"]
+    accuracy = row["test_accuracy"] if math.isnan(row.get("val_accuracy", math.nan)) else row["val_accuracy"]
+    return stability_of(loss, accuracy, peak)
 
 
 def collective_of(row: dict) -> str | None:
@@ -413,8 +419,11 @@ def _from_metrics(path: Path, logged_peak: bool = False) -> dict:
 
 
 def _split_sweep_value(value: str) -> list[str] | None:
-    """``"a,b,c"`` -> ``["a", "b", "c"]``; None for sweep syntax this reader does not expand."""
+    """``"a,b,c"`` and ``"choice(a,b,c)"`` -> ``["a", "b", "c"]``; None for sweep syntax this
+    reader does not expand (``range(...)``, ``interval(...)``, tags)."""
     value = str(value).strip()
+    if value.startswith("choice(") and value.endswith(")"):
+        value = value[len("choice("):-1]
     if "(" in value or value.startswith("[") or value.startswith("{"):
         return None
     parts, depth, current = [], 0, ""

@@ -65,6 +65,7 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     try:
         validate(cfg)
         check_launch_environment(cfg.world_size, os.environ)  # world_size vs torchrun / SLURM
+        _check_search(cfg, hc)
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
     except ConfigError as exc:  # this attempt's error, not what the folder held before
         if is_rank0:
@@ -120,6 +121,15 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         return results[0]
 
     return _guarded(launch, run_dir, multirun)
+
+
+def _check_search(cfg: DictConfig, hc: Any) -> None:
+    """A search (Hydra's Optuna sweeper) maximises what runs return: their validation accuracy,
+    so it needs a validation split."""
+    target = str(OmegaConf.select(hc, "sweeper._target_", default="") or "")
+    if hc.mode == RunMode.MULTIRUN and "optuna" in target.lower() and not cfg.data.get("val_size"):
+        raise ConfigError(f"data.val_size={cfg.data.get('val_size', 0)} is not allowed with the Optuna "
+                          "sweeper: it picks by validation accuracy; hold some out, e.g. data.val_size=5000")
 
 
 def _remove_empty_folders(root: Path) -> None:
@@ -268,7 +278,16 @@ def hydra_main(cfg: DictConfig) -> Any:
     hc = HydraConfig.get()
     if hc.mode == RunMode.RUN and env_rank() == 0:  # a sweep's table comes at its end
         print(end_of_run(hc.runtime.output_dir), flush=True)
-    return result.get("test_accuracy") if isinstance(result, dict) else None
+    return objective(result)
+
+
+def objective(result: Any) -> float | None:
+    """What a run returns to Hydra's sweeper (the value the Optuna sweeper maximises): its final
+    validation accuracy, never the test set's. None for a run without a validation split or one
+    that did not complete (the Optuna sweeper counts it a failed trial)."""
+    if not isinstance(result, dict) or result.get("status") != "completed":
+        return None
+    return result.get("val_accuracy")
 
 
 class SweepReport(Callback):

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparsetrain.results import DID_NOT_TRAIN, read_summary, relative_run_dir, untrained_reason
+from omegaconf import OmegaConf
+
+from sparsetrain.results import DID_NOT_TRAIN, SUMMARY, read_summary, relative_run_dir, untrained_reason
 
 # Column heads of the per-phase times (summary.json's time_ms).
 PHASE_HEADS = {"forward": "fwd ms", "backward": "bwd ms", "compress": "compress ms",
@@ -99,10 +101,23 @@ def end_of_run(run_dir: str | Path) -> str:
 
 
 def sweep_jobs(sweep_dir: str | Path) -> list[Path]:
-    """The job folders of a sweep (``0``, ``1``, ...), in job order."""
+    """The job folders of a sweep (``0``, ``1``, ..., or named by their point where the preset
+    sets ``hydra.sweep.subdir``, as experiment=tune does), in job order."""
     sweep_dir = Path(sweep_dir)
-    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()] if sweep_dir.is_dir() else []
-    return sorted(jobs, key=lambda p: int(p.name))
+    if not sweep_dir.is_dir():
+        return []
+    jobs = [p for p in sweep_dir.iterdir() if p.is_dir() and (
+        p.name.isdigit() or (p / ".hydra").is_dir() or (p / SUMMARY).is_file())]
+    return sorted(jobs, key=_job_order)
+
+
+def _job_order(job: Path) -> tuple[int, str]:
+    """A job folder's place: its number (``N``, or Hydra's ``hydra.job.num`` for a named one)."""
+    if job.name.isdigit():
+        return int(job.name), ""
+    hydra_yaml = job / ".hydra" / "hydra.yaml"
+    num = OmegaConf.select(OmegaConf.load(hydra_yaml), "hydra.job.num") if hydra_yaml.is_file() else None
+    return (num if isinstance(num, int) else 1 << 30), job.name
 
 
 def end_of_sweep(sweep_dir: str | Path, errors: dict[str, str] | None = None) -> str:

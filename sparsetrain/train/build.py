@@ -45,7 +45,8 @@ def build(cfg: Any, info: RankInfo, device: torch.device) -> Parts:
     """Every rank builds the same parts from the same seed, then starts from rank 0's weights."""
     torch.manual_seed(cfg.seed)  # same initial weights on every rank
     data = load_dataset(cfg.data.name, cfg.data.root, download=cfg.data.download,
-                        train_size=cfg.data.train_size, test_size=cfg.data.test_size, seed=cfg.seed)
+                        train_size=cfg.data.train_size, test_size=cfg.data.test_size,
+                        seed=cfg.seed, val_size=cfg.data.get("val_size", 0))
     # conf/model/<name>.yaml: the model's class or builder, given the data's shape here
     model = instantiate(cfg.model)(in_channels=data.in_channels, num_classes=data.num_classes)
     model = model.to(device)

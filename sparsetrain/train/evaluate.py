@@ -1,5 +1,6 @@
-"""Evaluation: rank 0's model on the test set, sharded over the ranks, with optional batch-norm
-recalibration (``train.bn_recalibrate``) before it."""
+"""Evaluation: rank 0's model on the validation split (when ``data.val_size`` holds one out) and
+the test set, sharded over the ranks, with optional batch-norm recalibration
+(``train.bn_recalibrate``) before it. Choices read ``val_accuracy``; ``test_accuracy`` is reported."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from sparsetrain.data import Dataset, ShardedLoader, eval_batches
 
 
 class Evaluator:
-    """``evaluate(epoch)``: test loss and accuracy of ``model``. ``bn_recalibrate`` > 0 recomputes
+    """``evaluate(epoch)``: validation (where there is a split) and test loss and accuracy of ``model``. ``bn_recalibrate`` > 0 recomputes
     the batch-norm statistics from that many training batches of ``epoch``'s order first."""
 
     def __init__(self, model: torch.nn.Module, data: Dataset, loader: ShardedLoader, *,
@@ -61,22 +62,32 @@ class Evaluator:
                     buf.div_(self.world_size)
 
     def test(self) -> dict[str, float]:
-        """Rank 0's model (its batch-norm statistics broadcast) on the test set, sharded."""
+        """Rank 0's model (its batch-norm statistics broadcast) on the validation split (when there
+        is one: ``val_loss``, ``val_accuracy``) and the test set (``test_loss``, ``test_accuracy``),
+        each sharded over the ranks."""
         if self.world_size > 1:
             for buf in self.model.buffers():
                 dist.broadcast(buf, src=0)
         self.model.eval()
+        splits = [("test", self.data.test_x, self.data.test_y)]
+        if self.data.has_validation:
+            splits.insert(0, ("val", self.data.val_x, self.data.val_y))
+        out: dict[str, float] = {}
+        for name, x, y in splits:
+            out.update(self._score(name, x, y))
+        self.model.train()
+        return out
+
+    def _score(self, name: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
-        x = self.data.test_x[self.rank :: self.world_size]
-        y = self.data.test_y[self.rank :: self.world_size]
+        x, y = x[self.rank :: self.world_size], y[self.rank :: self.world_size]
         with torch.no_grad():
             for xb, yb in eval_batches(x, y, 512):
                 xb, yb = xb.to(self.device), yb.to(self.device)
-                out = self.model(xb)
-                sums[0] += F.cross_entropy(out, yb, reduction="sum").double()
-                sums[1] += (out.argmax(1) == yb).sum()
+                logits = self.model(xb)
+                sums[0] += F.cross_entropy(logits, yb, reduction="sum").double()
+                sums[1] += (logits.argmax(1) == yb).sum()
                 sums[2] += len(yb)
         if self.world_size > 1:
             dist.all_reduce(sums)
-        self.model.train()
-        return {"test_loss": (sums[0] / sums[2]).item(), "test_accuracy": (sums[1] / sums[2]).item()}
+        return {f"{name}_loss": (sums[0] / sums[2]).item(), f"{name}_accuracy": (sums[1] / sums[2]).item()}

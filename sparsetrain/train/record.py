@@ -40,7 +40,7 @@ from sparsetrain.train.build import Parts
 from sparsetrain.train.tally import Tally
 
 # What differs between ranks and is saved for each: error-feedback memory, local epoch sums.
-PER_RANK_STATE = ("reducer", "epoch_stats")
+PER_RANK_STATE = ("reducer", "epoch_stats", "recent_losses")
 
 
 class RunRecord:
@@ -87,7 +87,7 @@ class RunRecord:
         """Every rank contributes its own ``PER_RANK_STATE`` of ``state``; rank 0 writes one file."""
         # On the CPU: all_gather_object pickles, and a CUDA tensor would be unpickled on rank 0
         # onto the sender's GPU (cuda:1 in rank 0's process), where it has no business being.
-        own = {key: _to_cpu(state.pop(key)) for key in PER_RANK_STATE}
+        own = {key: _to_cpu(state.pop(key)) for key in PER_RANK_STATE if key in state}
         gathered = [own]
         if self.info.world_size > 1:
             gathered = [None] * self.info.world_size
@@ -151,7 +151,7 @@ class RunRecord:
         run needs no resume point). Returns the summary (rank 0's; empty on other ranks)."""
         if self.cfg.train.save_model and self.info.is_main:
             torch.save(model.state_dict(), self.run_dir / "model.pt")
-        self.writer.finish("completed", **self._summary_fields(step, elapsed_s))
+        self.writer.finish("completed", **self._summary_fields(step, elapsed_s, reduce=True))
         self.tracker.finish(self.writer.summary)
         if self.info.is_main and self.checkpoint_path.exists():
             self.checkpoint_path.unlink()
@@ -191,8 +191,10 @@ class RunRecord:
         self._emit(record, step)
         if self.info.is_main:
             acc = self.last_eval.get("test_accuracy", float("nan"))
+            val = self.last_eval.get("val_accuracy")
+            val = f"val_acc {val:.4f} | " if val is not None else ""
             echo(  # through tqdm: never into the progress bar's line
-                f"epoch {epoch:.3g} | step {step} | train_loss {train_loss:.4f} | test_acc {acc:.4f} | "
+                f"epoch {epoch:.3g} | step {step} | train_loss {train_loss:.4f} | {val}test_acc {acc:.4f} | "
                 f"{self.parts.timer.means().get('step', float('nan')):.1f} ms/step",
             )
 
@@ -214,7 +216,8 @@ class RunRecord:
             "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
         }
 
-    def _summary_fields(self, step: int, elapsed_s: float) -> dict:
+    def _summary_fields(self, step: int, elapsed_s: float, reduce: bool = False) -> dict:
+        """``reduce``: the ranks still meet (a completing run), so the final loss is every rank's."""
         timer, tally = self.parts.timer, self.tally
         means = timer.means()
         on_cuda = self.device.type == "cuda"
@@ -224,16 +227,25 @@ class RunRecord:
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         )
         peaks = tally.peaks()
+        final_loss = tally.final_loss(reduce=reduce)
+        ev = self.last_eval
+        # "did not train" reads the end of training and, where there is a split, validation
+        chosen_on = ev.get("val_accuracy", ev.get("test_accuracy"))
         return {
             "steps": step,
             "epochs": step / len(self.parts.loader),
-            "train_loss": self.last_train_loss,
-            "test_accuracy": self.last_eval.get("test_accuracy"),
+            "train_loss": self.last_train_loss,  # the last epoch's mean
+            "train_loss_final": final_loss,  # the mean over the last train_loss_final_steps steps
+            "train_loss_final_steps": len(tally.recent_losses),
+            "val_accuracy": ev.get("val_accuracy"),
+            "val_loss": ev.get("val_loss"),
+            "val_size": len(self.parts.data.val_y) if self.parts.data.has_validation else 0,
+            "test_accuracy": ev.get("test_accuracy"),
             "train_loss_peak": peaks,
-            "stability": stability_of(self.last_train_loss, self.last_eval.get("test_accuracy"),
-                                      peaks[f"after_step_{STABILITY_FROM_STEP}"]["train_loss"],
+            "stability": stability_of(final_loss if final_loss is not None else self.last_train_loss,
+                                      chosen_on, peaks[f"after_step_{STABILITY_FROM_STEP}"]["train_loss"],
                                       num_classes=self.parts.data.num_classes),
-            "test_loss": self.last_eval.get("test_loss"),
+            "test_loss": ev.get("test_loss"),
             "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
             "timed_steps": timer.counted_steps,
             "peak_memory_mb": peak_mb,

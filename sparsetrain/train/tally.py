@@ -1,4 +1,6 @@
-"""What the steps add up to: this epoch's loss / correct / count sums, rank 0's largest batch loss
+"""What the steps add up to: this epoch's loss / correct / count sums, the last ``window`` batch
+losses (the end of training, which "did not train" reads: an epoch's mean carries an early blow-up
+long after the run recovered), rank 0's largest batch loss
 (from step ``STABILITY_FROM_STEP`` on and after the lr warm-up), the bytes sent and put on the wire,
 the largest logged error-feedback memory norm. Kept on the device where a step produces it, so no
 step waits for the host; read at epoch ends and for the summary."""
@@ -17,12 +19,14 @@ from sparsetrain.train.step import StepResult
 
 
 class Tally:
-    def __init__(self, world_size: int, device: torch.device, lr_warmup_steps: int):
+    def __init__(self, world_size: int, device: torch.device, lr_warmup_steps: int, window: int = 1):
         self.world_size = world_size
         self.device = device
         self.lr_warmup_steps = lr_warmup_steps
         # loss sum, correct, count of this epoch's batches (this rank's)
         self.epoch_stats = torch.zeros(3, dtype=torch.float64, device=device)
+        # this rank's last `window` batch losses, step i at slot i % window (NaN: not yet run)
+        self.recent_losses = torch.full((max(1, window),), math.nan, dtype=torch.float64, device=device)
         # Rank 0's largest batch loss (and its step) from step STABILITY_FROM_STEP on, and after
         # the lr warm-up: a run that blew up and recovered shows here, not in its final numbers.
         # -inf while there is none.
@@ -44,6 +48,7 @@ class Tally:
                  torch.tensor(float(len(yb)), dtype=torch.float64, device=loss.device)]
             )
         self.epoch_stats += batch
+        self.recent_losses[step % len(self.recent_losses)] = loss.detach().double()
         if step >= STABILITY_FROM_STEP:
             self._track_peak(0, loss, step)
         if step > self.lr_warmup_steps:
@@ -67,6 +72,17 @@ class Tally:
         if stats[2] <= 0:
             return None, None
         return (stats[0] / stats[2]).item(), (stats[1] / stats[2]).item()
+
+    def final_loss(self, reduce: bool = True) -> float | None:
+        """The mean batch loss over the last ``window`` steps, over every rank (``reduce``; a
+        collective: every rank calls it) or this rank's alone (a failing run, whose ranks may no
+        longer meet). None before any step."""
+        seen = ~torch.isnan(self.recent_losses)
+        sums = torch.stack([torch.where(seen, self.recent_losses, 0.0).sum(), seen.sum().double()])
+        if reduce and self.world_size > 1:
+            dist.all_reduce(sums)
+        total, count = sums.cpu().tolist()
+        return total / count if count > 0 else None
 
     def _track_peak(self, at: int, loss: torch.Tensor, step: int) -> None:
         with torch.no_grad():
@@ -95,6 +111,7 @@ class Tally:
             "wire_bytes_total": self.wire_bytes_total,
             "memory_norm_max": self.memory_norm_max,
             "loss_peaks": self.loss_peaks.cpu(),
+            "recent_losses": self.recent_losses.cpu(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -102,5 +119,8 @@ class Tally:
         self.bytes_sent_total = state.get("bytes_sent_total", 0)
         self.wire_bytes_total = state.get("wire_bytes_total", 0)
         self.memory_norm_max = state.get("memory_norm_max")
+        recent = state.get("recent_losses")
+        if recent is not None and len(recent) == len(self.recent_losses):
+            self.recent_losses = recent.to(self.device, dtype=torch.float64, copy=True)
         if "loss_peaks" in state:
             self.loss_peaks = state["loss_peaks"].to(self.device, copy=True)

@@ -32,7 +32,9 @@ from sparsetrain.train.signals import StopSignals
 from sparsetrain.train.stop import StopAgreement
 from sparsetrain.train.tally import Tally
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "FINAL_WINDOW"]
+
+FINAL_WINDOW = 0.1  # epochs: the end of training that summary.json's train_loss_final averages
 
 
 class Trainer:
@@ -49,7 +51,9 @@ class Trainer:
         self.epoch = 0  # epochs completed
         self.batch_in_epoch = 0
         self.elapsed_s = 0.0
-        self.tally = Tally(info.world_size, device, math.ceil(cfg.optim.warmup_epochs * len(self.loader)))
+        # "did not train" reads the loss of the run's last tenth of an epoch (FINAL_WINDOW)
+        self.tally = Tally(info.world_size, device, math.ceil(cfg.optim.warmup_epochs * len(self.loader)),
+                           window=math.ceil(FINAL_WINDOW * len(self.loader)))
         self.stop = StopAgreement(info.world_size, device)
         self.evaluator = Evaluator(self.model, self.data, self.loader, rank=info.rank,
                                    world_size=info.world_size, device=device,
