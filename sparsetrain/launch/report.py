@@ -13,7 +13,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from sparsetrain.results import DID_NOT_TRAIN, SUMMARY, read_summary, relative_run_dir, untrained_reason
+from sparsetrain.results import (
+    DID_NOT_TRAIN,
+    SUMMARY,
+    read_summary,
+    relative_run_dir,
+    untrained_reason,
+)
 
 # Column heads of the per-phase times (summary.json's time_ms).
 PHASE_HEADS = {"forward": "fwd ms", "backward": "bwd ms", "compress": "compress ms",
