@@ -678,19 +678,21 @@ def test_experiment_presets_compose_and_every_grid_point_validates(name):
 # --- the paper's findings -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("diff", "p_adjusted", "expect", "outcome"), [
-    (3.0, 0.01, ">", "agrees"),
-    (3.0, 0.20, ">", "within noise"),
-    (-3.0, 0.01, ">", "reversed"),
-    (0.5, 0.60, "=", "agrees"),   # no difference found
-    (1.0, 0.001, "=", "differs"),
+@pytest.mark.parametrize(("diff", "p_adjusted", "expect", "p_equivalent", "outcome"), [
+    (3.0, 0.01, ">", math.nan, "agrees"),
+    (3.0, 0.20, ">", math.nan, "within noise"),
+    (-3.0, 0.01, ">", math.nan, "reversed"),
+    (0.5, 0.60, "=", 0.01, "agrees"),   # shown equivalent within the margin
+    (0.5, 0.60, "=", 0.30, "not told apart"),   # no difference found is not "no difference"
+    (0.5, 0.60, "=", math.nan, "not told apart"),
+    (1.0, 0.001, "=", 0.9, "differs"),
 ])
-def test_judge_by_the_adjusted_p_value(diff, p_adjusted, expect, outcome):
+def test_judge_by_the_adjusted_p_value(diff, p_adjusted, expect, p_equivalent, outcome):
     from sparsetrain.analysis.findings import judge
     from sparsetrain.analysis.stats import PAIRED, Difference
 
     d = Difference(diff, diff - 1, diff + 1, p_adjusted, PAIRED, 5, 5, 5)
-    assert judge(d, p_adjusted, expect) == outcome
+    assert judge(d, p_adjusted, expect, p_equivalent) == outcome
 
 
 def test_judge_never_judges_a_side_of_one_run_and_waits_for_an_empty_one():

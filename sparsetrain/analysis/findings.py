@@ -13,9 +13,10 @@ adjusted together (Holm). A difference is **outside the noise** when its adjuste
 A comparison then **agrees** with the paper, is **reversed** (``>`` expected, the other way
 round outside the noise), **differs** (``=`` expected, a difference outside the noise), is
 **within noise** (``>`` expected, not outside the noise), **not judged** (a side with one run)
-or **pending** (a side has no completed run yet). For ``=`` "agrees" means no difference was
-found: the interval says how large a difference could hide. A finding is reproduced when all its
-comparisons agree.
+or **pending** (a side has no completed run yet). For ``=`` "agrees" needs an equivalence test:
+two one-sided t-tests at +-1 point (``stats.equivalence``, Holm-adjusted over the finding's
+``=`` comparisons) whose p is below 0.05; a ``=`` comparison that is neither told apart nor shown
+equivalent is **not told apart**. A finding is reproduced when all its comparisons agree.
 
 Two settings (``Comparison.setting`` on top of ``SECOND_PASS``): the headline protocol
 (``HEADLINE``: 4 epochs, 5 seeds) for RQ1 and RQ2 at 1 %; the second pass's 2 epochs, 3 seeds
@@ -33,7 +34,7 @@ import pandas as pd
 from sparsetrain.results import BLEW_UP_RECOVERED
 
 from .loader import completed, select
-from .stats import SHOWN, Difference, compare, holm, outside_noise, per_seed
+from .stats import EQUIVALENCE_MARGIN, SHOWN, Difference, compare, equivalence, holm, outside_noise, per_seed
 from .table import SCHEME_NAMES, Table
 
 # The second pass's setting (experiment=cpu_scale): every side starts from it. Dense SGD rows
@@ -255,8 +256,9 @@ def _show(values: pd.Series, side: pd.DataFrame) -> str:
     return text + (" [" + ", ".join(notes) + "]" if notes else "")
 
 
-def judge(d: Difference, p_adjusted: float, expect: str) -> str:
-    """The outcome of one comparison from its difference and its Holm-adjusted p-value."""
+def judge(d: Difference, p_adjusted: float, expect: str, p_equivalent: float = math.nan) -> str:
+    """The outcome of one comparison from its difference, its Holm-adjusted p-value and, for an
+    ``=`` claim, its equivalence test's Holm-adjusted p-value (NaN: not tested)."""
     if d.n_a == 0 or d.n_b == 0:
         return "pending"
     if d.test == SHOWN:
@@ -265,7 +267,9 @@ def judge(d: Difference, p_adjusted: float, expect: str) -> str:
     if expect == "?":
         return ("A higher" if d.diff > 0 else "B higher") if apart else "within noise"
     if expect == "=":
-        return "differs" if apart else "agrees"
+        if apart:
+            return "differs"
+        return "agrees" if outside_noise(p_equivalent) else "not told apart"
     if not apart:
         return "within noise"
     return "agrees" if d.diff > 0 else "reversed"
@@ -302,13 +306,53 @@ def _p(value: float) -> str:
     return "<0.001" if value < 0.001 else f"{value:.3f}"
 
 
-RULE = ("A − B in points with its 95% interval; test: paired t on per-seed differences where both "
+RULE = ("A − B in points with its 95% interval (unadjusted); test: paired t on per-seed differences where both "
         "sides ran the same seeds, Welch's t otherwise (scipy.stats); p two-sided, Holm-adjusted "
-        "over the finding's comparisons; outside the noise: adjusted p < 0.05; a side with one run "
+        "over the finding's comparisons; outside the noise: adjusted p < 0.05; a claim of no difference "
+        "(paper A = B) agrees only when two one-sided t-tests show equivalence within ±1 point (TOST p, "
+        "Holm-adjusted over the finding's A = B claims, below 0.05; its 90% interval inside the margin), "
+        "else it is 'not told apart'; the families were drawn after the runs (post hoc); a side with one run "
         "is shown, not judged. Setting: ResNet-20, all 60,000 Fashion-MNIST images, 64 images per "
         "worker, 1-D tensors whole, no warm-up, at the epochs each comparison names; runs that did "
         "not complete or did not train are counted in brackets, never in the numbers; runs that "
         "blew up early and recovered count, and are counted in brackets too.")
+
+
+def _equivalence_cell(e, p_adjusted: float) -> str:
+    if e is None:
+        return "—"
+    if not e.judged:
+        return "not judged"
+    return f"p={_p(p_adjusted)} (Holm), 90% [{e.low:+.2f}, {e.high:+.2f}] vs ±{e.margin:g}"
+
+
+def measure(runs: pd.DataFrame, finding: Finding, base: dict, margin: float = EQUIVALENCE_MARGIN,
+            looks: int = 1) -> list[dict]:
+    """One finding's comparisons measured and judged: each a dict with the comparison, its sides'
+    runs and per-seed accuracies, the ``Difference``, its Holm-adjusted p (times ``looks``, the
+    analyses taken of the data so far, capped at 1), the equivalence test of a ``=`` claim with
+    its Holm-adjusted p (over the finding's ``=`` claims, times ``looks``) and the outcome."""
+    measured = []
+    for comparison in finding.comparisons:
+        setting = {**base, **comparison.setting}
+        side_a, side_b = _side(runs, comparison.a, setting), _side(runs, comparison.b, setting)
+        acc_a, acc_b = side_accuracy(side_a), side_accuracy(side_b)
+        eq = equivalence(acc_a, acc_b, margin) if comparison.expect == "=" else None
+        measured.append({"comparison": comparison, "side_a": side_a, "side_b": side_b, "acc_a": acc_a,
+                         "acc_b": acc_b, "d": compare(acc_a, acc_b), "equivalence": eq})
+
+    def adjusted(ps: list[float]) -> list[float]:
+        return [min(1.0, looks * p) if not math.isnan(p) else p for p in holm(ps)]
+
+    for m, p_adj in zip(measured, adjusted([m["d"].p for m in measured]), strict=True):
+        m["p_holm"] = p_adj
+    equal = [m for m in measured if m["equivalence"] is not None]
+    for m, p_adj in zip(equal, adjusted([m["equivalence"].p for m in equal]), strict=True):
+        m["p_equivalent"] = p_adj
+    for m in measured:
+        m.setdefault("p_equivalent", math.nan)
+        m["outcome"] = judge(m["d"], m["p_holm"], m["comparison"].expect, m["p_equivalent"])
+    return measured
 
 
 def findings_tables(runs: pd.DataFrame, findings: tuple[Finding, ...] = FINDINGS,
@@ -319,25 +363,21 @@ def findings_tables(runs: pd.DataFrame, findings: tuple[Finding, ...] = FINDINGS
     base = SECOND_PASS if base is None else base
     rows, verdict_rows = [], []
     for finding in findings:
-        measured = []
-        for comparison in finding.comparisons:
-            setting = {**base, **comparison.setting}
-            side_a, side_b = _side(runs, comparison.a, setting), _side(runs, comparison.b, setting)
-            acc_a, acc_b = side_accuracy(side_a), side_accuracy(side_b)
-            measured.append((comparison, side_a, side_b, acc_a, acc_b, compare(acc_a, acc_b)))
-        adjusted = holm([d.p for *_, d in measured])
         outcomes = []
-        for (comparison, side_a, side_b, acc_a, acc_b, d), p_adj in zip(measured, adjusted, strict=True):
-            outcome = judge(d, p_adj, comparison.expect)
+        for m in measure(runs, finding, base):
+            comparison, d, outcome = m["comparison"], m["d"], m["outcome"]
             outcomes.append(outcome)
             rows.append({
                 "finding": finding.key, "comparison (A vs B)": comparison.label,
                 "paper": {">": "A > B", "=": "A = B"}.get(comparison.expect, "no claim"),
-                "A: test accuracy (%)": _show(acc_a, side_a), "B: test accuracy (%)": _show(acc_b, side_b),
+                "A: test accuracy (%)": _show(m["acc_a"], m["side_a"]),
+                "B: test accuracy (%)": _show(m["acc_b"], m["side_b"]),
                 "A − B (points)": _num(d.diff, signed=True),
                 "95% interval": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
                 "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""),
-                "p": _p(d.p), "p (Holm)": _p(p_adj), "outcome": outcome,
+                "p": _p(d.p), "p (Holm)": _p(m["p_holm"]),
+                f"equivalence (TOST, ±{EQUIVALENCE_MARGIN:g} pt)": _equivalence_cell(m["equivalence"], m["p_equivalent"]),
+                "outcome": outcome,
             })
         claimed = any(c.expect != "?" for c in finding.comparisons)
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim,

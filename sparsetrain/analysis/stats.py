@@ -7,6 +7,10 @@
 - A side with one run (or a pairing with one seed) is **shown, never judged**: no interval, no p.
 - A finding's comparisons are corrected together for multiplicity with **Holm**'s step-down
   method; a difference is **outside the noise** when its Holm-adjusted p is below 0.05.
+- "No difference" is a claim of its own: **equivalence** within a stated margin (+-1 point by
+  default) by two one-sided t-tests (TOST, paired or Welch as above): equivalent when the larger
+  of the two one-sided p-values is below 0.05, with the matching 90 % interval inside the margin.
+  A large p of the difference test alone says only "not told apart".
 
 Per-seed values are first averaged over repeated runs of one seed (a rerun is not a replicate).
 """
@@ -70,6 +74,52 @@ def compare(a: pd.Series, b: pd.Series, confidence: float = 0.95) -> Difference:
         ci = res.confidence_interval(confidence)
         return Difference(diff, float(ci.low), float(ci.high), float(res.pvalue), WELCH, n_a, n_b)
     return Difference(diff, nan, nan, nan, SHOWN, n_a, n_b)
+
+
+EQUIVALENCE_MARGIN = 1.0  # points: the default margin of an "=" claim
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """TOST of |A - B| < ``margin`` (points): ``p`` the larger one-sided p-value (NaN: not judged),
+    ``low``/``high`` the 90 % interval (1 - 2 alpha) that lies inside the margin when p < alpha."""
+
+    margin: float
+    p: float
+    low: float
+    high: float
+    test: str
+
+    @property
+    def judged(self) -> bool:
+        return not math.isnan(self.p)
+
+
+def equivalence(a: pd.Series, b: pd.Series, margin: float = EQUIVALENCE_MARGIN,
+                alpha: float = ALPHA) -> Equivalence:
+    """Two one-sided t-tests of A - B against -``margin`` and +``margin`` for two per-seed series
+    (index: seed), paired where both hold the same seeds, Welch otherwise, as ``compare`` pairs.
+    Each one-sided test is scipy's (``ttest_1samp`` on the paired differences, ``ttest_ind`` on A
+    shifted by the margin), so the p-values come from the same code as every other verdict."""
+    a, b = a.dropna(), b.dropna()
+    nan = math.nan
+    confidence = 1 - 2 * alpha
+    if set(a.index) == set(b.index) and len(a) >= 2:
+        d = a.to_numpy() - b.loc[a.index].to_numpy()
+        if (d == d[0]).all():  # no spread: equivalent exactly when the one difference is inside
+            inside = abs(d[0]) < margin
+            return Equivalence(margin, 0.0 if inside else 1.0, float(d[0]), float(d[0]), PAIRED)
+        lower = stats.ttest_1samp(d, -margin, alternative="greater")
+        upper = stats.ttest_1samp(d, margin, alternative="less")
+        ci = stats.ttest_1samp(d, 0.0).confidence_interval(confidence)
+        return Equivalence(margin, float(max(lower.pvalue, upper.pvalue)), float(ci.low), float(ci.high), PAIRED)
+    if len(a) >= 2 and len(b) >= 2 and not (a.std(ddof=1) == 0 and b.std(ddof=1) == 0):
+        x, y = a.to_numpy(), b.to_numpy()
+        lower = stats.ttest_ind(x + margin, y, equal_var=False, alternative="greater")
+        upper = stats.ttest_ind(x - margin, y, equal_var=False, alternative="less")
+        ci = stats.ttest_ind(x, y, equal_var=False).confidence_interval(confidence)
+        return Equivalence(margin, float(max(lower.pvalue, upper.pvalue)), float(ci.low), float(ci.high), WELCH)
+    return Equivalence(margin, nan, nan, nan, SHOWN)
 
 
 def holm(pvalues: list[float]) -> list[float]:
