@@ -414,6 +414,9 @@ def test_stability_table_counts_runs_that_did_not_train(tmp_path):
     assert rows[("random-k", "none")]["max memory norm"] == "1e+03"
     assert rows[("random-k", "1d")]["trained"] == "2/2" and rows[("random-k", "1d")]["max memory norm"] == "5"
     assert table.missing.empty  # runs that did not train are counted, not left out
+    every = sa.TABLES["stability"](runs, include_failed=True)  # --include-failed adds runs, never drops them
+    assert {(r["scheme"], r["whole tensors"]): r["trained"] for r in every.display.to_dict("records")} == \
+        {key: row["trained"] for key, row in rows.items()}
     # ... while the research-question tables leave them out and name them
     md = sa.rq2_scheme_table(runs).to_markdown()
     assert "did not train: scheme=randk" in md and "uncompressed=none" in md
@@ -633,6 +636,17 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
     assert proc.returncode == 3 and "2 runs are not in the numbers (1 failed, 1 absent)" in proc.stderr
     proc = _cli(results / "rq3_aggregation", "--out", tmp_path / "o3", "--strict")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_include_failed_says_it_brings_in_runs_that_did_not_train(results, tmp_path):
+    """Issue 39, item 4: the flag puts runs that did not complete and runs that did not train into
+    the numbers; its help says both, and the closing warning does not say they were left out."""
+    help_text = " ".join(_cli("--help").stdout.split())
+    assert "those that did not complete (failed, interrupted, unfinished) and those that completed but did not train" in help_text
+    proc = _cli(results / "rq1_scope", "--out", tmp_path / "o", "--include-failed")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 runs that did not complete or did not train are in the numbers (1 failed, 1 absent; " in proc.stderr
+    assert "not in the numbers" not in proc.stderr
 
 
 # --- experiment presets -----------------------------------------------------------------------
