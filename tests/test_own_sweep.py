@@ -39,3 +39,21 @@ def test_ratio_in_percent_stops_with_one_line_from_the_command_line(tmp_path):
     proc = run_cli(*TINY, "ratio=1%", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip() == "error: ratio='1%' is not allowed: give a number in (0, 1], e.g. ratio=0.01"
+
+
+def test_make_run_echoes_a_command_one_can_paste(monkeypatch):
+    """`make run` echoed `$ -m sparsetrain.run ...`: the interpreter was left out."""
+    import sparsetrain.benchmarks.compare as compare
+
+    seen = []
+    monkeypatch.setattr(compare.sys, "executable", str(compare.ROOT / ".venv" / "bin" / "python"))
+    monkeypatch.setattr(compare.subprocess, "call", lambda cmd, cwd: seen.append(cmd) or 0)
+    monkeypatch.setattr(compare, "table", lambda sweep: "")
+    printed = []
+    monkeypatch.setattr("builtins.print", lambda *a, **k: printed.append(" ".join(map(str, a))))
+    compare.main(["train.max_steps=2"])
+    line = printed[0]
+    assert line.startswith("$ .venv/bin/python -m sparsetrain.run -m scheme=none,topk,randk,blockk "), line
+    assert " train.max_steps=2 hydra.sweep.dir=outputs/compare/" in line and str(compare.ROOT) not in line
+    assert seen[0][0] == compare.sys.executable  # what runs is unchanged
+    assert compare.shown(["/elsewhere/python", "a=b c"]) == "/elsewhere/python 'a=b c'"  # outside: as is
