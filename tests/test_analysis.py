@@ -508,6 +508,51 @@ def test_figures_png_and_pdf(results, tmp_path):
         assert b"/CreationDate" not in paths["pdf"].read_bytes()
 
 
+def test_each_scheme_has_one_colour_in_every_figure_and_new_ones_keep_clear_of_top_k():
+    """Issue 39, item 3: a new scheme's colour was nearly top-k's blue (matplotlib's first)."""
+    import colorsys
+
+    from matplotlib.colors import to_rgb
+
+    from sparsetrain.analysis.figures import SCHEME_COLORS, scheme_color
+    from sparsetrain.analysis.table import SCHEME_NAMES
+
+    def hue(color):
+        return colorsys.rgb_to_hls(*to_rgb(color))[0] * 360
+
+    def gap(a, b):
+        return min(abs(a - b), 360 - abs(a - b))
+
+    assert set(SCHEME_NAMES) <= set(SCHEME_COLORS)  # every known scheme has its own colour
+    assert len(set(SCHEME_COLORS.values())) == len(SCHEME_COLORS)
+    assert scheme_color("mysgd") == "#9e3be3"  # from the name alone: the same in every session
+    coloured = [hue(c) for c in SCHEME_COLORS.values() if colorsys.rgb_to_hls(*to_rgb(c))[2] > 0.2]
+    for name in ("mysgd", "dgc", "adacomp", "terngrad", "sketch", *(f"scheme{i}" for i in range(50))):
+        color = scheme_color(name)
+        assert color == scheme_color(name) and color not in SCHEME_COLORS.values()
+        assert gap(hue(color), hue(SCHEME_COLORS["topk"])) >= 40, name
+        assert min(gap(hue(color), h) for h in coloured) >= 20, name
+
+
+def test_an_error_feedback_split_has_legend_entries_that_say_what_they_are(tmp_path):
+    """Issue 39, item 3: the legend showed a bare "True" / "False" for error feedback."""
+    from sparsetrain.analysis.figures import (
+        plot_accuracy_vs_bytes,
+        plot_accuracy_vs_epoch,
+        scheme_color,
+    )
+
+    sweep = write_sweep(tmp_path / "ef", {"scheme": "topk,randk", "scheme.error_feedback": "true,false"}, "ef")
+    runs = sa.load_runs(sweep)
+    fig = plot_accuracy_vs_bytes(runs)
+    legend = fig.axes[0].get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts == ["top-k", "random-k", "error feedback: off", "error feedback: on"], texts
+    assert [h.get_color() for h in legend.legend_handles[:2]] == [scheme_color("topk"), scheme_color("randk")]
+    titles = [ax.get_title() for ax in plot_accuracy_vs_epoch(sa.curves_of(runs)).axes]
+    assert titles == ["error feedback: off", "error feedback: on"], titles
+
+
 def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):
     """Runs through DDP (dist.ddp) carry exchange="ddp hook"; torch's PowerSGD hook is a scheme of
     its own (not dense SGD), with no scope or aggregation of sparsetrain's."""
