@@ -290,7 +290,11 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
                                label=", ".join(_label(a, k) for a, k in zip(marker_axes, key, strict=True)
                                             if k != NOT_APPLICABLE) or "dense")
                         for key, i in markers.items()]
-        ax.legend(handles=handles, loc="best")
+        if len(handles) > 8:  # a long legend beside the points, never on top of them
+            fig.set_figwidth(fig.get_figwidth() + 3.5)
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        else:
+            ax.legend(handles=handles, loc="best")
         return fig
 
 
