@@ -35,6 +35,7 @@ if [ "${PARTIAL:-0}" = 1 ]; then
       tar -C "$repo" -xf -
     n=$(echo "$done_jobs" | wc -l)
     echo "== $study: $n completed jobs copied to $repo"
+    $PY scripts/strip_paths.py "$repo/results/$study" --root "$repo"  # no paths of this machine
     if [ "${COMMIT:-1}" = 1 ]; then
       (cd "$repo" && git add "results/$study" &&
         git commit -q -m "results: $study, partial ($n completed jobs; RESUME=1 runs the rest)" -- "results/$study")
@@ -64,6 +65,8 @@ for preset in "${STUDIES[@]}"; do
       -cf - "$study" | tar -C "$DEST/results" -xf -
     echo "$line" >> "$DEST/results/timings.txt"  # DEST's own list may hold more studies
   fi
+  # Hydra's files name this machine's folders (runtime.cwd, output_dir): relative to the repo.
+  $PY scripts/strip_paths.py "$repo/results/$study" --root "$repo"
   if [ "${COMMIT:-1}" = 1 ]; then
     for attempt in 1 2 3 4 5; do  # another git process may hold the index lock for a moment
       (cd "$repo" && git add results/timings.txt "results/$study" 2>/dev/null &&

@@ -501,10 +501,11 @@ def check_overrides(args: list[str]) -> None:
         for value in values:
             if isinstance(value, str) and "${" in value:  # an interpolation: resolved later
                 continue
+            default = OmegaConf.select(schemas[scheme_cls], key, default=None)
             try:
                 OmegaConf.update(schemas[scheme_cls], key, value, merge=True)
             except OmegaConfBaseException as exc:
-                reason = str(exc).splitlines()[0]
+                reason = _wanted(key, str(exc).splitlines()[0], value, default)
                 raise ConfigError(f"{key}={value!r} is not allowed: {reason}") from None
     if own:  # a scheme's own key (scheme.block_size) goes with that scheme only
         chosen = _chosen_schemes([o for _, o in parsed], "-m" in args or "--multirun" in args)
@@ -514,6 +515,28 @@ def check_overrides(args: list[str]) -> None:
                     leaf = key.rpartition(".")[2]
                     belongs = " or ".join(f"scheme={name}" for name in owners[key])
                     raise ConfigError(f"{item}: scheme={scheme} has no key {leaf!r}; {leaf} belongs to {belongs}")
+
+
+# The range validate() checks, said already where a value is not a number at all (ratio=1%).
+_NUMBER_RANGES = {"ratio": "in (0, 1]", "world_size": ">= 1"}
+
+
+def _wanted(key: str, reason: str, value: Any, default: Any) -> str:
+    """What a number key takes, with an example, for a value that is not one (``ratio=1%``:
+    ``give a number in (0, 1], e.g. ratio=0.01``) instead of OmegaConf's conversion text; any
+    other type error keeps OmegaConf's first line."""
+    kind = reason.rpartition(" converted to ")[2]
+    if kind not in ("Float", "Integer"):
+        return reason
+    what = ("a number" if kind == "Float" else "an integer") + (f" {_NUMBER_RANGES[key]}" if key in _NUMBER_RANGES else "")
+    text = str(value).strip()
+    example = default if isinstance(default, (int, float)) and not isinstance(default, bool) else None
+    if kind == "Float" and text.endswith("%"):  # a percentage: the fraction it means
+        try:
+            example = float(text[:-1]) / 100
+        except ValueError:
+            pass
+    return f"give {what}" + (f", e.g. {key}={example:g}" if example is not None else "")
 
 
 def help_text() -> str:

@@ -414,6 +414,9 @@ def test_stability_table_counts_runs_that_did_not_train(tmp_path):
     assert rows[("random-k", "none")]["max memory norm"] == "1e+03"
     assert rows[("random-k", "1d")]["trained"] == "2/2" and rows[("random-k", "1d")]["max memory norm"] == "5"
     assert table.missing.empty  # runs that did not train are counted, not left out
+    every = sa.TABLES["stability"](runs, include_failed=True)  # --include-failed adds runs, never drops them
+    assert {(r["scheme"], r["whole tensors"]): r["trained"] for r in every.display.to_dict("records")} == \
+        {key: row["trained"] for key, row in rows.items()}
     # ... while the research-question tables leave them out and name them
     md = sa.rq2_scheme_table(runs).to_markdown()
     assert "did not train: scheme=randk" in md and "uncompressed=none" in md
@@ -503,6 +506,51 @@ def test_figures_png_and_pdf(results, tmp_path):
         assert paths["pdf"].read_bytes()[:5] == b"%PDF-"
         # No creation date: regenerated from the same results, a PDF is byte-identical.
         assert b"/CreationDate" not in paths["pdf"].read_bytes()
+
+
+def test_each_scheme_has_one_colour_in_every_figure_and_new_ones_keep_clear_of_top_k():
+    """Issue 39, item 3: a new scheme's colour was nearly top-k's blue (matplotlib's first)."""
+    import colorsys
+
+    from matplotlib.colors import to_rgb
+
+    from sparsetrain.analysis.figures import SCHEME_COLORS, scheme_color
+    from sparsetrain.analysis.table import SCHEME_NAMES
+
+    def hue(color):
+        return colorsys.rgb_to_hls(*to_rgb(color))[0] * 360
+
+    def gap(a, b):
+        return min(abs(a - b), 360 - abs(a - b))
+
+    assert set(SCHEME_NAMES) <= set(SCHEME_COLORS)  # every known scheme has its own colour
+    assert len(set(SCHEME_COLORS.values())) == len(SCHEME_COLORS)
+    assert scheme_color("mysgd") == "#9e3be3"  # from the name alone: the same in every session
+    coloured = [hue(c) for c in SCHEME_COLORS.values() if colorsys.rgb_to_hls(*to_rgb(c))[2] > 0.2]
+    for name in ("mysgd", "dgc", "adacomp", "terngrad", "sketch", *(f"scheme{i}" for i in range(50))):
+        color = scheme_color(name)
+        assert color == scheme_color(name) and color not in SCHEME_COLORS.values()
+        assert gap(hue(color), hue(SCHEME_COLORS["topk"])) >= 40, name
+        assert min(gap(hue(color), h) for h in coloured) >= 20, name
+
+
+def test_an_error_feedback_split_has_legend_entries_that_say_what_they_are(tmp_path):
+    """Issue 39, item 3: the legend showed a bare "True" / "False" for error feedback."""
+    from sparsetrain.analysis.figures import (
+        plot_accuracy_vs_bytes,
+        plot_accuracy_vs_epoch,
+        scheme_color,
+    )
+
+    sweep = write_sweep(tmp_path / "ef", {"scheme": "topk,randk", "scheme.error_feedback": "true,false"}, "ef")
+    runs = sa.load_runs(sweep)
+    fig = plot_accuracy_vs_bytes(runs)
+    legend = fig.axes[0].get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert texts == ["top-k", "random-k", "error feedback: off", "error feedback: on"], texts
+    assert [h.get_color() for h in legend.legend_handles[:2]] == [scheme_color("topk"), scheme_color("randk")]
+    titles = [ax.get_title() for ax in plot_accuracy_vs_epoch(sa.curves_of(runs)).axes]
+    assert titles == ["error feedback: off", "error feedback: on"], titles
 
 
 def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):
@@ -633,6 +681,17 @@ def test_cli_strict_fails_on_missing(results, tmp_path):
     assert proc.returncode == 3 and "2 runs are not in the numbers (1 failed, 1 absent)" in proc.stderr
     proc = _cli(results / "rq3_aggregation", "--out", tmp_path / "o3", "--strict")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_include_failed_says_it_brings_in_runs_that_did_not_train(results, tmp_path):
+    """Issue 39, item 4: the flag puts runs that did not complete and runs that did not train into
+    the numbers; its help says both, and the closing warning does not say they were left out."""
+    help_text = " ".join(_cli("--help").stdout.split())
+    assert "those that did not complete (failed, interrupted, unfinished) and those that completed but did not train" in help_text
+    proc = _cli(results / "rq1_scope", "--out", tmp_path / "o", "--include-failed")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 runs that did not complete or did not train are in the numbers (1 failed, 1 absent; " in proc.stderr
+    assert "not in the numbers" not in proc.stderr
 
 
 # --- experiment presets -----------------------------------------------------------------------

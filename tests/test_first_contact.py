@@ -339,7 +339,7 @@ def test_make_run_leaves_the_sweep_table_to_its_own(tmp_path, capsys):
     ("+sheme=topk", "+sheme=topk: there is no key 'sheme'; did you mean scheme=topk?"),
     ("+train.lr=0.1", "+train.lr=0.1: there is no key 'train.lr'; did you mean optim.lr=0.1?"),
     ("train.max_step=10", "did you mean train.max_steps=10?"),
-    ("train.epochs=abc", "train.epochs='abc' is not allowed: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("train.epochs=abc", "train.epochs='abc' is not allowed: give an integer, e.g. train.epochs=3"),
     ("hydra/launcher=nope", "hydra/launcher='nope' is not allowed; choose one of: basic, slurm, submitit_local, submitit_slurm"),
 ])
 def test_typos_stop_with_one_line_before_anything_runs(override, needle, tmp_path):

@@ -44,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
                              "each from the folders it is made of (report.SOURCES)")
     parser.add_argument("--where", action="append", default=[], metavar="AXIS=V1,V2",
                         help="keep runs whose axis takes one of these values (repeatable), e.g. --where scope=layerwise")
-    parser.add_argument("--include-failed", action="store_true", help="put runs that did not complete into the numbers")
+    parser.add_argument("--include-failed", action="store_true",
+                        help="put every run into the tables' numbers and the learning curves: those that did not "
+                             "complete (failed, interrupted, unfinished) and those that completed but did not "
+                             "train (the other figures, the verdicts and --time-to-accuracy leave both out)")
     parser.add_argument("--strict", action="store_true", help="exit 3 when any run did not complete")
     parser.add_argument("--quiet", action="store_true", help="do not print the tables")
     parser.add_argument("--tuning", action="store_true",
@@ -110,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     missing = not_completed(select(load_runs(*args.paths), where))
     if len(missing):
         counts = ", ".join(f"{n} {status}" for status, n in missing["status"].value_counts().items())
-        print(f"warning: {len(missing)} runs are not in the numbers ({counts}); each is named under "
-              "the tables", file=sys.stderr)
+        if args.include_failed:  # they are in the numbers: say so, not that they are left out
+            print(f"warning: {len(missing)} runs that did not complete or did not train are in the numbers "
+                  f"({counts}; --include-failed)", file=sys.stderr)
+        else:
+            print(f"warning: {len(missing)} runs are not in the numbers ({counts}); each is named under "
+                  "the tables", file=sys.stderr)
         if args.strict:
             print(f"error: {len(missing)} runs are not in the numbers ({counts}) (--strict)", file=sys.stderr)
             return 3

@@ -7,13 +7,16 @@ headless, in scripts and in notebooks, and never open a window. Each ``plot_*`` 
 
 from __future__ import annotations
 
+import colorsys
 import math
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
 import matplotlib
 import numpy as np
 import pandas as pd
+from matplotlib import colors as mcolors
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
@@ -22,8 +25,14 @@ from .group import expand_dense, sort_rows, summarize, varying_axes
 from .loader import DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
-# Okabe-Ito colours: distinguishable with colour-blindness and in greyscale print.
-SCHEME_COLORS = {DENSE: "#222222", "topk": "#0072B2", "randk": "#E69F00", "blockk": "#009E73"}
+# One colour per scheme, the same in every figure: Okabe-Ito first (distinguishable with
+# colour-blindness), then Paul Tol's wine and olive and two greys/browns for the torch hooks.
+SCHEME_COLORS = {DENSE: "#222222", "topk": "#0072B2", "randk": "#E69F00", "blockk": "#009E73",
+                 "signsgd": "#D55E00", "powersgd": "#CC79A7", "torch_powersgd": "#882255",
+                 "qsgd": "#999933", "fp16": "#7F7F7F", "bf16": "#8C510A"}
+# A scheme not in the table (one's own) gets a hue from its name at least this far (degrees)
+# from every coloured scheme of the table, and twice that from top-k's blue.
+MIN_HUE_GAP = 20.0
 PHASE_COLORS = {
     "data": "#BBBBBB", "forward": "#56B4E9", "backward": "#0072B2", "compress": "#E69F00",
     "exchange": "#D55E00", "decompress": "#F0E442", "optimizer": "#009E73", "other": "#EEEEEE",
@@ -77,15 +86,53 @@ def save_figure(fig: Figure, out: str | Path, name: str) -> dict[str, Path]:
     return paths
 
 
+def _hue(color: str) -> tuple[float, float]:
+    """(hue in degrees, saturation) of a colour."""
+    h, _, sat = colorsys.rgb_to_hls(*mcolors.to_rgb(color))
+    return h * 360.0, sat
+
+
+def _hue_gap(a: float, b: float) -> float:
+    return min(abs(a - b), 360.0 - abs(a - b))
+
+
+def scheme_color(scheme: str) -> str:
+    """The scheme's colour in every figure: the table's (``SCHEME_COLORS``), else one derived from
+    its name alone (the same in every figure and session; crc32, not Python's salted hash) whose
+    hue keeps clear of the table's coloured schemes and far from top-k's blue, its lightness one
+    of three. Two new schemes can still land close by chance: a scheme that stays gets its own
+    entry in the table."""
+    if scheme in SCHEME_COLORS:
+        return SCHEME_COLORS[scheme]
+    taken = [_hue(c) for c in SCHEME_COLORS.values()]
+    taken = [h for h, sat in taken if sat > 0.2]  # greys have no hue to keep clear of
+    blue = _hue(SCHEME_COLORS["topk"])[0]
+    start = zlib.crc32(str(scheme).encode()) / 2**32
+    lightness = (0.32, 0.44, 0.56)[zlib.adler32(str(scheme).encode()) % 3]
+    for i in range(360):
+        hue = (start + i * 0.618034) % 1.0 * 360.0  # golden-ratio steps: every hue is reached
+        if _hue_gap(hue, blue) >= 2 * MIN_HUE_GAP and all(_hue_gap(hue, h) >= MIN_HUE_GAP for h in taken):
+            return mcolors.to_hex(colorsys.hls_to_rgb(hue / 360.0, lightness, 0.75))
+    raise AssertionError("no free hue")  # unreachable while the table leaves gaps
+
+
 def _scheme_sort(values) -> list:
     return sorted(values, key=lambda v: (SCHEME_ORDER.get(v, 9), str(v)))
 
 
+# Axes whose values are on/off: a legend says "error feedback: off", never a bare "False".
+SWITCHES = {"error_feedback": "error feedback"}
+
+
 def _label(axis: str, value) -> str:
+    """A legend entry or panel title for one axis value that says what it is."""
     if axis == "scheme":
         return SCHEME_NAMES.get(value, str(value))
     if axis in ("scope", "aggregation"):
         return str(value)
+    if axis in SWITCHES or str(value) in ("True", "False"):  # also values read back as text
+        on = {"True": "on", "False": "off"}.get(str(value), str(value))
+        return f"{SWITCHES.get(axis, LABELS.get(axis, axis))}: {on}"
     return f"{LABELS.get(axis, axis)}={value}"
 
 
@@ -137,7 +184,7 @@ def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", 
                         continue
                     per_seed = lines.groupby([REPLICATE, "epoch"], dropna=False)[metric].mean().reset_index()
                     stats = per_seed.groupby("epoch")[metric].agg(["mean", "std", "count"]).reset_index()
-                    color = SCHEME_COLORS.get(scheme)
+                    color = scheme_color(scheme)
                     n = int(stats["count"].max())
                     note = ", did not train" if failed else ""
                     ax.plot(stats["epoch"], stats["mean"] * scale, color=color, marker="o", markersize=3,
@@ -226,7 +273,7 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
             key = tuple(str(row[a]) for a in marker_axes)
             ax.errorbar(row[f"{metric}_mean"], row["test_accuracy_mean"] * 100,
                         yerr=0.0 if math.isnan(row["test_accuracy_std"]) else row["test_accuracy_std"] * 100,
-                        fmt=MARKERS[markers[key] % len(MARKERS)], color=SCHEME_COLORS.get(row["scheme"]),
+                        fmt=MARKERS[markers[key] % len(MARKERS)], color=scheme_color(row["scheme"]),
                         capsize=3, markersize=6)
             if "ratio" in others and row["scheme"] != DENSE and row["ratio"] != NOT_APPLICABLE:
                 ax.annotate(f"{row['ratio']:g}", (row[f"{metric}_mean"], row["test_accuracy_mean"] * 100),
@@ -236,13 +283,18 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
                       "AllGather (W-1) x message; log)" if metric == "wire_bytes_per_step"
                       else "payload bytes per step per worker (no wire bytes in these runs; log)")
         ax.set_ylabel(LABELS["test_accuracy"])
-        handles = [Line2D([], [], color=SCHEME_COLORS.get(s), marker="o", linestyle="", label=SCHEME_NAMES.get(s, s))
+        handles = [Line2D([], [], color=scheme_color(s), marker="o", linestyle="", label=SCHEME_NAMES.get(s, s))
                    for s in _scheme_sort(data["scheme"].unique())]
         if marker_axes:
             handles += [Line2D([], [], color="grey", marker=MARKERS[i % len(MARKERS)], linestyle="",
-                               label=", ".join(k for k in key if k != NOT_APPLICABLE) or "dense")
+                               label=", ".join(_label(a, k) for a, k in zip(marker_axes, key, strict=True)
+                                            if k != NOT_APPLICABLE) or "dense")
                         for key, i in markers.items()]
-        ax.legend(handles=handles, loc="best")
+        if len(handles) > 8:  # a long legend beside the points, never on top of them
+            fig.set_figwidth(fig.get_figwidth() + 3.5)
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+        else:
+            ax.legend(handles=handles, loc="best")
         return fig
 
 
@@ -268,7 +320,7 @@ def plot_workers(runs: pd.DataFrame) -> Figure:
                 label = ", ".join(_label(a, v) for a, v in zip(["scheme", *others], key, strict=False) if v != NOT_APPLICABLE)
                 std = group[f"{metric}_std"].fillna(0.0) * scale
                 ax.errorbar(group["world_size"], group[f"{metric}_mean"] * scale, yerr=std, label=label,
-                            color=SCHEME_COLORS.get(key[0]), linestyle=LINESTYLES[index % len(LINESTYLES)],
+                            color=scheme_color(key[0]), linestyle=LINESTYLES[index % len(LINESTYLES)],
                             marker=MARKERS[index % len(MARKERS)], capsize=3)
             ax.set_xscale("log", base=2)
             ticks = sorted(data["world_size"].dropna().unique())

@@ -164,7 +164,8 @@ def stability_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     Unlike the research-question tables this one keeps the runs that did not train in its
     numbers (counted in the ``trained`` column): what a stabiliser buys is whether runs train.
     """
-    keep = completed(runs) if include_failed else runs[runs["status"].isin(("completed", DID_NOT_TRAIN))]
+    # include_failed adds the runs that did not complete; it must never drop those that did not train.
+    keep = runs if include_failed else runs[runs["status"].isin(("completed", DID_NOT_TRAIN))]
     missing = pd.DataFrame() if include_failed else runs[~runs.index.isin(keep.index)]
     title = "Stabilisers: what whole 1-D tensors and a compression warm-up change"
     by = ["scheme", "uncompressed", "warmup_steps", *[a for a in varying_axes(keep)

@@ -43,7 +43,7 @@ from matplotlib.lines import Line2D
 
 from sparsetrain.costmodel import Collective, CostModel, SchemeCost
 
-from .figures import LINESTYLES, MARKERS, SCHEME_COLORS, _empty, _label, _new_figure, style
+from .figures import LINESTYLES, MARKERS, _empty, _label, _new_figure, scheme_color, style
 from .group import _constant_note, _display_axis, sort_rows, varying_axes
 from .loader import REPLICATE, _read_metrics, collective_of, completed, not_completed
 from .table import LABELS, Table
@@ -310,7 +310,7 @@ def plot_time_to_accuracy(table: Table) -> object:
                 lines = panel[mask].sort_values("bandwidth_gbit")
                 index = styles[tuple(str(config[a]) for a in others)]
                 label = ", ".join(_label(a, config[a]) for a in config_axes if config[a] != "-")
-                color = SCHEME_COLORS.get(config["scheme"])
+                color = scheme_color(config["scheme"])
                 ok = lines.dropna(subset=["time_to_target_s_mean"])
                 if ok.empty:
                     legend.setdefault(f"{label} (not reached)",

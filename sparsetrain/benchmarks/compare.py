@@ -10,6 +10,7 @@ uniform guess) "did not train". Extra arguments are passed to every run as Hydra
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -47,15 +48,27 @@ def table(sweep: Path) -> str:
                       phases=("forward", "backward", "compress", "exchange", "decompress", "step"))
 
 
+def shown(cmd: list[str]) -> str:
+    """The command as one can paste it from the repository root (where it runs): the interpreter
+    and paths under the repository relative to it (``.venv/bin/python``), quoted for the shell."""
+    def relative(arg: str) -> str:
+        key, sep, value = arg.rpartition("=") if "=" in arg else ("", "", arg)
+        path = Path(value)
+        if path.is_absolute() and path.is_relative_to(ROOT):
+            value = path.relative_to(ROOT).as_posix()
+        return f"{key}{sep}{value}"
+    return " ".join(shlex.quote(relative(arg)) for arg in cmd)
+
+
 def main(argv: list[str]) -> int:
     sweep = ROOT / "outputs" / "compare" / time.strftime("%Y-%m-%d_%H-%M-%S")
     # The sweep's own short table is left out: the one below has every phase.
     cmd = [sys.executable, "-m", "sparsetrain.run", "-m", f"scheme={SCHEMES}", *DEFAULTS, *argv,
            f"hydra.sweep.dir={sweep}", "hydra.callbacks.sweep_report.table=false"]
-    print("$", " ".join(cmd[1:]), flush=True)
+    print("$", shown(cmd), flush=True)
     t0 = time.time()
     code = subprocess.call(cmd, cwd=ROOT)
-    print(f"\n{SCHEMES.count(',') + 1} runs in {time.time() - t0:.0f} s; run folders under {sweep}\n")
+    print(f"\n{SCHEMES.count(',') + 1} runs in {time.time() - t0:.0f} s; run folders under {sweep.relative_to(ROOT)}\n")
     print(table(sweep))
     return code
 

@@ -359,6 +359,11 @@ def main() -> None:
     except ConfigError as exc:
         _error(str(exc))
         sys.exit(2)
+    run_dirs = [a.lstrip("+") for a in args if a.lstrip("+").startswith("hydra.run.dir=")]
+    if ("-m" in args or "--multirun" in args) and run_dirs:  # Hydra would sweep into a new dated folder
+        folder = run_dirs[0].partition("=")[2]
+        _error(f"hydra.run.dir={folder} is ignored by a sweep (-m); use hydra.sweep.dir={folder}")
+        sys.exit(2)
     if ("-m" in args or "--multirun" in args) and under_torchrun():
         _error("-m/--multirun is not allowed under torchrun (every rank would run the whole sweep); "
                "run the sweep without torchrun, or one torchrun per sweep point")
