@@ -34,7 +34,16 @@ import pandas as pd
 from sparsetrain.results import BLEW_UP_RECOVERED
 
 from .loader import completed, select
-from .stats import EQUIVALENCE_MARGIN, SHOWN, Difference, compare, equivalence, holm, outside_noise, per_seed
+from .stats import (
+    EQUIVALENCE_MARGIN,
+    SHOWN,
+    Difference,
+    compare,
+    equivalence,
+    holm,
+    outside_noise,
+    per_seed,
+)
 from .table import SCHEME_NAMES, Table
 
 # The second pass's setting (experiment=cpu_scale): every side starts from it. Dense SGD rows
