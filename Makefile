@@ -47,6 +47,10 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	@# SGD from baseline, ...), the same assembly the notebooks show; the frontier's time to
 	@# accuracy and break-even map into $(FIGURES)/frontier_time_to_accuracy.
 	$(ANALYSE) --studies $(RESULTS) --out $(FIGURES)
+	@# The tuned verdicts, as declared before their runs (pending until results/verdict_e4 exists).
+	$(ANALYSE) $(RESULTS) --declared conf/declared/verdicts.yaml --out $(FIGURES)/verdicts_tuned
+	@# The tuning study's trials and choices, once its sweeps are there.
+	$(if $(wildcard $(RESULTS)/tune $(RESULTS)/tune_dense),$(ANALYSE) $(wildcard $(RESULTS)/tune $(RESULTS)/tune_dense) --tuning --out $(FIGURES)/tune,@echo "figures: no $(RESULTS)/tune yet: tuning tables skipped")
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),
 	@# from the second pass's 2-rank runs (dense baseline, RQ1's schemes and scopes).
 	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")

@@ -745,6 +745,7 @@ def test_experiment_presets_compose_and_every_grid_point_validates(name):
     (0.5, 0.60, "=", 0.30, "not told apart"),   # no difference found is not "no difference"
     (0.5, 0.60, "=", math.nan, "not told apart"),
     (1.0, 0.001, "=", 0.9, "differs"),
+    (0.2, 0.001, "=", 0.01, "agrees"),   # a gap detected, but inside the margin
 ])
 def test_judge_by_the_adjusted_p_value(diff, p_adjusted, expect, p_equivalent, outcome):
     from sparsetrain.analysis.findings import judge

@@ -13,6 +13,11 @@ every trial, the choice per scheme and scope by validation accuracy (``trials.md
 ``val_vs_lr.png``; ``sparsetrain.analysis.tuning``) and, with ``--write-tuned DIR``, the files
 the tuned protocol reads (``conf/tuned``).
 
+With ``--declared DECLARATION`` the one path is a results tree: the study declared in that file
+(``conf/declared/verdicts.yaml``) judged from its sweeps there, each comparison at each budget,
+with the check that the declaration's commit precedes every run's (``verdicts``, ``comparisons``,
+``budget_change``; ``sparsetrain.analysis.declared``).
+
 With ``--time-to-accuracy TARGET`` it makes the time-to-accuracy table and figure instead
 (``time_to_accuracy.{md,csv,tex,png,pdf}``; see ``sparsetrain.analysis.time_to_accuracy``):
 ``--bandwidth`` (Gbit/s) and ``--workers`` lists, ``--costmodel`` a fitted ``costmodel.json``
@@ -55,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                              "scheme and scope by validation accuracy, into OUT")
     parser.add_argument("--write-tuned", type=Path, metavar="DIR",
                         help="with --tuning: write the choices where experiment=protocol reads them (conf/tuned)")
+    parser.add_argument("--declared", type=Path, metavar="YAML",
+                        help="the path is a results tree: judge the study declared in YAML (conf/declared/) "
+                             "from its sweeps there, into OUT")
     parser.add_argument("--time-to-accuracy", type=float, metavar="TARGET",
                         help="predicted time to reach this test accuracy (a fraction, e.g. 0.85) per scheme, "
                              "bandwidth and worker count, instead of the study tables")
@@ -83,6 +91,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--write-tuned goes with --tuning")
     if args.tuning:
         return _tuning(args, where)
+    if args.declared is not None:
+        if len(args.paths) != 1 or where:
+            parser.error("--declared takes one results tree and no --where (the declaration says what counts)")
+        if not args.declared.is_file():
+            parser.error(f"no such declaration: {args.declared}")
+        from .declared import write as write_declared
+
+        try:
+            written = write_declared(args.declared, args.paths[0], args.out, None if args.quiet else print)
+        except ValueError as err:
+            parser.error(str(err))
+        print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
+        return 0
     if args.time_to_accuracy is not None:
         return _time_to_accuracy(parser, args, where)
     if args.studies:

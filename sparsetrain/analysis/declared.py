@@ -1,0 +1,200 @@
+"""Verdicts of a study declared before its runs: ``conf/declared/<study>.yaml``.
+
+A declaration names the study's sweeps, its budgets (epochs), seeds, the equivalence margin of its
+``=`` claims, how many looks at the data have been taken, its points (a name for a set of axis
+values) and its findings: each a Holm family of comparisons between two points, with what the
+paper claims (``>``, ``=``, ``?`` for no claim). It is committed before the study's first run; the
+analysis checks that with git (the commit that added the file must be an ancestor of every run's
+commit) and says so above the verdicts, with every later change to the file.
+
+Every comparison is judged at each budget on its own (``findings.measure``: the difference with
+its 95 % interval and paired t, Holm within the finding at that budget, each p times the looks
+taken; an ``=`` claim by TOST at the margin). A verdict that is the same at every budget is the
+verdict; one that differs is **budget-dependent**, never a finding (requiring it at both budgets
+is an intersection of tests: it needs no further correction). Each point's change from the first
+budget to the last, paired by seed, replaces any "plateau" claim.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from .findings import Comparison, Finding, _num, _p, _show, measure, side_accuracy, verdict
+from .loader import AXES, COLUMNS_FIRST, load_runs
+from .stats import compare, holm
+from .table import Table, write_table
+
+
+@dataclass(frozen=True)
+class Declaration:
+    path: Path
+    study: str
+    sweeps: tuple[str, ...]
+    budgets: tuple[int, ...]
+    seeds: tuple[int, ...]
+    margin: float
+    looks: int
+    setting: dict
+    points: dict
+    findings: tuple[Finding, ...]
+
+
+def load(path: str | Path) -> Declaration:
+    """The declaration in ``path``; ``ValueError`` (one line) naming what is wrong in it."""
+    path = Path(path)
+    doc = yaml.safe_load(path.read_text()) or {}
+    for key in ("study", "sweeps", "budgets", "seeds", "margin", "looks", "points", "findings"):
+        if key not in doc:
+            raise ValueError(f"{path}: no {key!r}")
+    points = {name: dict(axes) for name, axes in doc["points"].items()}
+    findings = []
+    for f in doc["findings"]:
+        comparisons = []
+        for a, b, expect in f["comparisons"]:
+            for name in (a, b):
+                if name not in points:
+                    raise ValueError(f"{path}: finding {f['key']}: no point {name!r}; points: {', '.join(points)}")
+            if expect not in (">", "=", "?"):
+                raise ValueError(f"{path}: finding {f['key']}: expect {expect!r}; allowed: >, =, ?")
+            comparisons.append(Comparison(f"{a} vs {b}", points[a], points[b], expect))
+        findings.append(Finding(f["key"], f.get("claim", ""), tuple(comparisons)))
+    return Declaration(path, doc["study"], tuple(doc["sweeps"]), tuple(int(b) for b in doc["budgets"]),
+                       tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
+                       dict(doc.get("setting") or {}), points, tuple(findings))
+
+
+def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def provenance(decl: Declaration, runs: pd.DataFrame) -> str:
+    """One line: the commit that declared the study, whether it precedes every run's commit, and
+    each later change to the declaration."""
+    where = decl.path.resolve().parent
+    try:
+        log = _git(["log", "--format=%H %cI", "--follow", "--", decl.path.name], where)
+    except FileNotFoundError:
+        return "Declared: not checked (no git on this machine)."
+    history = [line.split() for line in log.stdout.splitlines() if line.strip()]
+    if log.returncode != 0 or not history:
+        return f"Declared: {decl.path.name} is not committed: the runs cannot be shown to come after it."
+    first, first_date = history[-1]
+    text = f"Declared in {first[:12]} ({first_date[:10]})"
+    commits = sorted({c for cell in runs.get("code_commits", pd.Series(dtype=str)).dropna()
+                      for c in str(cell).split(";") if c and c != "unrecorded"})
+    if commits:
+        after = [c for c in commits if _git(["merge-base", "--is-ancestor", first, c.split("-")[0]], where).returncode == 0]
+        late = sorted(set(commits) - set(after))
+        text += (f", before every run ({len(runs)} runs on {', '.join(commits)})" if not late else
+                 f"; NOT before the runs on {', '.join(late)}: those runs are not covered by the declaration")
+    else:
+        text += "; no runs yet"
+    amendments = [f"{c[:12]} ({d[:10]})" for c, d in history[:-1]]
+    if amendments:
+        text += f"; changed since in {', '.join(amendments)} (git log -p {decl.path.name})"
+    return text + "."
+
+
+def runs_of(decl: Declaration, results: str | Path) -> pd.DataFrame:
+    """The runs of the declared sweeps under ``results`` (an empty frame before any exists)."""
+    folders = [Path(results) / s for s in decl.sweeps if (Path(results) / s).exists()]
+    return load_runs(*folders) if folders else pd.DataFrame()
+
+
+def tables(decl: Declaration, runs: pd.DataFrame) -> tuple[Table, Table, Table]:
+    """``(verdicts, comparisons, budget change)``."""
+    note = provenance(decl, runs)
+    rule = (f"A − B in points of final test accuracy, its 95% interval unadjusted; paired t over the "
+            f"declared seeds ({', '.join(map(str, decl.seeds))}); p two-sided, Holm-adjusted within each "
+            f"finding at each budget, times the {decl.looks} look(s) taken (capped at 1); outside the noise: "
+            f"adjusted p < 0.05. An A = B claim agrees only when TOST shows equivalence within "
+            f"±{decl.margin:g} point (90% interval inside the margin), else it is 'not told apart'. A verdict "
+            f"that differs between the budgets ({', '.join(map(str, decl.budgets))} epochs) is budget-dependent.")
+    rows, verdict_rows = [], []
+    base_seeds = {"seed": list(decl.seeds), "experiment": list(decl.sweeps), **decl.setting}
+    empty = runs.empty
+    for finding in decl.findings:
+        by_budget = {}
+        for budget in decl.budgets:
+            base = {**base_seeds, "epochs_planned": budget}
+            measured = measure(runs if not empty else _no_runs(), finding, base, decl.margin, decl.looks)
+            by_budget[budget] = [m["outcome"] for m in measured]
+            for m in measured:
+                d, eq = m["d"], m["equivalence"]
+                rows.append({
+                    "finding": finding.key, "budget (epochs)": budget,
+                    "comparison (A vs B)": m["comparison"].label,
+                    "paper": {">": "A > B", "=": "A = B"}.get(m["comparison"].expect, "no claim"),
+                    "A: test accuracy (%)": _show(m["acc_a"], m["side_a"]),
+                    "B: test accuracy (%)": _show(m["acc_b"], m["side_b"]),
+                    "A − B (points)": _num(d.diff, signed=True),
+                    "95% interval (unadjusted)": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
+                    "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""),
+                    "p": _p(d.p), f"p (Holm, x{decl.looks} looks)": _p(m["p_holm"]),
+                    f"equivalence (TOST, ±{decl.margin:g} pt)": (
+                        "—" if eq is None else "not judged" if not eq.judged else
+                        f"p={_p(m['p_equivalent'])}, 90% [{eq.low:+.2f}, {eq.high:+.2f}]"),
+                    "outcome": m["outcome"],
+                })
+        claimed = any(c.expect != "?" for c in finding.comparisons)
+        each = {b: verdict(o, claimed) for b, o in by_budget.items()}
+        outcomes = list(zip(*by_budget.values()))
+        steady = all(len(set(o)) == 1 for o in outcomes)
+        overall = (each[decl.budgets[0]] if steady else
+                   "budget-dependent: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items()))
+        verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
+                             **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": overall})
+    title = f"{decl.study}: declared comparisons"
+    verdicts = pd.DataFrame(verdict_rows)
+    comparisons = pd.DataFrame(rows)
+    change = _budget_change(decl, runs)
+    return (Table("verdicts", f"{title}, verdicts", verdicts, verdicts, notes=[note, rule]),
+            Table("comparisons", f"{title}, every comparison", comparisons, comparisons, notes=[note, rule]),
+            Table("budget_change", f"{decl.study}: each point from {decl.budgets[0]} to {decl.budgets[-1]} epochs",
+                  change, change, notes=[note, "Test accuracy at the last budget minus the first, paired by seed "
+                                         "(paired t, 95% interval unadjusted, Holm over the points)."]))
+
+
+def _no_runs() -> pd.DataFrame:
+    """A frame with every column a side selects on and none of its rows: before any run exists."""
+    return pd.DataFrame(columns=list(dict.fromkeys([*COLUMNS_FIRST, *AXES, "test_accuracy", "stability"])))
+
+
+def _budget_change(decl: Declaration, runs: pd.DataFrame) -> pd.DataFrame:
+    from .findings import _side
+
+    first, last = decl.budgets[0], decl.budgets[-1]
+    source = runs if not runs.empty else _no_runs()
+    base = {"seed": list(decl.seeds), "experiment": list(decl.sweeps), **decl.setting}
+    measured = []
+    for name, axes in decl.points.items():
+        at = {b: _side(source, axes, {**base, "epochs_planned": b}) for b in (first, last)}
+        acc = {b: side_accuracy(side) for b, side in at.items()}
+        measured.append((name, at, acc, compare(acc[last], acc[first])))
+    adjusted = holm([d.p for *_, d in measured])
+    rows = []
+    for (name, at, acc, d), p_adj in zip(measured, adjusted, strict=True):
+        rows.append({"point": name, f"{first} epochs (%)": _show(acc[first], at[first]),
+                     f"{last} epochs (%)": _show(acc[last], at[last]),
+                     "change (points)": _num(d.diff, signed=True),
+                     "95% interval (unadjusted)": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
+                     "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""), "p": _p(d.p), "p (Holm)": _p(p_adj)})
+    return pd.DataFrame(rows)
+
+
+def write(decl_path: str | Path, results: str | Path, out: str | Path, echo=None) -> list[Path]:
+    """The declared study's three tables into ``out`` (Markdown, CSV, LaTeX)."""
+    decl = load(decl_path)
+    runs = runs_of(decl, results)
+    written: list[Path] = []
+    for table in tables(decl, runs):
+        written += write_table(table, out).values()
+        if echo is not None:
+            echo(table.to_markdown())
+    return written

@@ -1,0 +1,121 @@
+"""A study declared before its runs: its comparisons judged at each budget, budget-dependent
+verdicts, the equivalence test of an '=' claim, and the git check that the declaration came first."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from test_analysis import make_config, write_run
+
+from sparsetrain.analysis import declared
+from sparsetrain.analysis.stats import equivalence
+
+ROOT = Path(__file__).resolve().parent.parent
+DECLARATION = ROOT / "conf" / "declared" / "verdicts.yaml"
+POINTS = {"tuned_dense": ("none", "layerwise", 0.01), "tuned_topk_layerwise": ("topk", "layerwise", 0.01),
+          "tuned_topk_global": ("topk", "global", 0.01), "tuned_randk_layerwise": ("randk", "layerwise", 0.01),
+          "tuned_randk_global": ("randk", "global", 0.01), "tuned_blockk_layerwise": ("blockk", "layerwise", 0.01),
+          "tuned_blockk_global": ("blockk", "global", 0.01), "tuned_blockk_bytes": ("blockk", "layerwise", 0.01992)}
+# final test accuracy (%) by point and budget; seed s adds 0.3 s and a wobble so that t is defined
+ACC = {4: {"tuned_dense": 92.0, "tuned_topk_layerwise": 91.0, "tuned_topk_global": 88.0,
+           "tuned_randk_layerwise": 86.0, "tuned_randk_global": 85.9, "tuned_blockk_layerwise": 86.1,
+           "tuned_blockk_global": 80.0, "tuned_blockk_bytes": 86.5},
+       8: {"tuned_dense": 92.5, "tuned_topk_layerwise": 91.5, "tuned_topk_global": 91.45,
+           "tuned_randk_layerwise": 88.0, "tuned_randk_global": 87.9, "tuned_blockk_layerwise": 88.05,
+           "tuned_blockk_global": 84.0, "tuned_blockk_bytes": 88.5}}
+
+
+def _study(root: Path) -> Path:
+    for budget in (4, 8):
+        sweep = root / f"verdict_e{budget}"
+        for seed in range(5):
+            for i, (point, (scheme, scope, ratio)) in enumerate(POINTS.items()):
+                config = make_config(scheme=scheme, scope=scope, ratio=ratio, seed=seed, train__epochs=budget,
+                                     train__batch_size=64, scheme__uncompressed="1d")
+                run = write_run(sweep / f"{seed * 8 + i}", config, experiment=f"verdict_e{budget}")
+                summary = json.loads((run / "summary.json").read_text())
+                wobble = (0.05, -0.04, 0.02, -0.03, 0.01)[(seed + i) % 5]
+                summary["test_accuracy"] = (ACC[budget][point] + 0.3 * seed + wobble) / 100
+                (run / "summary.json").write_text(json.dumps(summary))
+    return root
+
+
+def test_the_committed_declaration_reads(tmp_path):
+    decl = declared.load(DECLARATION)
+    assert decl.budgets == (4, 8) and decl.seeds == (0, 1, 2, 3, 4) and decl.margin == 1.0
+    assert [f.key for f in decl.findings] == ["rq1_scope", "rq2_order", "rq2_random", "dense_cost"]
+    verdicts, comparisons, change = declared.tables(decl, pd.DataFrame())  # before any run: pending
+    assert verdicts.data["verdict"].str.startswith("pending").all()
+    assert len(comparisons.data) == 2 * 16 and len(change.data) == 8
+
+
+def test_declared_verdicts_per_budget_and_budget_dependence(tmp_path):
+    decl = declared.load(DECLARATION)
+    runs = declared.runs_of(decl, _study(tmp_path))
+    assert len(runs) == 80
+    verdicts, comparisons, change = declared.tables(decl, runs)
+    v = verdicts.data.set_index("finding")
+    # top-k's scope gap is 3 points at 4 epochs and 0.05 at 8: the verdict is budget-dependent
+    assert v.loc["rq1_scope", "verdict"].startswith("budget-dependent")
+    assert "4 epochs: reproduced; 8 epochs: partly" in v.loc["rq1_scope", "verdict"]
+    # random-k ~ block-k layer-wise within 0.1 point: equivalent within +-1 at both budgets
+    rows = comparisons.data
+    equal = rows[rows["comparison (A vs B)"] == "randk_layerwise vs blockk_layerwise"]
+    assert list(equal["outcome"]) == ["agrees", "agrees"]
+    assert all(cell.startswith("p=") for cell in equal["equivalence (TOST, ±1 pt)"])
+    assert v.loc["dense_cost", "verdict"].startswith("measured")
+    c = change.data.set_index("point")
+    assert c.loc["topk_global", "change (points)"] == "+3.45"
+    assert c.loc["dense", "test"] == "paired t (n=5)"
+
+
+def test_the_equivalence_test_is_two_one_sided_tests():
+    from scipy import stats
+
+    a = pd.Series([91.0, 91.4, 90.7, 91.2, 90.9], index=range(5))
+    b = pd.Series([90.8, 91.5, 90.3, 91.1, 91.0], index=range(5))
+    e = equivalence(a, b, margin=1.0)
+    d = (a - b).to_numpy()
+    # by hand: t statistics of the mean difference against -1 and +1, one-sided
+    n, mean, se = len(d), d.mean(), d.std(ddof=1) / len(d) ** 0.5
+    p_low = stats.t.sf((mean + 1.0) / se, n - 1)
+    p_high = stats.t.cdf((mean - 1.0) / se, n - 1)
+    assert e.p == pytest.approx(max(p_low, p_high), rel=1e-12)
+    half = stats.t.ppf(0.95, n - 1) * se
+    assert (e.low, e.high) == pytest.approx((mean - half, mean + half), rel=1e-12)
+    # a difference of about 2 points is not equivalent within 1, however tight
+    assert equivalence(a + 2, b, margin=1.0).p > 0.5
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_declaration_must_come_before_the_runs(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    _git(repo, "add", "code.py")
+    _git(repo, "commit", "-qm", "code")
+    early = _git(repo, "rev-parse", "HEAD")
+    path = repo / "verdicts.yaml"
+    path.write_text(DECLARATION.read_text())
+    _git(repo, "add", "verdicts.yaml")
+    _git(repo, "commit", "-qm", "declare")
+    late = _git(repo, "rev-parse", "HEAD")
+    decl = declared.load(path)
+    after = pd.DataFrame({"code_commits": [late[:12]] * 3})
+    text = declared.provenance(decl, after)
+    assert text.startswith(f"Declared in {late[:12]}") and "before every run (3 runs" in text
+    before = pd.DataFrame({"code_commits": [early[:12], late[:12]]})
+    assert f"NOT before the runs on {early[:12]}" in declared.provenance(decl, before)
+    path.write_text(path.read_text().replace("looks: 1", "looks: 2"))
+    _git(repo, "commit", "-qam", "a second look")
+    assert "changed since in" in declared.provenance(declared.load(path), after)
+    uncommitted = tmp_path / "loose.yaml"
+    uncommitted.write_text(DECLARATION.read_text())
+    assert "not committed" in declared.provenance(declared.load(uncommitted), after)
