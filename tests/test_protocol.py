@@ -176,3 +176,18 @@ def test_the_optuna_search_needs_a_validation_split(tmp_path):
     proc = run_cli("-m", "experiment=tune_tpe", *TINY, "world_size=1", "train.max_steps=2",
                    "data.val_size=0", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={tmp_path / 's'}")
     assert "data.val_size=0 is not allowed with the Optuna sweeper" in proc.stderr
+
+
+def test_time_to_accuracy_reads_validation_where_a_run_held_a_split(tmp_path):
+    import json
+
+    from sparsetrain.analysis.time_to_accuracy import accuracy_curve
+
+    with_split, without = tmp_path / "a", tmp_path / "b"
+    for run, val in ((with_split, True), (without, False)):
+        run.mkdir()
+        records = [{"kind": "epoch", "step": 10 * e, "test_accuracy": 0.5 + 0.1 * e, "test_loss": 1.0 / e,
+                    **({"val_accuracy": 0.4 + 0.1 * e, "val_loss": 1.1 / e} if val else {})} for e in (1, 2)]
+        (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert accuracy_curve(with_split) == [(10.0, 0.5), (20.0, pytest.approx(0.6))]
+    assert accuracy_curve(without) == [(10.0, 0.6), (20.0, pytest.approx(0.7))]

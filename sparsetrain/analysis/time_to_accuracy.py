@@ -1,5 +1,6 @@
 """Time to accuracy: a run's measured compute, the exchange the alpha-beta model predicts for a
-chosen bandwidth and worker count, and the run's own test-accuracy curve.
+chosen bandwidth and worker count, and the run's own accuracy curve (validation where the run held a
+split, ``data.val_size``; test for runs from before it).
 
 For each completed run that trained (runs that did not are listed, never ranked):
 
@@ -10,7 +11,7 @@ For each completed run that trained (runs that did not are listed, never ranked)
   decompress grows with the workers (one payload each: ``decompress x workers / run's workers``,
   as ``costmodel.CostModel.step_ms`` models it). Warm-up steps (``scheme.warmup_steps``) are
   predicted as dense steps: compute + an AllReduce of the whole buffer.
-- **steps to target**: the first step where the test accuracy reaches the target, linearly
+- **steps to target**: the first step where the accuracy (validation, else test) reaches the target, linearly
   interpolated between consecutive evaluations (the epoch records of ``metrics.jsonl``; a record
   that repeats the previous evaluation, written at an epoch without one, is skipped). A run
   whose last evaluation is below the target has not reached it: "not reached", never
@@ -89,21 +90,25 @@ def fitted_model(path: str | Path) -> ExchangeModel:
 
 
 def accuracy_curve(run_dir: str | Path) -> list[tuple[float, float]]:
-    """``(step, test_accuracy)`` of each evaluation in the run's ``metrics.jsonl``, in order.
-    Epoch records of epochs without an evaluation repeat the last one (same accuracy and loss):
-    they are skipped so that interpolation runs between real evaluations."""
+    """``(step, accuracy)`` of each evaluation in the run's ``metrics.jsonl``, in order: the
+    validation accuracy where the run held a validation split (a target is a choice: it reads
+    validation), else the test accuracy (runs before the split existed). Epoch records of epochs
+    without an evaluation repeat the last one (same accuracy and loss): they are skipped so that
+    interpolation runs between real evaluations."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
+    records = [r for r in _read_metrics(path) if r.get("kind") == "epoch" and r.get("step") is not None]
+    split = "val" if any(r.get("val_accuracy") is not None for r in records) else "test"
     curve, last = [], None
-    for record in _read_metrics(path):
-        if record.get("kind") != "epoch" or record.get("test_accuracy") is None or record.get("step") is None:
+    for record in records:
+        if record.get(f"{split}_accuracy") is None:
             continue
-        key = (record["test_accuracy"], record.get("test_loss"))
+        key = (record[f"{split}_accuracy"], record.get(f"{split}_loss"))
         if key == last:
             continue
         last = key
-        curve.append((float(record["step"]), float(record["test_accuracy"])))
+        curve.append((float(record["step"]), float(record[f"{split}_accuracy"])))
     return curve
 
 
@@ -230,7 +235,8 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     model = model or default_model()
     done = completed(runs)
     missing = not_completed(runs).reset_index(drop=True)
-    title = f"Time to {target * 100:g}% test accuracy: measured compute + predicted exchange"
+    split = "validation" if "val_accuracy" in runs and runs["val_accuracy"].notna().all() else "test"
+    title = f"Time to {target * 100:g}% {split} accuracy: measured compute + predicted exchange"
     notes = [
         f"Exchange: {model.source}.",
         ("Predicted step = the median measured data + forward + backward + optimizer of all runs of the "
