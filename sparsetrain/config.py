@@ -138,6 +138,12 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this many steps (short runs, smoke tests)
     batch_size: int = 128  # per worker
     eval_every: int = 1  # epochs
+    # Accuracy-curve points per epoch (1: none beyond the epoch-end evaluations): the first
+    # train.curve_size validation images scored at N evenly spaced steps of every epoch, the last
+    # at its end, for time to accuracy (metrics.jsonl "curve" records; their time is left out of
+    # the run's training time and reported apart)
+    curve_points: int = 1
+    curve_size: int | None = 2000  # validation images each curve point scores (None: the whole split)
     log_every: int = 10  # steps
     device: str = "auto"  # auto | cpu | cuda
     threads: int | None = None  # torch threads per rank (None: cores / local ranks)
@@ -298,6 +304,8 @@ HELP = {
     "train.max_steps": "stop after N steps (null: no cap); raising it resumes a capped run further",
     "train.batch_size": "examples per rank per step",
     "train.eval_every": "evaluate on the test set every N epochs, and at the end",
+    "train.curve_points": "accuracy-curve points per epoch (needs data.val_size): the validation subset scored at N evenly spaced steps, for time to accuracy (1: none)",
+    "train.curve_size": "validation images each curve point scores, the first N of the split (null: all)",
     "train.log_every": "log a step record every N steps; stop signals and divergence are checked then",
     "train.device": "auto, cpu or cuda (one GPU per rank)",
     "train.threads": "torch threads per rank (null: cores / local ranks)",
@@ -610,6 +618,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         "train.epochs": cfg.train.epochs,
         "train.log_every": cfg.train.log_every,
         "train.eval_every": cfg.train.eval_every,
+        "train.curve_points": cfg.train.get("curve_points", 1),
         "optim.lr": cfg.optim.lr,
         "dist.timeout_s": cfg.dist.timeout_s,
     }
@@ -641,6 +650,12 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         if value < 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be >= 0")
     _check_ddp(cfg)
+    if cfg.train.get("curve_points", 1) > 1 and not cfg.data.get("val_size"):
+        raise ConfigError(f"train.curve_points={cfg.train.curve_points} is not allowed with data.val_size=0: "
+                          "curve points score the validation split; hold some out, e.g. data.val_size=5000")
+    curve_size = cfg.train.get("curve_size")
+    if curve_size is not None and curve_size < 1:
+        raise ConfigError(f"train.curve_size={curve_size} is not allowed; it must be >= 1, or null (the whole split)")
     try:
         parse_uncompressed(cfg.scheme.uncompressed)
     except ValueError as exc:

@@ -191,3 +191,27 @@ def test_time_to_accuracy_reads_validation_where_a_run_held_a_split(tmp_path):
         (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
     assert accuracy_curve(with_split) == [(10.0, 0.5), (20.0, pytest.approx(0.6))]
     assert accuracy_curve(without) == [(10.0, 0.6), (20.0, pytest.approx(0.7))]
+
+
+def test_curve_points_score_the_validation_subset_several_times_an_epoch(tmp_path):
+    from sparsetrain.analysis.time_to_accuracy import accuracy_curve
+
+    run = tmp_path / "run"
+    proc = run_cli(*TINY, "world_size=2", "data.val_size=64", "train.epochs=2", "train.curve_points=3",
+                   "train.curve_size=32", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    per_epoch = s["steps"] // 2
+    curve = [r for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "curve"]
+    expected = sorted({round(j * per_epoch / 3) for j in (1, 2, 3)})
+    assert [r["step"] for r in curve] == expected + [per_epoch + e for e in expected]
+    assert all(r["size"] == 32 and r["eval_ms"] > 0 for r in curve)
+    assert s["curve_s"] > 0 and 0 < s["curve_share"] < 1
+    assert accuracy_curve(run) == [(float(r["step"]), r["accuracy"]) for r in curve]
+    # scoring the curve changes nothing in training
+    plain = tmp_path / "plain"
+    assert run_cli(*TINY, "world_size=2", "data.val_size=64", "train.epochs=2", f"hydra.run.dir={plain}").returncode == 0
+    p = read_json(plain / "summary.json")
+    assert (p["train_loss"], p["train_loss_final"], p["val_accuracy"]) == (s["train_loss"], s["train_loss_final"], s["val_accuracy"])
+    refused = run_cli(*TINY, "train.curve_points=3", f"hydra.run.dir={tmp_path / 'no'}")
+    assert "train.curve_points=3 is not allowed with data.val_size=0" in refused.stderr

@@ -90,15 +90,22 @@ def fitted_model(path: str | Path) -> ExchangeModel:
 
 
 def accuracy_curve(run_dir: str | Path) -> list[tuple[float, float]]:
-    """``(step, accuracy)`` of each evaluation in the run's ``metrics.jsonl``, in order: the
-    validation accuracy where the run held a validation split (a target is a choice: it reads
+    """``(step, accuracy)`` of each evaluation in the run's ``metrics.jsonl``, in order: its
+    ``curve`` records where it has them (``train.curve_points``: a fixed validation subset
+    scored several times an epoch), else its epoch records' validation accuracy where the run
+    held a validation split (a target is a choice: it reads
     validation), else the test accuracy (runs before the split existed). Epoch records of epochs
     without an evaluation repeat the last one (same accuracy and loss): they are skipped so that
     interpolation runs between real evaluations."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    records = [r for r in _read_metrics(path) if r.get("kind") == "epoch" and r.get("step") is not None]
+    records = list(_read_metrics(path))
+    points = [(float(r["step"]), float(r["accuracy"])) for r in records
+              if r.get("kind") == "curve" and r.get("accuracy") is not None]
+    if points:  # train.curve_points: the validation subset several times an epoch
+        return points
+    records = [r for r in records if r.get("kind") == "epoch" and r.get("step") is not None]
     split = "val" if any(r.get("val_accuracy") is not None for r in records) else "test"
     curve, last = [], None
     for record in records:

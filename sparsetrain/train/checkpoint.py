@@ -34,6 +34,8 @@ NOT_DEFINING = (
     "train.max_steps",  # a cap: resuming with a higher (or no) cap trains on
     "train.log_every",
     "train.eval_every",
+    "train.curve_points",  # evaluation only: the training steps are the same
+    "train.curve_size",
     "train.progress",
     "train.device",
     "train.threads",

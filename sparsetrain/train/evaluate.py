@@ -78,6 +78,19 @@ class Evaluator:
         self.model.train()
         return out
 
+    def curve_point(self, size: int | None) -> dict[str, float]:
+        """Rank 0's model on the first ``size`` validation images (all: None), sharded, running
+        batch-norm statistics as they are: one point of the accuracy curve, cheap enough to take
+        several times an epoch."""
+        if self.world_size > 1:
+            for buf in self.model.buffers():
+                dist.broadcast(buf, src=0)
+        self.model.eval()
+        n = len(self.data.val_y) if size is None else min(size, len(self.data.val_y))
+        out = self._score("val", self.data.val_x[:n], self.data.val_y[:n])
+        self.model.train()
+        return {"accuracy": out["val_accuracy"], "loss": out["val_loss"], "size": n}
+
     def _score(self, name: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
         x, y = x[self.rank :: self.world_size], y[self.rank :: self.world_size]

@@ -146,12 +146,13 @@ class RunRecord:
         self.writer.finish("failed", error=one_line_error(exc), **self._summary_fields(step, elapsed_s))
         self.tracker.finish(self.writer.summary, failed=True)
 
-    def complete(self, model: torch.nn.Module, step: int, elapsed_s: float) -> dict:
+    def complete(self, model: torch.nn.Module, step: int, elapsed_s: float, curve_s: float = 0.0) -> dict:
         """``model.pt`` if asked for, ``summary.json`` completed; the checkpoint goes (a finished
         run needs no resume point). Returns the summary (rank 0's; empty on other ranks)."""
         if self.cfg.train.save_model and self.info.is_main:
             torch.save(model.state_dict(), self.run_dir / "model.pt")
-        self.writer.finish("completed", **self._summary_fields(step, elapsed_s, reduce=True))
+        self.writer.finish("completed", **self._summary_fields(step, elapsed_s, reduce=True),
+                           curve_s=curve_s, curve_share=curve_s / (elapsed_s + curve_s) if elapsed_s + curve_s else None)
         self.tracker.finish(self.writer.summary)
         if self.info.is_main and self.checkpoint_path.exists():
             self.checkpoint_path.unlink()
@@ -197,6 +198,12 @@ class RunRecord:
                 f"epoch {epoch:.3g} | step {step} | train_loss {train_loss:.4f} | {val}test_acc {acc:.4f} | "
                 f"{self.parts.timer.means().get('step', float('nan')):.1f} ms/step",
             )
+
+    def log_curve(self, step: int, epoch: float, point: dict, seconds: float) -> None:
+        """One accuracy-curve point (``train.curve_points``): the validation subset's accuracy and
+        loss at ``step``, and how long scoring it took."""
+        self._emit({"kind": "curve", "step": step, "epoch": epoch, "split": "val", "size": point["size"],
+                    "accuracy": point["accuracy"], "loss": point["loss"], "eval_ms": 1e3 * seconds}, step)
 
     def _emit(self, record: dict, step: int) -> None:
         self.writer.log(record)

@@ -50,7 +50,12 @@ class Trainer:
         self.step = 0
         self.epoch = 0  # epochs completed
         self.batch_in_epoch = 0
-        self.elapsed_s = 0.0
+        self.elapsed_s = 0.0  # training time: curve points excluded
+        self.curve_s = 0.0  # time spent scoring curve points (train.curve_points)
+        points = cfg.train.get("curve_points", 1)
+        # the steps within an epoch (1-based batch counts) that end with a curve point
+        self.curve_at = ({round(j * len(self.loader) / points) for j in range(1, points + 1)} - {0}
+                         if points > 1 else set())
         # "did not train" reads the loss of the run's last tenth of an epoch (FINAL_WINDOW)
         self.tally = Tally(info.world_size, device, math.ceil(cfg.optim.warmup_epochs * len(self.loader)),
                            window=math.ceil(FINAL_WINDOW * len(self.loader)))
@@ -70,6 +75,7 @@ class Trainer:
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
             "elapsed_s": self.elapsed_s,
+            "curve_s": self.curve_s,
             **self.tally.state_dict(),
             **self.record.state_dict(),
             "timer": self.timer.state_dict(),
@@ -84,6 +90,7 @@ class Trainer:
         self.epoch = state["epoch"]
         self.batch_in_epoch = state["batch_in_epoch"]
         self.elapsed_s = state["elapsed_s"]
+        self.curve_s = state.get("curve_s", 0.0)
         self.tally.load_state_dict(state)
         self.record.load_state_dict(state)
         self.timer.load_state_dict(state["timer"])
@@ -121,7 +128,7 @@ class Trainer:
             if signals is not None:
                 signals.restore()
             self.record.stop_heartbeat()
-        return self.record.complete(self.model, self.step, self.elapsed_s)
+        return self.record.complete(self.model, self.step, self.elapsed_s, self.curve_s)
 
     def train_step(self, batches) -> Any:
         result = self.run_step(batches, self.step)
@@ -141,6 +148,8 @@ class Trainer:
                 self.batch_in_epoch += 1
                 if bar is not None:
                     bar.update(1)
+                if self.batch_in_epoch in self.curve_at:
+                    t0 += self._curve_point()  # its time is not training time
                 if logged_step(self.step, cfg.train.log_every):  # the reducer's stats steps too
                     self.tally.note_logged(result.stats)
                     self.record.log_step(self.step, result.loss, result.stats, result.lr)
@@ -177,6 +186,15 @@ class Trainer:
             self.record.last_eval = self.evaluator.evaluate(self.epoch)
         self.record.log_epoch(self.epoch if full else self.step / len(self.loader), self.step,
                               train_loss, train_accuracy, self.elapsed_s)
+
+    def _curve_point(self) -> float:
+        """Score the validation subset now (a ``curve`` record); returns the seconds it took."""
+        start = time.perf_counter()
+        point = self.evaluator.curve_point(self.cfg.train.get("curve_size"))
+        took = time.perf_counter() - start
+        self.curve_s += took
+        self.record.log_curve(self.step, self.step / len(self.loader), point, took)
+        return took
 
     def _hit_max_steps(self) -> bool:
         return self.cfg.train.max_steps is not None and self.step >= self.cfg.train.max_steps
