@@ -113,13 +113,18 @@ def test_shared_compute_is_the_median_of_the_same_work_and_break_even_names_the_
     even = break_even_table(table)
     rows = even.data.set_index("bandwidth_gbit")
     # at 0.01 Gbit/s dense SGD's 1 MB AllReduce takes seconds: top-k wins; elsewhere the numbers say
+    per_seed = table.frames["per_seed"].set_index(["scheme", "bandwidth_gbit", "seed"])["time_to_target_s"]
     for gbit in (0.01, 100):
         dense_s = data.loc[("dense", gbit), "time_to_target_s_mean"]
         topk_s = data.loc[("topk", gbit), "time_to_target_s_mean"]
-        assert rows.loc[gbit, "speedup"] == pytest.approx(dense_s / topk_s)
+        # on matched seeds: the geometric mean of each seed's dense / top-k time
+        ratios = [per_seed[("dense", gbit, s)] / per_seed[("topk", gbit, s)] for s in (0, 1)]
+        assert rows.loc[gbit, "speedup"] == pytest.approx(math.exp(sum(map(math.log, ratios)) / 2), rel=1e-12)
+        assert rows.loc[gbit, "matched_seeds"] == 2
+        assert rows.loc[gbit, "speedup_low"] <= rows.loc[gbit, "speedup"] <= rows.loc[gbit, "speedup_high"]
         assert rows.loc[gbit, "fastest"] == ("top-k" if topk_s < dense_s else "dense SGD")
     assert rows.loc[0.01, "speedup"] > 1
-    assert even.display["speed-up"].iloc[0].endswith("x")
+    assert "x" in even.display["speed-up (matched seeds)"].iloc[0] and "(n=2)" in even.display["speed-up (matched seeds)"].iloc[0]
     # a configuration with a seed that never reached the target does not compete
     never = break_even_table(tta.time_to_accuracy_table(runs, 0.99, [1], [8], model))
     assert never.display["fastest"].iloc[0] == "none reached" and math.isnan(never.data["speedup"].iloc[0])
@@ -285,3 +290,32 @@ def test_cluster_check_command(tmp_path, capsys):
     assert cluster_check.main([str(tmp_path)]) == 0
     assert "16/16 within 20%" in capsys.readouterr().out
     assert cluster_check.main([str(tmp_path), "--tolerance", "0.05"]) == 1  # the skew gap is 1-9%
+
+
+def test_speed_up_pairs_matched_seeds_and_a_ranking_holds_only_at_every_target():
+    import pandas as pd
+
+    from sparsetrain.analysis.break_even import matched_speedup, targets_table
+    from sparsetrain.analysis.table import Table
+
+    keys = ["scheme", "bandwidth_gbit", "workers"]
+    rows = [{"scheme": "dense", "bandwidth_gbit": 1.0, "workers": 8, "seed": s, "time_to_target_s": t, "reached": 1.0}
+            for s, t in zip(range(3), (10.0, 12.0, 11.0))]
+    rows += [{"scheme": "signsgd", "bandwidth_gbit": 1.0, "workers": 8, "seed": s, "time_to_target_s": t, "reached": 1.0}
+             for s, t in zip(range(5), (9.0, 11.0, 10.5, 1.0, 1.0))]  # seeds 3-4: lucky, unmatched
+    per_seed = pd.DataFrame(rows)
+    dense, sign = per_seed.iloc[0], per_seed.iloc[3]
+    speedup, low, high, n = matched_speedup(per_seed, keys, dense, sign)
+    assert n == 3  # seeds 3-4 of signSGD have no dense partner and do not count
+    assert speedup == pytest.approx(math.exp(sum(math.log(a / b) for a, b in ((10, 9), (12, 11), (11, 10.5))) / 3))
+    assert low < speedup < high
+    # three targets: the same fastest and verdict at each is a ranking; otherwise the target decides
+    def even(fastest, does):
+        data = pd.DataFrame([{"bandwidth_gbit": 1.0, "workers": 8, "fastest": fastest, "compression": does,
+                              "speedup": 1.1, "best_compressed": "signSGD"}])
+        return Table("break_even", "Break-even map: time to 85% validation accuracy", data, data)
+    same = targets_table({0.84: even("signSGD", "pays"), 0.85: even("signSGD", "pays"), 0.86: even("signSGD", "pays")})
+    assert bool(same.data["holds"].iloc[0]) and same.display["ranking"].iloc[0].startswith("holds: signSGD")
+    split = targets_table({0.84: even("PowerSGD", "pays"), 0.85: even("fp16", "costs"), 0.86: even("fp16", "costs")})
+    assert not split.data["holds"].iloc[0] and split.display["ranking"].iloc[0] == "decided by the target"
+    assert "84%/85%/86%" in split.title

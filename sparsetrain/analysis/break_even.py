@@ -10,18 +10,27 @@ competes only where **every** seed reached the target (one seed that did not is 
 that does not reliably get there); its time is the mean over its seeds.
 
 Speed-up = best dense baseline's time / best compressed configuration's time: above 1
-compression pays at that bandwidth and worker count, below 1 it costs. No torch.
+compression pays at that bandwidth and worker count, below 1 it costs. It is computed on
+**matched seeds** only (the seeds both configurations ran and reached the target with): the
+geometric mean of the per-seed ratios, with a 95 % t interval on their logarithms. A ratio of
+means over different seeds would mix seed luck into it.
+
+With several targets (``targets_table``), a ranking is called only where it holds at all of them:
+the same fastest configuration, and compression paying (interval above 1), costing (below 1) or
+not told apart at each target; otherwise the table says which target decides it. No torch.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
 
 from .figures import _empty, _label, _new_figure, style
 from .group import _display_axis
+from .stats import ALPHA
 from .table import LABELS, Table
 
 #: the schemes that send every entry (16-bit or 32-bit): the baselines compression must beat
@@ -38,15 +47,52 @@ def _name(row: pd.Series, axes: list[str]) -> str:
                      for a in axes if row[a] != "-")
 
 
+def matched_speedup(per_seed: pd.DataFrame, keys: list[str], dense: pd.Series,
+                    compressed: pd.Series) -> tuple[float, float, float, int]:
+    """``(speed-up, low, high, seeds)``: the geometric mean over the seeds both configurations
+    reached the target with of dense's time / compressed's time, and its 95 % t interval (NaN
+    with fewer than two such seeds; all NaN with none)."""
+    from scipy import stats
+
+    def times(config: pd.Series) -> pd.Series:
+        mask = (per_seed[keys] == config[keys]).all(axis=1) & (per_seed["reached"] > 0)
+        rows = per_seed[mask]
+        return pd.Series(rows["time_to_target_s"].to_numpy(dtype=float), index=rows["seed"].to_numpy())
+
+    a, b = times(dense), times(compressed)
+    shared = sorted(set(a.index) & set(b.index))
+    if not shared:
+        return math.nan, math.nan, math.nan, 0
+    logs = np.log(a.loc[shared].to_numpy() / b.loc[shared].to_numpy())
+    centre = float(np.exp(logs.mean()))
+    if len(logs) < 2 or np.allclose(logs, logs[0]):
+        spread = 0.0 if len(logs) >= 2 else math.nan
+        return centre, centre if spread == 0.0 else math.nan, centre if spread == 0.0 else math.nan, len(shared)
+    half = stats.t.ppf(1 - ALPHA / 2, len(logs) - 1) * logs.std(ddof=1) / math.sqrt(len(logs))
+    return centre, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), len(shared)
+
+
+def _verdict(speedup: float, low: float, high: float) -> str:
+    if math.isnan(speedup):
+        return "no pair"
+    if math.isnan(low):
+        return "one seed: not judged"
+    return "pays" if low > 1 else "costs" if high < 1 else "not told apart"
+
+
 def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -> Table:
     """One row per (bandwidth, workers) of a time-to-accuracy table: the fastest configuration,
     the best dense baseline and the best compressed configuration with their mean times to the
-    target, and the speed-up of the second over the first."""
+    target, and the speed-up of the second over the first on matched seeds, with its interval."""
     title = tta.title.replace("Time to", "Break-even map: time to", 1)
     notes = ["Speed-up = best dense baseline's time / best compressed configuration's time (> 1: "
-             "compression pays). Dense baselines: " + ", ".join(_display_axis("scheme", s) for s in baselines)
-             + ". A configuration competes only where every seed reached the target (mean over its seeds).",
+             "compression pays), on matched seeds: the geometric mean of the per-seed ratios over the "
+             "seeds both reached the target with, and its 95% t interval on their logarithms; pays / costs: "
+             "the interval above / below 1. Dense baselines: " + ", ".join(_display_axis("scheme", s) for s in baselines)
+             + ". A configuration competes only where every seed reached the target; the best of each "
+             "kind is the one with the lowest mean time over its seeds.",
              *tta.notes]
+    per_seed, keys = tta.frames.get("per_seed"), tta.frames.get("keys")
     data = tta.data
     if data.empty:
         return Table("break_even", title, pd.DataFrame(), pd.DataFrame(), tta.missing, notes)
@@ -64,20 +110,79 @@ def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -
             else:
                 row = part.loc[part["time_to_target_s_mean"].idxmin()]
                 best[key] = (_name(row, axes), float(row["time_to_target_s_mean"]))
-        speedup = best["dense"][1] / best["compressed"][1]
+        speedup = low = high = math.nan
+        seeds = 0
+        if per_seed is not None and not dense.empty and not compressed.empty:
+            speedup, low, high, seeds = matched_speedup(
+                per_seed, keys, dense.loc[dense["time_to_target_s_mean"].idxmin()],
+                compressed.loc[compressed["time_to_target_s_mean"].idxmin()])
+        elif per_seed is None:  # a table built without its per-seed rows: the ratio of means
+            speedup = best["dense"][1] / best["compressed"][1]
         rows.append({"bandwidth_gbit": float(gbit), "workers": int(workers),
                      "fastest": best["fastest"][0], "fastest_s": best["fastest"][1],
                      "best_dense": best["dense"][0], "best_dense_s": best["dense"][1],
                      "best_compressed": best["compressed"][0], "best_compressed_s": best["compressed"][1],
-                     "speedup": speedup, "configurations": len(cell), "competing": len(cell_ok)})
+                     "speedup": speedup, "speedup_low": low, "speedup_high": high, "matched_seeds": seeds,
+                     "compression": _verdict(speedup, low, high),
+                     "configurations": len(cell), "competing": len(cell_ok)})
+        shown = "—" if math.isnan(speedup) else f"{speedup:.2f}x" + (
+            f" [{low:.2f}, {high:.2f}]" if not math.isnan(low) else "") + f" (n={seeds})"
         display.append({
             "bandwidth (Gbit/s)": f"{gbit:g}", LABELS.get("workers", "workers"): int(workers),
             "fastest": best["fastest"][0] or "none reached",
             "best dense baseline (s)": _with_time(*best["dense"]),
             "best compressed (s)": _with_time(*best["compressed"]),
-            "speed-up": "—" if math.isnan(speedup) else f"{speedup:.2f}x",
+            "speed-up (matched seeds)": shown,
+            "compression": _verdict(speedup, low, high),
         })
     return Table("break_even", title, pd.DataFrame(display), pd.DataFrame(rows), tta.missing, notes)
+
+
+def targets_table(evens: dict[float, Table]) -> Table:
+    """Break-even maps at several targets side by side: per (bandwidth, workers), the fastest
+    configuration and what compression does at each target, and the ranking where it holds at
+    every target (else the target that decides it)."""
+    targets = sorted(evens)
+    names = [f"{100 * t:g}%" for t in targets]
+    first = evens[targets[0]]
+    title = re.sub(r"\d+(\.\d+)?%", "/".join(names), first.title, count=1) + \
+        ": a ranking only where it holds at every target"
+    notes = [f"Each target's own map: {', '.join(f'break_even_{round(100 * t)}.md' for t in targets)}. A ranking is called where the fastest "
+             "configuration and what compression does (pays / costs / not told apart, on matched seeds) are "
+             "the same at every target; otherwise the targets are listed.", *first.notes]
+    data = pd.concat([evens[t].data.assign(target=t) for t in targets], ignore_index=True) \
+        if any(not evens[t].data.empty for t in targets) else pd.DataFrame()
+    if data.empty:
+        return Table("break_even", title, pd.DataFrame(), pd.DataFrame(), first.missing, notes)
+    rows, display = [], []
+    for (gbit, workers), cell in data.groupby(["bandwidth_gbit", "workers"], sort=True):
+        cell = cell.set_index("target").reindex(targets)
+        fastest, does = list(cell["fastest"]), list(cell["compression"])
+        holds = len(set(map(str, fastest))) == 1 and len(set(does)) == 1
+        entry = {"bandwidth (Gbit/s)": f"{gbit:g}", LABELS.get("workers", "workers"): int(workers)}
+        for t, name in zip(targets, names, strict=True):
+            row = cell.loc[t]
+            sp = row["speedup"]
+            entry[f"{name}: fastest; best compressed"] = (
+                f"{_short(row['fastest'])}; " + ("—" if pd.isna(sp) else
+                f"{_short(row['best_compressed'])} {sp:.2f}x, {row['compression']}"))
+        entry["ranking"] = (f"holds: {_short(fastest[0])} fastest, compression {does[0]}" if holds
+                            else "decided by the target")
+        rows.append({"bandwidth_gbit": float(gbit), "workers": int(workers), "holds": holds,
+                     **{f"fastest_{round(100 * t)}": f for t, f in zip(targets, fastest, strict=True)},
+                     **{f"compression_{round(100 * t)}": d for t, d in zip(targets, does, strict=True)}})
+        display.append(entry)
+    return Table("break_even", title, pd.DataFrame(display), pd.DataFrame(rows), first.missing, notes)
+
+
+def _short(name) -> str:
+    """A configuration's name as the summary shows it: its scheme, and its ratio where it sends
+    part of the entries (the full names are in each target's own map)."""
+    if not isinstance(name, str) or not name:
+        return "none reached"
+    parts = re.split(r", (?![^()]*\))", name)  # commas inside a scheme's parentheses stay
+    ratio = [p for p in parts[1:] if p.startswith("ratio=") and p != "ratio=1.0"]
+    return ", ".join([parts[0], *ratio])
 
 
 def _with_time(name: str | None, seconds: float) -> str:
@@ -117,4 +222,4 @@ def plot_break_even(table: Table) -> object:
         return fig
 
 
-__all__ = ["DENSE_BASELINES", "break_even_table", "plot_break_even"]
+__all__ = ["DENSE_BASELINES", "break_even_table", "matched_speedup", "plot_break_even", "targets_table"]

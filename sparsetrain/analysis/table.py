@@ -72,6 +72,8 @@ class Table:
     data: pd.DataFrame
     missing: pd.DataFrame = field(default_factory=pd.DataFrame)
     notes: list[str] = field(default_factory=list)
+    # further tidy frames that later tables build on (time to accuracy: its per-seed rows)
+    frames: dict = field(default_factory=dict)
 
     def missing_lines(self) -> list[str]:
         lines = []

@@ -294,7 +294,8 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
         entry["time to target (s)"] = _mean_std(hit["time_to_target_s"], ".3g")
         entry["reached"] = f"{int(row['reached'])}/{int(row['n'])}"
         display.append(entry)
-    return Table("time_to_accuracy", title, pd.DataFrame(display), data_out, missing, notes)
+    return Table("time_to_accuracy", title, pd.DataFrame(display), data_out, missing, notes,
+                 frames={"per_seed": per_seed, "keys": keys})
 
 
 def plot_time_to_accuracy(table: Table) -> object:
