@@ -579,7 +579,7 @@ def help_text() -> str:
     lines += [
         "",
         "Folders: hydra.run.dir=... (a run), hydra.sweep.dir=... (a sweep); rerunning into a folder",
-        "resumes what was interrupted and skips what completed. More: README.md, conf/config.yaml;",
+        "resumes what was interrupted and skips what completed. More: docs/running.md, conf/config.yaml;",
         "Hydra's own options: --hydra-help; the composed config: --cfg job.",
     ]
     return "\n".join(lines)

@@ -125,10 +125,10 @@ def test_hydra_plugins_is_declared_as_a_package():
 
 
 def _declared_layers() -> list[list[str]]:
-    """The layers README.md's architecture block declares, top (imports nothing of ours) first:
+    """The layers docs/architecture.md's block declares, top (imports nothing of ours) first:
     each line ``sparsetrain/<name>`` (``, <name>`` for more on the line) is one layer."""
-    text = (ROOT / "README.md").read_text()
-    block = text[text.index("## Architecture"):]
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text[text.index("# Architecture"):]
     block = block[block.index("```") + 3:]
     block = block[: block.index("```")]
     layers = []
@@ -143,9 +143,10 @@ def _declared_layers() -> list[list[str]]:
     return layers
 
 
-def test_imports_point_one_way_as_the_readme_declares():
-    """Every import, module level or inside a function, goes to a layer README.md lists above the
-    importer (or to the importer's own layer, without a cycle); every module belongs to a layer."""
+def test_imports_point_one_way_as_the_architecture_page_declares():
+    """Every import, module level or inside a function, goes to a layer docs/architecture.md lists
+    above the importer (or to the importer's own layer, without a cycle); every module belongs to
+    a layer."""
     mods = _modules()
     layers = _declared_layers()
     assert len(layers) >= 10, layers
@@ -157,14 +158,14 @@ def test_imports_point_one_way_as_the_readme_declares():
         return -1
 
     unplaced = [m for m in mods if m != "sparsetrain" and layer_of(m) < 0]
-    assert not unplaced, f"modules in no layer of README.md's architecture: {unplaced}"
+    assert not unplaced, f"modules in no layer of docs/architecture.md: {unplaced}"
     upward, graph = [], {}
     for name, path in mods.items():
         graph[name] = _imports(name, path, mods, anywhere=True)
         for target in graph[name]:
             if target != "sparsetrain" and layer_of(target) > layer_of(name):
                 upward.append(f"{name} -> {target}")
-    assert not upward, "imports against README.md's layering: " + "; ".join(sorted(upward))
+    assert not upward, "imports against docs/architecture.md's layering: " + "; ".join(sorted(upward))
     state: dict[str, int] = {}
 
     def visit(m: str, stack: list[str]) -> None:

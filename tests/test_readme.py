@@ -1,4 +1,5 @@
-"""The README's code must run as written."""
+"""The documentation's code must run as written: the core library's snippet (docs/library.md,
+moved there from README.md) and the DDP hook's (docs/ddp.md)."""
 
 import os
 import re
@@ -8,11 +9,15 @@ import sys
 
 from conftest import ROOT
 
+DOCS = ("README.md", "docs/library.md", "docs/ddp.md")
+
 
 def _blocks():
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "no python block in README.md"
+    blocks = []
+    for name in DOCS:
+        found = re.findall(r"```python\n(.*?)```", (ROOT / name).read_text(), flags=re.S)
+        assert found or name == "README.md", f"no python block in {name}"
+        blocks += found
     return blocks
 
 

@@ -2,7 +2,7 @@
 methods, other ranks' calls do nothing but take part in the collectives).
 
 - ``summary.json``: ``running`` from ``start``, then ``completed`` or ``failed`` with the fields
-  the README lists (``results.RunWriter`` writes it atomically);
+  docs/results_files.md lists (``results.RunWriter`` writes it atomically);
 - ``metrics.jsonl``: a record per logged step and per epoch (and the same to W&B);
 - ``heartbeat.json`` while the loop runs (``results.Heartbeat``);
 - ``checkpoint.pt``: every rank's own state (``PER_RANK_STATE``) gathered, one file written
