@@ -159,13 +159,14 @@ def study_notebook(name: str, title: str, question: str) -> nbformat.NotebookNod
     if name in TIME_TO_ACCURACY:
         cells += [
             new_markdown_cell(
-                f"## Time to {TIME_TO_ACCURACY[name]:.0%} test accuracy and the break-even map\n\n"
+                f"## Time to {'/'.join(f'{t:.0%}' for t in TIME_TO_ACCURACY[name])} accuracy and the break-even map\n\n"
                 "Predicted for each configuration at 1, 10 and 100 Gbit/s and 8 and 64 workers: its "
                 "measured compute and compress + decompress per step, the exchange of its bytes from "
-                "the default alpha-beta cost model, and the steps its runs took to the target. The "
+                "the default alpha-beta cost model, and the steps its runs took to each target. The "
                 "break-even map names, at each point, the configuration that gets there first and "
-                "its speed-up over the best dense baseline (dense SGD, fp16, bf16). Timings are from "
-                "a shared machine: predictions, not measurements."
+                "its speed-up over the best dense baseline (dense SGD, fp16, bf16) on matched seeds; "
+                "a ranking is called only where it holds at every target. Timings are from a shared "
+                "machine: predictions, not measurements."
             ),
             new_code_cell(
                 f'written = sa.write_time_to_accuracy(runs, sa.TIME_TO_ACCURACY[{name!r}], OUT / "time_to_accuracy")\n'
