@@ -252,9 +252,62 @@ def register() -> None:
             OmegaConf.register_new_resolver(name, fn)
 
 
-def group_options(group: str) -> list[str]:
-    root = CONF_DIR / group
-    return sorted(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+def group_options(group: str, dirs: tuple[Path, ...] = ()) -> list[str]:
+    """The options of ``group`` in conf/ and in the extra config folders ``dirs`` (``search_dirs``)."""
+    found = set()
+    for conf in (CONF_DIR, *dirs):
+        root = conf / group
+        found.update(p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.yaml"))
+    return sorted(found)
+
+
+def search_dirs(args: list[str]) -> tuple[Path, ...]:
+    """The config folders Hydra searches besides conf/, in its order: ``--config-dir``/``-cd``,
+    then ``hydra.searchpath=[...]`` of the command line, else conf/config.yaml's own (Hydra reads
+    one or the other). ``file://``, ``pkg://`` and plain paths; folders that do not exist are left
+    to Hydra to report."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    entries: list[str] = []
+    for i, arg in enumerate(args):
+        if arg in ("--config-dir", "-cd") and i + 1 < len(args):
+            entries.append(args[i + 1])
+        elif arg.startswith(("--config-dir=", "-cd=")):
+            entries.append(arg.partition("=")[2])
+    searchpath = None
+    for arg in args:
+        if arg.lstrip("+").startswith("hydra.searchpath="):
+            try:
+                (override,) = OverridesParser.create().parse_overrides([arg])
+                searchpath = override.value()
+            except HydraException:
+                searchpath = None  # Hydra says what is wrong with it
+    if searchpath is None:
+        searchpath = OmegaConf.select(OmegaConf.load(CONF_DIR / "config.yaml"), "hydra.searchpath")
+    if isinstance(searchpath, (list, tuple)) or OmegaConf.is_list(searchpath):
+        entries += [str(e) for e in searchpath]
+    dirs = [d for d in map(_search_dir, entries) if d is not None and d.is_dir()]
+    return tuple(dict.fromkeys(d for d in dirs if d != CONF_DIR))
+
+
+def _search_dir(entry: str) -> Path | None:
+    """The folder a search path entry names (``pkg://mypkg.conf``: the package's folder)."""
+    scheme, sep, rest = entry.partition("://")
+    if not sep:
+        return Path(entry).resolve()
+    if scheme == "file":
+        return Path(rest).resolve()
+    if scheme == "pkg":
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(rest.replace("/", "."))
+        except (ImportError, ValueError):
+            return None
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        return Path(locations[0]).resolve() if locations else None
+    return None  # structured:// and others: no folder
 
 
 # One line per group and key: what `--help` prints. tests/test_config.py checks that every key of
@@ -386,13 +439,23 @@ def _typed_schema(scheme: type[SchemeConfig] = SchemeConfig):
                                        aggregation=NamedConfig(), model=ModelConfig(), data=DataConfig()))
 
 
-def _chosen_schemes(overrides: list, multirun: bool) -> list[str]:
+def _search_path(dirs: tuple[Path, ...]):
+    """Hydra's search path for conf/ and the extra folders, where Hydra puts ``--config-dir``."""
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.config_search_path import SearchPathQuery
+
+    csp = create_config_search_path(str(CONF_DIR))
+    for folder in dirs:
+        csp.prepend(provider="command-line", path=f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
+    return csp
+
+
+def _chosen_schemes(overrides: list, multirun: bool, dirs: tuple[Path, ...] = ()) -> list[str]:
     """The scheme(s) a command line runs: its ``scheme=`` (each value of a sweep); without one,
     what ``conf/config.yaml`` and the ``experiment=`` preset choose (a preset's own sweep with
     ``-m``), read from the defaults as Hydra composes them. [] when that cannot be read (Hydra
     then reports what is wrong)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra._internal.utils import create_config_search_path
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
     from hydra.types import RunMode
@@ -406,10 +469,10 @@ def _chosen_schemes(overrides: list, multirun: bool) -> list[str]:
 
     by_key = {o.key_or_group: o for o in overrides if o.package is None and not o.is_delete()}
     if "scheme" in by_key:
-        return values(by_key["scheme"], group_options("scheme"))
-    presets = values(by_key["experiment"], group_options("experiment")) if "experiment" in by_key else [None]
+        return values(by_key["scheme"], group_options("scheme", dirs))
+    presets = values(by_key["experiment"], group_options("experiment", dirs)) if "experiment" in by_key else [None]
     register()
-    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF_DIR)))
+    loader = ConfigLoaderImpl(config_search_path=_search_path(dirs))
     parser = OverridesParser.create()
     out: list[str] = []
     for preset in presets:
@@ -421,20 +484,20 @@ def _chosen_schemes(overrides: list, multirun: bool) -> list[str]:
             return []
         swept = OmegaConf.select(cfg, "hydra.sweeper.params.scheme") if multirun else None
         if swept is not None:
-            out += values(parser.parse_overrides([f"scheme={swept}"])[0], group_options("scheme"))
+            out += values(parser.parse_overrides([f"scheme={swept}"])[0], group_options("scheme", dirs))
         else:
             out.append(str(cfg.hydra.runtime.choices.scheme))
     return out
 
 
-def launcher_options() -> list[str]:
-    """The options of Hydra's ``hydra/launcher`` group: Hydra's own, the installed plugins', ours."""
+def launcher_options(dirs: tuple[Path, ...] = ()) -> list[str]:
+    """The options of Hydra's ``hydra/launcher`` group: Hydra's own, the installed plugins', ours
+    (and those in the extra config folders ``dirs``)."""
     from hydra._internal.config_repository import ConfigRepository
-    from hydra._internal.utils import create_config_search_path
     from hydra.core.plugins import Plugins
 
     Plugins.instance()  # the plugins register their launchers' configs
-    repo = ConfigRepository(create_config_search_path(str(CONF_DIR)))
+    repo = ConfigRepository(_search_path(dirs))
     return sorted(repo.get_group_options("hydra/launcher"))
 
 
@@ -455,6 +518,8 @@ def check_overrides(args: list[str]) -> None:
     items = [a for a in args if "=" in a and not a.startswith("-")]
     if not items:
         return
+    dirs = search_dirs(args)  # --config-dir, hydra.searchpath: their options count too
+    multirun = "-m" in args or "--multirun" in args
     parser = OverridesParser.create()
     keys = schema_keys()
     owners = scheme_options()
@@ -471,7 +536,7 @@ def check_overrides(args: list[str]) -> None:
         key, text = override.key_or_group, item.partition("=")[2]
         if override.package is not None or key == "hydra" or key.startswith(("hydra.", "hydra/")):
             if key == "hydra/launcher" and not override.is_sweep_override():
-                allowed = launcher_options()
+                allowed = launcher_options(dirs)
                 if text not in allowed:
                     raise ConfigError(f"hydra/launcher={text!r} is not allowed; choose one of: {', '.join(allowed)}")
             continue
@@ -490,7 +555,7 @@ def check_overrides(args: list[str]) -> None:
         else:
             values = [override.value()]
         if key in GROUPS:
-            allowed = group_options(key)
+            allowed = group_options(key, dirs)
             for choice in values:
                 if str(choice) not in allowed and not (key in ("experiment", "point", "debug") and choice is None):
                     raise ConfigError(f"{key}={choice!r} is not allowed; choose one of: {', '.join(allowed)}")
@@ -508,7 +573,7 @@ def check_overrides(args: list[str]) -> None:
                 reason = _wanted(key, str(exc).splitlines()[0], value, default)
                 raise ConfigError(f"{key}={value!r} is not allowed: {reason}") from None
     if own:  # a scheme's own key (scheme.block_size) goes with that scheme only
-        chosen = _chosen_schemes([o for _, o in parsed], "-m" in args or "--multirun" in args)
+        chosen = _chosen_schemes([o for _, o in parsed], multirun, dirs)
         for item, key in own:
             for scheme in chosen:
                 if scheme not in owners[key]:
@@ -539,8 +604,9 @@ def _wanted(key: str, reason: str, value: Any, default: Any) -> str:
     return f"give {what}" + (f", e.g. {key}={example:g}" if example is not None else "")
 
 
-def help_text() -> str:
-    """What ``python -m sparsetrain.run --help`` prints: usage, the groups, every key."""
+def help_text(dirs: tuple[Path, ...] = ()) -> str:
+    """What ``python -m sparsetrain.run --help`` prints: usage, the groups (with the options in the
+    extra config folders ``dirs``), every key."""
     import textwrap
 
     from omegaconf import OmegaConf
@@ -557,7 +623,7 @@ def help_text() -> str:
     ]
     for group in GROUPS:
         default = defaults.get(group) or "null"
-        options = textwrap.wrap(f"{' | '.join(group_options(group))} (default {default})", 86)
+        options = textwrap.wrap(f"{' | '.join(group_options(group, dirs))} (default {default})", 86)
         lines += [f"  {group:<12} {GROUP_HELP[group]}", *(f"  {'':<12} {line}" for line in options)]
     lines += ["", "Keys (key=value):"]
     keys = schema_keys()

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sparsetrain.config import CONF_DIR, check_overrides, help_text, register, validate
+from sparsetrain.config import CONF_DIR, check_overrides, help_text, register, search_dirs, validate
 from sparsetrain.errors import CheckpointError, ConfigError, Preempted, one_line_error, print_error
 from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
 from sparsetrain.launch.report import end_of_run, end_of_sweep
@@ -351,7 +351,7 @@ def main() -> None:
     flags = [a for a in args if a in ("-m", "--multirun")]
     sys.argv[1:] = args = flags + [a for a in args if a not in flags]
     if "--help" in args or "-h" in args:  # Hydra's own help: --hydra-help
-        print(help_text())
+        print(help_text(search_dirs(args)))
         return
     _argv = list(args)
     try:
