@@ -532,6 +532,7 @@ def check_overrides(args: list[str]) -> None:
             raise ConfigError(f"{item} cannot be read: {str(exc).splitlines()[0]}") from None
         parsed.append((item, override))
     own = []  # (item, key) of the schemes' own keys: checked against the schemes the line runs
+    options = []  # (item, key) of the compressor's options: checked against its class's arguments
     for item, override in parsed:
         key, text = override.key_or_group, item.partition("=")[2]
         if override.package is not None or key == "hydra" or key.startswith(("hydra.", "hydra/")):
@@ -540,6 +541,10 @@ def check_overrides(args: list[str]) -> None:
                 if text not in allowed:
                     raise ConfigError(f"hydra/launcher={text!r} is not allowed; choose one of: {', '.join(allowed)}")
             continue
+        if key.count(".") == 1 and key.startswith("scheme.") and not _known(key, keys):
+            _compressor_hint(item, key, text, _chosen_compressors(parsed, multirun, dirs))
+        if key.startswith("scheme.compressor.") and key.split(".")[2] not in ("_target_", "_partial_"):
+            options.append((item, key))
         if not _known(key, keys):
             hint = did_you_mean(key, [*keys, *GROUPS])
             hint = f"did you mean {hint}={text}? " if hint else ""
@@ -572,6 +577,12 @@ def check_overrides(args: list[str]) -> None:
             except OmegaConfBaseException as exc:
                 reason = _wanted(key, str(exc).splitlines()[0], value, default)
                 raise ConfigError(f"{key}={value!r} is not allowed: {reason}") from None
+    if options:  # scheme.compressor.<option>: an argument of each chosen scheme's class
+        for item, key in options:
+            for scheme, target in _chosen_compressors(parsed, multirun, dirs):
+                if target is None:
+                    raise ConfigError(f"{item}: scheme={scheme} has no compressor (scheme.compressor is null)")
+                check_compressor_option(key.split(".")[2], target, item)
     if own:  # a scheme's own key (scheme.block_size) goes with that scheme only
         chosen = _chosen_schemes([o for _, o in parsed], multirun, dirs)
         for item, key in own:
@@ -580,6 +591,102 @@ def check_overrides(args: list[str]) -> None:
                     leaf = key.rpartition(".")[2]
                     belongs = " or ".join(f"scheme={name}" for name in owners[key])
                     raise ConfigError(f"{item}: scheme={scheme} has no key {leaf!r}; {leaf} belongs to {belongs}")
+
+
+def _chosen_compressors(parsed: list, multirun: bool, dirs: tuple[Path, ...]) -> list[tuple[str, str | None]]:
+    """``(scheme, compressor._target_)`` for each scheme the command line runs: the target that
+    ``scheme.compressor._target_=`` sets, else the one its yaml (conf/ or an extra folder) names."""
+    target = next((str(o.value()) for _, o in parsed if o.key_or_group == "scheme.compressor._target_"
+                   and not o.is_delete() and not o.is_sweep_override()), None)
+    return [(scheme, target or scheme_target(scheme, dirs))
+            for scheme in _chosen_schemes([o for _, o in parsed], multirun, dirs)]
+
+
+def scheme_target(scheme: str, dirs: tuple[Path, ...] = ()) -> str | None:
+    """The ``compressor._target_`` of conf/scheme/<scheme>.yaml (the first folder that has it, as
+    Hydra searches them); None for a scheme without a compressor."""
+    for conf in (CONF_DIR, *dirs):
+        path = conf / "scheme" / f"{scheme}.yaml"
+        if path.is_file():
+            target = OmegaConf.select(OmegaConf.load(path), "compressor._target_", default=None)
+            return None if target is None else str(target)
+    return None
+
+
+def compressor_class(target: str) -> type:
+    """The class ``scheme.compressor._target_`` names; ``ConfigError`` (one line) when its module
+    cannot be imported (the usual cause: a researcher's module not on PYTHONPATH)."""
+    import importlib
+
+    module, _, name = target.rpartition(".")
+    try:
+        found = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001  (whatever the module raises on import)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"cannot import {module or target} for scheme.compressor._target_={target}: "
+                          f"{reason}; is its folder on PYTHONPATH?") from None
+    if not isinstance(getattr(found, name, None), type):
+        raise ConfigError(f"scheme.compressor._target_={target} is not allowed: {module} has no class {name!r}")
+    return getattr(found, name)
+
+
+# What comm.build passes to every compressor (ratio, layout, scope, device): not options.
+_BUILT_WITH = ("self", "ratio", "layout", "scope", "device")
+
+
+def compressor_arguments(cls: type) -> list[str] | None:
+    """The options ``cls`` takes (``scheme.compressor.<option>``): the keyword arguments of its
+    ``__init__`` and, through ``**kw``, of its bases' up to ``Compressor`` (which refuses any
+    other). None when a ``**kw`` goes where it cannot be read (any option may then be right)."""
+    import inspect
+
+    from sparsetrain.compress.base import Compressor
+
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    out: list[str] = []
+    for klass in cls.__mro__:
+        if klass is object:
+            return None
+        if "__init__" not in vars(klass):
+            continue
+        params = list(inspect.signature(klass.__init__).parameters.values())
+        out += [p.name for p in params if p.kind in named and p.name not in (*_BUILT_WITH, *out)]
+        if klass is Compressor or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            return out
+    return None
+
+
+def check_compressor_option(option: str, target: str, item: str) -> None:
+    """``item`` (``scheme.compressor.<option>=...``) names an argument the class takes, else
+    ``ConfigError`` naming the key, the class and the arguments it does take."""
+    accepted = compressor_arguments(compressor_class(target))
+    if accepted is not None and option not in accepted:
+        raise ConfigError(f"{item}: {target} takes no argument {option!r}; it takes "
+                          f"{', '.join(accepted) or 'no options'} (scheme.compressor.<option>=...)")
+
+
+def _compressor_hint(item: str, key: str, text: str, chosen: list[tuple[str, str | None]]) -> None:
+    """An unknown ``scheme.<leaf>`` with a scheme whose class takes ``leaf``: its options go under
+    ``scheme.compressor.``; with one whose class does not, what the class takes (another scheme's
+    key, ``scheme.rank``, is no hint). Returns when no chosen scheme has a class to ask."""
+    leaf = key.partition(".")[2]
+    for scheme, target in chosen:
+        if target is None:
+            continue
+        try:
+            accepted = compressor_arguments(compressor_class(target))
+        except ConfigError:
+            continue  # validate() reports it when it builds the compressor
+        if accepted is None:
+            continue
+        if leaf in accepted:
+            raise ConfigError(f"{item}: there is no key {key!r}; compressor options go under "
+                              f"scheme.compressor.<option>: scheme.compressor.{leaf}={text}")
+        own = [f.name for f in dataclasses.fields(SCHEME_SCHEMAS.get(scheme, SchemeConfig))]
+        close = difflib.get_close_matches(leaf, own, n=1, cutoff=0.75)
+        hint = f"did you mean scheme.{close[0]}={text}? " if close else ""
+        raise ConfigError(f"{item}: there is no key {key!r}; {hint}scheme={scheme}'s compressor {target} takes "
+                          f"{', '.join(accepted) or 'no options'} (scheme.compressor.<option>=...)")
 
 
 # The range validate() checks, said already where a value is not a number at all (ratio=1%).
@@ -765,6 +872,11 @@ def scheme_compressor(scheme: Any) -> Any:
     node = scheme.get("compressor") if hasattr(scheme, "get") else None
     if not node:
         return None
+    target = str(node.get("_target_")) if node.get("_target_") else None
+    if target is not None:  # one line for a module off PYTHONPATH or an argument the class lacks
+        compressor_class(target)
+        for option in (k for k in node if k not in ("_target_", "_partial_")):
+            check_compressor_option(option, target, f"scheme.compressor.{option}={node.get(option)!r}")
     try:
         return instantiate(node)
     except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)

@@ -382,9 +382,10 @@ def test_check_overrides_leaves_valid_command_lines_alone():
     from sparsetrain.config import check_overrides
 
     check_overrides(["-m", "scheme=topk,randk", "seed=range(0,3)", "ratio=interval(0,1)", "++train.epochs=3",
-                     "scheme.compressor.block_size=64", "optim.milestones=[0.3,0.6]", "experiment=null",
+                     "optim.milestones=[0.3,0.6]", "experiment=null",
                      "experiment=paper/rq2_scheme", "hydra.run.dir=x/${now:%H}", "hydra/launcher=slurm",
                      "~wandb.tags", "data.root=${oc.env:X,data}", "train.max_steps=null"])
+    check_overrides(["-m", "scheme=blockk", "scheme.compressor.block_size=64,128"])  # an argument of its class
 
 
 def test_help_lists_every_group_and_key_with_its_description():

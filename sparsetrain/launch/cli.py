@@ -344,6 +344,16 @@ def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:
     return f"{folders[0]}/ (*_<rank>_log.err/.out)" if folders else None
 
 
+def _compressor_option(arg: str) -> str:
+    """``scheme.compressor.<option>=v`` as ``++scheme.compressor.<option>=v``: an option of the
+    class (check_overrides made sure of it) that the scheme's yaml leaves at the class's default
+    is not in the node, and Hydra would refuse to add it without a ``+``."""
+    key = arg.partition("=")[0]
+    if "=" in arg and key.startswith("scheme.compressor.") and key.split(".")[2] not in ("_target_", "_partial_"):
+        return f"++{arg}"
+    return arg
+
+
 def main() -> None:
     global _argv
     args = sys.argv[1:]
@@ -359,6 +369,7 @@ def main() -> None:
     except ConfigError as exc:
         _error(str(exc))
         sys.exit(2)
+    sys.argv[1:] = args = [_compressor_option(a) for a in args]
     run_dirs = [a.lstrip("+") for a in args if a.lstrip("+").startswith("hydra.run.dir=")]
     if ("-m" in args or "--multirun" in args) and run_dirs:  # Hydra would sweep into a new dated folder
         folder = run_dirs[0].partition("=")[2]
