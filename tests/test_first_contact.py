@@ -110,6 +110,9 @@ def test_ctrl_c_saves_at_the_step_and_prints_the_command_that_resumes(tmp_path):
     (line,) = [li for li in text.splitlines() if li.startswith("to resume this run: ")]
     command = shlex.split(line.partition(": ")[2])
     rel = run.relative_to(tmp_path).as_posix()
+    # PYTHONPATH comes with the command (where a researcher's compressor module is found)
+    assert command[0] == f"PYTHONPATH={cli_env()['PYTHONPATH']}", command
+    command = command[1:]
     assert command[1:3] == ["-m", "sparsetrain.run"] and command[3:] == [*args, f"hydra.run.dir={rel}"]
 
     # The same command without its folder starts over, and says where the interrupted run waits.

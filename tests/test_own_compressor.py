@@ -186,3 +186,16 @@ def test_a_module_off_pythonpath_is_named_in_one_line(mine):
             "is its folder on PYTHONPATH?") in line
     assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
     assert not (mine.parent / "run" / "ranks").exists()  # no rank started
+
+
+def test_the_resume_command_keeps_pythonpath_and_the_config_dir(monkeypatch, tmp_path):
+    from sparsetrain.launch import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_argv", ["--config-dir", "mine/conf", "scheme=rrandk", "debug=tiny"])
+    monkeypatch.setenv("PYTHONPATH", "mine")
+    command = cli._resume_command(tmp_path / "outputs" / "run", multirun=False)
+    assert command.startswith("PYTHONPATH=mine ") and " -m sparsetrain.run --config-dir mine/conf scheme=rrandk " in command
+    assert command.endswith(" hydra.run.dir=outputs/run"), command
+    monkeypatch.delenv("PYTHONPATH")
+    assert not cli._resume_command(tmp_path / "outputs" / "run", multirun=False).startswith("PYTHONPATH")

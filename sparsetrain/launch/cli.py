@@ -97,7 +97,8 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         except Preempted as exc:
             if is_rank0:
                 _error(f"{one_line_error(exc)} (run folder: {relative_run_dir(run_dir)})")
-                print(f"to resume: torchrun ... {_resume_command(run_dir, multirun, program='-m sparsetrain.run')}",
+                print(f"to resume: {_env_prefix()}torchrun ... "
+                      f"{_resume_command(run_dir, multirun, program='-m sparsetrain.run', env=False)}",
                       file=sys.stderr, flush=True)
             raise SystemExit(128 + (exc.signum or signal.SIGTERM)) from None
     if kind != "spawn":  # a SLURM task: one of the ranks; submitit requeues a preempted job
@@ -161,9 +162,17 @@ def _note_interrupted_twins(run_dir: Path, cfg_dict: dict) -> None:
             return
 
 
-def _resume_command(folder: Path, multirun: bool, program: str | None = None) -> str:
+def _env_prefix() -> str:
+    """``PYTHONPATH=... `` when it is set: a researcher's compressor module (scheme.compressor's
+    ``_target_``) is found through it, and the command that resumes needs it as much."""
+    path = os.environ.get("PYTHONPATH")
+    return f"PYTHONPATH={shlex.quote(path)} " if path else ""
+
+
+def _resume_command(folder: Path, multirun: bool, program: str | None = None, env: bool = True) -> str:
     """This command line with its folder set: rerunning it resumes what was interrupted there
-    (``hydra.run.dir`` for a run, ``hydra.sweep.dir`` for a sweep; completed jobs are skipped)."""
+    (``hydra.run.dir`` for a run, ``hydra.sweep.dir`` for a sweep; completed jobs are skipped).
+    Its ``--config-dir`` comes with the arguments; ``PYTHONPATH`` before it (``env``)."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     if multirun:
         folder = Path(HydraConfig.get().sweep.dir)
@@ -175,7 +184,8 @@ def _resume_command(folder: Path, multirun: bool, program: str | None = None) ->
         except ValueError:
             pass
         program = f"{shlex.quote(python)} -m sparsetrain.run"
-    return " ".join([program, *map(shlex.quote, [*args, f"{key}={relative_run_dir(folder)}"])])
+    command = " ".join([program, *map(shlex.quote, [*args, f"{key}={relative_run_dir(folder)}"])])
+    return (_env_prefix() if env else "") + command
 
 
 def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
