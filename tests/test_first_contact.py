@@ -110,6 +110,9 @@ def test_ctrl_c_saves_at_the_step_and_prints_the_command_that_resumes(tmp_path):
     (line,) = [li for li in text.splitlines() if li.startswith("to resume this run: ")]
     command = shlex.split(line.partition(": ")[2])
     rel = run.relative_to(tmp_path).as_posix()
+    # PYTHONPATH comes with the command (where a researcher's compressor module is found)
+    assert command[0] == f"PYTHONPATH={cli_env()['PYTHONPATH']}", command
+    command = command[1:]
     assert command[1:3] == ["-m", "sparsetrain.run"] and command[3:] == [*args, f"hydra.run.dir={rel}"]
 
     # The same command without its folder starts over, and says where the interrupted run waits.
@@ -382,9 +385,10 @@ def test_check_overrides_leaves_valid_command_lines_alone():
     from sparsetrain.config import check_overrides
 
     check_overrides(["-m", "scheme=topk,randk", "seed=range(0,3)", "ratio=interval(0,1)", "++train.epochs=3",
-                     "scheme.compressor.block_size=64", "optim.milestones=[0.3,0.6]", "experiment=null",
+                     "optim.milestones=[0.3,0.6]", "experiment=null",
                      "experiment=paper/rq2_scheme", "hydra.run.dir=x/${now:%H}", "hydra/launcher=slurm",
                      "~wandb.tags", "data.root=${oc.env:X,data}", "train.max_steps=null"])
+    check_overrides(["-m", "scheme=blockk", "scheme.compressor.block_size=64,128"])  # an argument of its class
 
 
 def test_help_lists_every_group_and_key_with_its_description():

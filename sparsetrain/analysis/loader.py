@@ -56,6 +56,7 @@ AXES = (
     "levels",
     "bucket_size",
     "rank",
+    "compressor_options",
     "uncompressed",
     "warmup_steps",
     "exchange",
@@ -172,6 +173,24 @@ def _bucket_size(cfg: dict, scheme: str | None):
     return PER_TENSOR if value is None else value
 
 
+# compressor_options of a run that set none: its class's defaults. The column is there only when
+# some run set one (load_runs), so results without such options keep their columns.
+CLASS_DEFAULTS = "defaults"
+
+
+def _compressor_options(cfg: dict) -> str | None:
+    """The options a run's ``scheme.compressor`` node gives its class (``scheme.compressor.rescale``)
+    as one stable text, ``rescale=False``; those a scheme key sets (``block_size: ${..block_size}``)
+    are that key's axis already. None when it gives none."""
+    node = _get(cfg, "scheme", "compressor")
+    if not isinstance(node, dict):
+        return None
+    scheme = cfg.get("scheme") or {}
+    shown = [f"{k}={v}" for k, v in sorted(node.items()) if k not in ("_target_", "_partial_")
+             and not (k in scheme and scheme[k] == v)]
+    return ", ".join(shown) or None
+
+
 def _powersgd_rank(cfg: dict, scheme: str | None):
     if scheme not in POWERSGD_SCHEMES:
         return NOT_APPLICABLE
@@ -193,6 +212,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "levels": _get(cfg, "scheme", "levels", default=NOT_APPLICABLE),  # scheme=qsgd's own key
         "bucket_size": _bucket_size(cfg, scheme),  # scheme=qsgd's own key
         "rank": _powersgd_rank(cfg, scheme),  # PowerSGD's own key
+        "compressor_options": _compressor_options(cfg),
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
@@ -554,6 +574,10 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
     if frame.empty:
         return frame
     frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
+    if "compressor_options" in frame:
+        options = frame["compressor_options"]
+        frame = (frame.drop(columns="compressor_options") if options.isna().all()
+                 else frame.assign(compressor_options=options.fillna(CLASS_DEFAULTS)))
     frame = _integer_columns(frame)
     if not include_failed:
         frame = frame[frame["status"].isin(STATUSES_DONE)].reset_index(drop=True)
@@ -634,7 +658,7 @@ def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = Fa
     if not include_failed and not runs.empty:
         runs = runs[runs["status"].isin((*STATUSES_DONE, DID_NOT_TRAIN))]
     frames = []
-    keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST], "run_dir"]
+    keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST and a in runs], "run_dir"]
     for run in runs.itertuples(index=False):
         if not isinstance(run.run_dir, str) or not (Path(run.run_dir) / "metrics.jsonl").is_file():
             continue

@@ -24,7 +24,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sparsetrain.config import CONF_DIR, check_overrides, help_text, register, validate
+from sparsetrain.config import CONF_DIR, check_overrides, help_text, register, search_dirs, validate
 from sparsetrain.errors import CheckpointError, ConfigError, Preempted, one_line_error, print_error
 from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
 from sparsetrain.launch.report import end_of_run, end_of_sweep
@@ -97,7 +97,8 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         except Preempted as exc:
             if is_rank0:
                 _error(f"{one_line_error(exc)} (run folder: {relative_run_dir(run_dir)})")
-                print(f"to resume: torchrun ... {_resume_command(run_dir, multirun, program='-m sparsetrain.run')}",
+                print(f"to resume: {_env_prefix()}torchrun ... "
+                      f"{_resume_command(run_dir, multirun, program='-m sparsetrain.run', env=False)}",
                       file=sys.stderr, flush=True)
             raise SystemExit(128 + (exc.signum or signal.SIGTERM)) from None
     if kind != "spawn":  # a SLURM task: one of the ranks; submitit requeues a preempted job
@@ -161,9 +162,17 @@ def _note_interrupted_twins(run_dir: Path, cfg_dict: dict) -> None:
             return
 
 
-def _resume_command(folder: Path, multirun: bool, program: str | None = None) -> str:
+def _env_prefix() -> str:
+    """``PYTHONPATH=... `` when it is set: a researcher's compressor module (scheme.compressor's
+    ``_target_``) is found through it, and the command that resumes needs it as much."""
+    path = os.environ.get("PYTHONPATH")
+    return f"PYTHONPATH={shlex.quote(path)} " if path else ""
+
+
+def _resume_command(folder: Path, multirun: bool, program: str | None = None, env: bool = True) -> str:
     """This command line with its folder set: rerunning it resumes what was interrupted there
-    (``hydra.run.dir`` for a run, ``hydra.sweep.dir`` for a sweep; completed jobs are skipped)."""
+    (``hydra.run.dir`` for a run, ``hydra.sweep.dir`` for a sweep; completed jobs are skipped).
+    Its ``--config-dir`` comes with the arguments; ``PYTHONPATH`` before it (``env``)."""
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     if multirun:
         folder = Path(HydraConfig.get().sweep.dir)
@@ -175,7 +184,8 @@ def _resume_command(folder: Path, multirun: bool, program: str | None = None) ->
         except ValueError:
             pass
         program = f"{shlex.quote(python)} -m sparsetrain.run"
-    return " ".join([program, *map(shlex.quote, [*args, f"{key}={relative_run_dir(folder)}"])])
+    command = " ".join([program, *map(shlex.quote, [*args, f"{key}={relative_run_dir(folder)}"])])
+    return (_env_prefix() if env else "") + command
 
 
 def _guarded(fn, run_dir: Path, multirun: bool) -> dict[str, Any]:
@@ -344,6 +354,16 @@ def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:
     return f"{folders[0]}/ (*_<rank>_log.err/.out)" if folders else None
 
 
+def _compressor_option(arg: str) -> str:
+    """``scheme.compressor.<option>=v`` as ``++scheme.compressor.<option>=v``: an option of the
+    class (check_overrides made sure of it) that the scheme's yaml leaves at the class's default
+    is not in the node, and Hydra would refuse to add it without a ``+``."""
+    key = arg.partition("=")[0]
+    if "=" in arg and key.startswith("scheme.compressor.") and key.split(".")[2] not in ("_target_", "_partial_"):
+        return f"++{arg}"
+    return arg
+
+
 def main() -> None:
     global _argv
     args = sys.argv[1:]
@@ -351,7 +371,7 @@ def main() -> None:
     flags = [a for a in args if a in ("-m", "--multirun")]
     sys.argv[1:] = args = flags + [a for a in args if a not in flags]
     if "--help" in args or "-h" in args:  # Hydra's own help: --hydra-help
-        print(help_text())
+        print(help_text(search_dirs(args)))
         return
     _argv = list(args)
     try:
@@ -359,6 +379,7 @@ def main() -> None:
     except ConfigError as exc:
         _error(str(exc))
         sys.exit(2)
+    sys.argv[1:] = args = [_compressor_option(a) for a in args]
     run_dirs = [a.lstrip("+") for a in args if a.lstrip("+").startswith("hydra.run.dir=")]
     if ("-m" in args or "--multirun" in args) and run_dirs:  # Hydra would sweep into a new dated folder
         folder = run_dirs[0].partition("=")[2]

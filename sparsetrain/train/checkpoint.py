@@ -47,9 +47,10 @@ NOT_DEFINING = (
     "data.download",
     "wandb.",
     "dist.",
-    # How the compressor and the model are built: fixed by scheme.name / model.name (and the
-    # scheme's options, keys of their own), which config.validate keeps consistent; absent from
-    # checkpoints written before these nodes existed.
+    # How the compressor and the model are built: fixed by scheme.name / model.name, which
+    # config.validate keeps consistent; absent from checkpoints written before these nodes
+    # existed. The compressor's options (scheme.compressor.rescale) do define the run: see
+    # config_differences.
     "scheme.compressor",
     "scheme.compressor.",
     "model._target_",
@@ -100,17 +101,57 @@ def _scheme_as_now(config: dict) -> dict:
     return config
 
 
+COMPRESSOR = "scheme.compressor."
+
+
+def _compressor_option(key: str) -> bool:
+    """``scheme.compressor.<option>``: an argument of the compressor's class (not how it is built)."""
+    return key.startswith(COMPRESSOR) and key[len(COMPRESSOR):].split(".")[0] not in ("_target_", "_partial_")
+
+
+def _class_default(target: Any, option: str) -> Any:
+    """The default of ``option`` in the ``__init__`` of the class ``target`` names (or of a base
+    it reaches through ``**kw``): what a run that left the option out ran with; ``_ABSENT`` when
+    it cannot be read (the module off PYTHONPATH, no default)."""
+    import importlib
+    import inspect
+
+    module, _, name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        for klass in cls.__mro__:
+            if "__init__" in vars(klass):
+                param = inspect.signature(klass.__init__).parameters.get(option)
+                if param is not None and param.default is not inspect.Parameter.empty:
+                    return param.default
+    except Exception:  # noqa: BLE001  (a value to show, never a reason to fail)
+        pass
+    return _ABSENT
+
+
 def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
-    """``(key, saved value, current value)`` for every run-defining key that differs."""
+    """``(key, saved value, current value)`` for every run-defining key that differs. The
+    compressor's options count when both runs built the same class (an option left out is the
+    class's default); another class is told by ``scheme.name``."""
     a, b = _flatten(_scheme_as_now(saved)), _flatten(_scheme_as_now(current))
+    target = a.get(f"{COMPRESSOR}_target_")
+    same_class = target is not None and target == b.get(f"{COMPRESSOR}_target_")
     out = []
     for key in sorted(set(a) | set(b)):
-        if _not_defining(key) or (key.startswith(SCHEME) and key not in b):
+        if _compressor_option(key):
+            if not same_class:
+                continue
+        elif _not_defining(key) or (key.startswith(SCHEME) and key not in b):
             continue
-        old, new = (c.get(key, ADDED_LATER.get(key, _ABSENT)) for c in (a, b))
+        default = ADDED_LATER.get(key, _ABSENT)
+        if default == _ABSENT and _compressor_option(key) and (key not in a or key not in b):
+            default = _class_default(target, key[len(COMPRESSOR):])
+        old, new = (c.get(key, default) for c in (a, b))
         if old != new:
             out.append((key, old, new))
-    return out
+    # an option the yaml takes from a scheme key (block_size: ${..block_size}) is said once
+    return [(k, o, n) for k, o, n in out
+            if not (_compressor_option(k) and (f"{SCHEME}{k[len(COMPRESSOR):]}", o, n) in out)]
 
 
 def check_same_run(saved_config: dict | None, current: dict, path: str | Path) -> None:

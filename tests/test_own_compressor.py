@@ -1,0 +1,201 @@
+"""A researcher's own compressor, kept outside the checkout (issue 35, "A researcher's trial"):
+a module and a scheme yaml in their own folder, found through ``--config-dir`` or
+``hydra.searchpath``; its options are part of what a run is; mistakes point the right way."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY, read_json, run_cli
+
+SCHEME_YAML = """\
+defaults:
+  - base_scheme
+  - _self_
+name: rrandk
+compressor:
+  _target_: mypkg.RRandK
+  _partial_: true
+"""
+MODULE = """\
+from sparsetrain.compress import RandomK
+
+
+class RRandK(RandomK):
+    def __init__(self, ratio, layout, scope="layerwise", *, rescale: bool = True, **kw):
+        super().__init__(ratio, layout, scope, **kw)
+        self.rescale = rescale
+"""
+
+
+@pytest.fixture
+def mine(tmp_path) -> Path:
+    """``mine/conf/scheme/rrandk.yaml`` and ``mine/mypkg.py`` under ``tmp_path`` (the cwd of the
+    commands); also ``mine/mycfg/`` (a package holding the same yaml, for ``pkg://``)."""
+    folder = tmp_path / "mine"
+    (folder / "conf" / "scheme").mkdir(parents=True)
+    (folder / "conf" / "scheme" / "rrandk.yaml").write_text(SCHEME_YAML)
+    (folder / "mypkg.py").write_text(MODULE)
+    (folder / "mycfg" / "scheme").mkdir(parents=True)
+    (folder / "mycfg" / "__init__.py").write_text("")
+    (folder / "mycfg" / "scheme" / "rrandk.yaml").write_text(SCHEME_YAML)
+    return folder
+
+
+def _mine_env() -> dict:
+    """PYTHONPATH=mine (relative, as a researcher types it), this checkout first."""
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), "mine"])}
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+# ---- 1. the search path ------------------------------------------------------------------------
+def test_the_pre_check_reads_the_search_path_hydra_will(mine, monkeypatch):
+    from sparsetrain.config import check_overrides, group_options, help_text, search_dirs
+
+    conf = (mine / "conf").resolve()
+    monkeypatch.chdir(mine.parent)
+    monkeypatch.syspath_prepend(str(mine))
+    for args in (["--config-dir", "mine/conf"], ["-cd", str(conf)], [f"--config-dir={conf}"],
+                 [f"hydra.searchpath=[file://{conf}]"], ["hydra.searchpath=[pkg://mycfg]"]):
+        dirs = search_dirs(args)
+        assert [d.name for d in dirs] == ["mycfg" if "pkg://" in args[0] else "conf"], args
+        assert "rrandk" in group_options("scheme", dirs) and "topk" in group_options("scheme", dirs)
+        check_overrides([*args, "scheme=rrandk", "scheme.compressor.rescale=false"])
+        check_overrides([*args, "-m", "scheme=rrandk,topk"])
+    assert search_dirs(["scheme=topk"]) == () and "rrandk" not in group_options("scheme")
+    assert "rrandk" in help_text(search_dirs(["--config-dir", "mine/conf"]))
+
+
+@pytest.mark.parametrize("where", ["--config-dir", "hydra.searchpath"])
+def test_a_scheme_outside_the_checkout_runs_end_to_end(mine, where):
+    tmp = mine.parent
+    found = (["--config-dir", "mine/conf"] if where == "--config-dir"
+             else [f"hydra.searchpath=[file://{mine / 'conf'}]"])
+    proc = run_cli(*found, *TINY, "scheme=rrandk", "world_size=2", "train.max_steps=4", "hydra.run.dir=run",
+                   cwd=tmp, env=_mine_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(tmp / "run" / "summary.json")
+    assert s["status"] == "completed" and s["steps"] == 4, s
+    assert s["config"]["scheme"]["name"] == "rrandk"
+    assert s["config"]["scheme"]["compressor"]["_target_"] == "mypkg.RRandK"
+
+
+# ---- 2. a compressor's options are part of what a run is -----------------------------------------
+def test_config_differences_count_the_compressors_options():
+    from sparsetrain.train.checkpoint import config_differences
+
+    def blockk(size=256, **options):  # scheme.block_size, and the options set through the node
+        node = {"_target_": "sparsetrain.compress.BlockRandomK", "_partial_": True, **options}
+        return {"scheme": {"name": "blockk", "block_size": size, "compressor": node}}
+
+    # an option set only through the node is a difference; left out, it is the class's default
+    assert config_differences(blockk(), blockk(size=256)) == []
+    assert config_differences(blockk(), blockk(block_size=64)) == [("scheme.compressor.block_size", 256, 64)]
+    assert config_differences(blockk(block_size=64), blockk()) == [("scheme.compressor.block_size", 64, 256)]
+    assert config_differences(blockk(), blockk(block_size=256)) == []
+    # an option the yaml takes from a scheme key is said once, under that key
+    assert config_differences(blockk(64, block_size=64), blockk(32, block_size=32)) == [("scheme.block_size", 64, 32)]
+    # runs recorded before the node existed: no options to compare
+    assert config_differences({"scheme": {"name": "blockk", "block_size": 256}}, blockk(block_size=256)) == []
+
+
+def test_a_rerun_with_another_compressor_option_is_refused_and_analysed_apart(mine):
+    from sparsetrain.analysis.loader import load_runs
+
+    tmp = mine.parent
+    base = ["--config-dir", "mine/conf", *TINY, "scheme=rrandk", "world_size=1", "train.max_steps=2"]
+    for folder, option in (("runs/a", []), ("runs/b", ["scheme.compressor.rescale=false"])):
+        proc = run_cli(*base, *option, f"hydra.run.dir={folder}", cwd=tmp, env=_mine_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_json(tmp / "runs/b/summary.json")["config"]["scheme"]["compressor"]["rescale"] is False
+
+    refused = run_cli(*base, "scheme.compressor.rescale=false", "hydra.run.dir=runs/a", cwd=tmp,
+                      env=_mine_env(), timeout=300)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    (line,) = _error_lines(refused.stderr)
+    assert "holds a completed run of a different configuration: scheme.compressor.rescale=True there, False now" in line
+    assert "already completed" not in refused.stdout
+    same = run_cli(*base, "scheme.compressor.rescale=true", "hydra.run.dir=runs/a", cwd=tmp,
+                   env=_mine_env(), timeout=300)  # the class's default, said out loud: the same run
+    assert same.returncode == 0 and "already completed" in same.stdout, same.stderr[-3000:]
+
+    runs = load_runs(tmp / "runs")
+    assert sorted(runs["compressor_options"]) == ["defaults", "rescale=False"]
+
+
+def test_the_analysis_has_the_options_column_only_where_a_run_set_one(tmp_path):
+    from sparsetrain.analysis.loader import _axes_from_config, load_runs
+
+    node = {"_target_": "sparsetrain.compress.BlockRandomK", "_partial_": True, "block_size": 64}
+    assert _axes_from_config({"scheme": {"name": "blockk", "block_size": 64, "compressor": node}})[
+        "compressor_options"] is None  # the scheme key's axis already
+    assert _axes_from_config({"scheme": {"name": "blockk", "block_size": 256, "compressor": node}})[
+        "compressor_options"] == "block_size=64"
+    assert "compressor_options" not in load_runs(ROOT / "results").columns  # the committed studies
+
+
+# ---- 3. errors that point the right way --------------------------------------------------------
+def test_compressor_option_mistakes_say_where_options_go(mine, monkeypatch):
+    from sparsetrain.config import ConfigError, check_overrides
+
+    monkeypatch.chdir(mine.parent)
+    monkeypatch.syspath_prepend(str(mine))
+    cd = ["--config-dir", "mine/conf"]
+    refused = {
+        (*cd, "scheme=rrandk", "scheme.rescale=false"):
+            "scheme.rescale=false: there is no key 'scheme.rescale'; compressor options go under "
+            "scheme.compressor.<option>: scheme.compressor.rescale=false",
+        ("scheme=randk", "scheme.rescale=false"):
+            "scheme.rescale=false: there is no key 'scheme.rescale'; scheme=randk's compressor "
+            "sparsetrain.compress.RandomK takes no options (scheme.compressor.<option>=...)",
+        ("scheme=blockk", "scheme.block_sise=64"): "did you mean scheme.block_size=64?",
+        (*cd, "scheme=rrandk", "scheme.compressor.nope=1"):
+            "scheme.compressor.nope=1: mypkg.RRandK takes no argument 'nope'; it takes rescale",
+        ("-m", "scheme=blockk,topk", "scheme.compressor.block_size=64"):
+            "sparsetrain.compress.TopK takes no argument 'block_size'; it takes no options",
+        ("scheme.compressor.rescale=false",): "scheme=none has no compressor",
+    }
+    for args, needle in refused.items():
+        with pytest.raises(ConfigError) as info:
+            check_overrides(list(args))
+        assert needle in str(info.value) and "\n" not in str(info.value), (args, str(info.value))
+        assert "scheme.rank" not in str(info.value)
+    check_overrides(["scheme=blockk", "scheme.compressor.block_size=64"])
+
+
+def test_an_unknown_compressor_argument_stops_before_any_rank_starts(mine):
+    proc = run_cli("--config-dir", "mine/conf", *TINY, "scheme=rrandk", "scheme.compressor.nope=1",
+                   cwd=mine.parent, env=_mine_env(), timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("error: scheme.compressor.nope=1: mypkg.RRandK takes no argument 'nope'; "
+                                   "it takes rescale (scheme.compressor.<option>=...)")
+    assert not (mine.parent / "outputs").exists()
+
+
+def test_a_module_off_pythonpath_is_named_in_one_line(mine):
+    proc = run_cli("--config-dir", "mine/conf", *TINY, "scheme=rrandk", "hydra.run.dir=run",
+                   cwd=mine.parent, timeout=120)  # PYTHONPATH without mine
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    (line,) = _error_lines(proc.stderr)
+    assert ("cannot import mypkg for scheme.compressor._target_=mypkg.RRandK: No module named 'mypkg'; "
+            "is its folder on PYTHONPATH?") in line
+    assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+    assert not (mine.parent / "run" / "ranks").exists()  # no rank started
+
+
+def test_the_resume_command_keeps_pythonpath_and_the_config_dir(monkeypatch, tmp_path):
+    from sparsetrain.launch import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_argv", ["--config-dir", "mine/conf", "scheme=rrandk", "debug=tiny"])
+    monkeypatch.setenv("PYTHONPATH", "mine")
+    command = cli._resume_command(tmp_path / "outputs" / "run", multirun=False)
+    assert command.startswith("PYTHONPATH=mine ") and " -m sparsetrain.run --config-dir mine/conf scheme=rrandk " in command
+    assert command.endswith(" hydra.run.dir=outputs/run"), command
+    monkeypatch.delenv("PYTHONPATH")
+    assert not cli._resume_command(tmp_path / "outputs" / "run", multirun=False).startswith("PYTHONPATH")
