@@ -120,6 +120,12 @@ def test_the_choice_is_the_best_trained_trial_on_validation(tmp_path):
     assert (choices.loc[("dense", "-"), "lr"], choices.loc[("dense", "-"), "warmup_epochs"]) == (0.1, 1.0)
     assert ("blockk", "global") not in choices.index
     assert tuning.unchosen(rows, choices.reset_index()) == ["blockk (global)"]
+    # a grid not yet run to its end gives no tuned file
+    unfinished = pd.concat([rows, rows[rows["scheme"] == "topk"].iloc[[0]].assign(lr=0.2, status="absent", val_accuracy=math.nan)])
+    partial = tuning.choose(tuning.trials(unfinished))
+    with pytest.raises(ValueError, match=r"not complete \(topk \(global\): 3 of 4 trials ran\)"):
+        tuning.write_tuned(partial, tmp_path / "never")
+    assert "partial, not a choice yet" in tuning.markdown(tuning.trials(unfinished), partial)
 
     written = tuning.write(pd.DataFrame(rows), tmp_path / "fig", tmp_path / "tuned")
     names = sorted(p.name for p in written if p.parent.name == "tuned")

@@ -24,6 +24,8 @@ from .loader import DENSE, NOT_APPLICABLE
 
 TUNED = ("lr", "warmup_epochs")  # what a trial varies and a choice fixes
 SCOPES = ("layerwise", "global")
+# A trial that has run to its end (trained or not); "absent", "running", "unfinished" have not.
+FINISHED = ("completed", DID_NOT_TRAIN, "failed")
 TRIAL_COLUMNS = ["scheme", "scope", "lr", "warmup_epochs", "status", "stability", "val_accuracy",
                  "test_accuracy", "seed", "epochs_planned", "code", "run_dir"]
 
@@ -58,11 +60,13 @@ def choose(trial_rows: pd.DataFrame) -> pd.DataFrame:
         best = trained.sort_values(["val_accuracy", "lr", "warmup_epochs"],
                                    ascending=[False, True, True]).iloc[0]
         rates = sorted(group["lr"].dropna().unique())
+        ran = group["status"].isin(FINISHED)
         out.append({
             "scheme": scheme, "scope": scope, "lr": float(best["lr"]),
             "warmup_epochs": float(best["warmup_epochs"]),
             "val_accuracy": float(best["val_accuracy"]), "test_accuracy": float(best["test_accuracy"]),
-            "trials": len(group), "trained": len(trained),
+            "trials": len(group), "ran": int(ran.sum()), "trained": len(trained),
+            "complete": bool(ran.all()),
             "did_not_train": int((group["status"] == DID_NOT_TRAIN).sum()),
             "at_edge": len(rates) > 1 and best["lr"] in (rates[0], rates[-1]),
             "code": ";".join(sorted(set(map(str, group["code"])))),
@@ -91,6 +95,11 @@ def config_names(scheme: str, scope: str) -> list[str]:
 def write_tuned(choices: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     """One ``<scheme>_<scope>.yaml`` per choice: the values experiment=protocol reads, and where
     they come from (as comments and keys that nothing but a reader uses)."""
+    partial = [f"{c['scheme']} ({c['scope']}): {c['ran']} of {c['trials']}" for c in choices.to_dict("records")
+               if not c["complete"]]
+    if partial:  # a choice from part of the grid is not the study's choice
+        raise ValueError(f"the tuning study is not complete ({'; '.join(partial)} trials ran): "
+                         "no tuned file written; resume it (RESUME=1) first")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -128,13 +137,14 @@ def markdown(trial_rows: pd.DataFrame, choices: pd.DataFrame) -> str:
         "",
         "## Choices",
         "",
-        "| scheme | scope | lr | warm-up (epochs) | val acc % | test acc % | trials (trained) | at the grid's edge |",
+        "| scheme | scope | lr | warm-up (epochs) | val acc % | test acc % | trials: ran / of the grid (trained) | at the grid's edge |",
         "|---|---|--:|--:|--:|--:|--:|---|",
     ]
     for c in choices.to_dict("records"):
+        ran = f"{c['ran']} / {c['trials']} ({c['trained']})" + ("" if c["complete"] else ": **partial, not a choice yet**")
         lines.append(f"| {c['scheme']} | {c['scope']} | {c['lr']:g} | {c['warmup_epochs']:g} | "
                      f"{100 * c['val_accuracy']:.2f} | {100 * c['test_accuracy']:.2f} | "
-                     f"{c['trials']} ({c['trained']}) | {'yes' if c['at_edge'] else 'no'} |")
+                     f"{ran} | {'yes' if c['at_edge'] else 'no'} |")
     for name in unchosen(trial_rows, choices):
         lines.append(f"| {name} | | | | | | none of its trials trained: no choice, no tuned file | |")
     lines += ["", "## Trials", "",
