@@ -35,6 +35,10 @@ def trials(runs: pd.DataFrame) -> pd.DataFrame:
     if runs.empty:
         return pd.DataFrame(columns=TRIAL_COLUMNS)
     frame = runs[[c for c in TRIAL_COLUMNS if c in runs]].copy()
+    if "experiment" in runs:  # a trial not run yet ("absent") names only the keys its sweep varies
+        for column in ("scheme", "scope"):
+            known = runs.groupby("experiment")[column].agg(lambda v: v.dropna().iloc[0] if v.notna().any() else None)
+            frame[column] = frame[column].fillna(runs["experiment"].map(known))
     return frame.sort_values(["scheme", "scope", "lr", "warmup_epochs"], key=_order).reset_index(drop=True)
 
 
@@ -153,7 +157,7 @@ def markdown(trial_rows: pd.DataFrame, choices: pd.DataFrame) -> str:
     for t in trial_rows.to_dict("records"):
         mark = "**chosen**" if (t["scheme"], t["scope"], t["lr"], t["warmup_epochs"]) in chosen else ""
         lines.append(f"| {t['scheme']} | {t['scope']} | {t['lr']:g} | {t['warmup_epochs']:g} | {t['status']} | "
-                     f"{t.get('stability') or '-'} | {_pct(t['val_accuracy'])} | {_pct(t['test_accuracy'])} | {mark} |")
+                     f"{t['stability'] if isinstance(t.get('stability'), str) else '-'} | {_pct(t['val_accuracy'])} | {_pct(t['test_accuracy'])} | {mark} |")
     codes = sorted(set(map(str, trial_rows["code"])))
     lines += ["", f"Code: {', '.join(codes)}" + (" (more than one version)" if len(codes) > 1 else ""), ""]
     return "\n".join(lines)
@@ -172,7 +176,8 @@ def plot(trial_rows: pd.DataFrame, choices: pd.DataFrame, path: str | Path) -> N
     import matplotlib.pyplot as plt
 
     schemes = list(dict.fromkeys(trial_rows["scheme"]))
-    fig, axes = plt.subplots(1, len(schemes), figsize=(3.2 * len(schemes), 3.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(schemes), figsize=(max(5.0, 3.2 * len(schemes)), 3.6), squeeze=False,
+                             sharey=True)
     floor = 0.0
     trained = trial_rows[_trained(trial_rows)]
     if not trained.empty:
@@ -184,18 +189,22 @@ def plot(trial_rows: pd.DataFrame, choices: pd.DataFrame, path: str | Path) -> N
             label = f"{scope if scope != NOT_APPLICABLE else 'dense'}, warm-up {warmup:g} ep"
             style = "-" if scope in ("layerwise", NOT_APPLICABLE) else "--"
             ax.plot(ok["lr"], 100 * ok["val_accuracy"], style, marker="o", label=label)
-            bad = line[~_trained(line)]
+            bad = line[~_trained(line) & line["status"].isin(FINISHED)]  # ran, did not train
             if not bad.empty:
                 ax.plot(bad["lr"], [100 * floor] * len(bad), "x", color="black")
         for c in choices[choices["scheme"] == scheme].to_dict("records"):
             ax.plot([c["lr"]], [100 * c["val_accuracy"]], "o", ms=12, mfc="none", mec="red")
         ax.set_xscale("log", base=2)
+        rates = sorted(rows["lr"].dropna().unique())  # the grid's own values as ticks
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.minorticks_off()
         ax.set_title(scheme)
         ax.set_xlabel("peak lr per worker")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("final validation accuracy %")
-    fig.suptitle("Tuning: validation accuracy vs learning rate (red ring: chosen; x: did not train)", fontsize=9)
+    fig.suptitle("Tuning: final validation accuracy vs learning rate\n(red ring: chosen; x: ran, did not train)",
+                 fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
