@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import TINY, run_cli  # noqa: E402
 
+
 def _cpu() -> str:
     """The processor's model name and its AVX-512 / AMX features: what picks the float kernels."""
     try:
