@@ -25,7 +25,17 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from .findings import Comparison, Finding, _num, _p, _show, measure, side_accuracy, verdict
+from .findings import (
+    Comparison,
+    Finding,
+    _equivalence_cell,
+    _num,
+    _p,
+    _show,
+    measure,
+    side_accuracy,
+    verdict,
+)
 from .loader import AXES, COLUMNS_FIRST, load_runs
 from .stats import compare, holm
 from .table import Table, write_table
@@ -137,9 +147,7 @@ def tables(decl: Declaration, runs: pd.DataFrame) -> tuple[Table, Table, Table]:
                     "95% interval (unadjusted)": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
                     "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""),
                     "p": _p(d.p), f"p (Holm, x{decl.looks} looks)": _p(m["p_holm"]),
-                    f"equivalence (TOST, ±{decl.margin:g} pt)": (
-                        "—" if eq is None else "not judged" if not eq.judged else
-                        f"p={_p(m['p_equivalent'])}, 90% [{eq.low:+.2f}, {eq.high:+.2f}]"),
+                    f"equivalence (TOST, ±{decl.margin:g} pt)": _equivalence_cell(eq, m["p_equivalent"]),
                     "outcome": m["outcome"],
                 })
         claimed = any(c.expect != "?" for c in finding.comparisons)

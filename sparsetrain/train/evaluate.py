@@ -65,10 +65,7 @@ class Evaluator:
         """Rank 0's model (its batch-norm statistics broadcast) on the validation split (when there
         is one: ``val_loss``, ``val_accuracy``) and the test set (``test_loss``, ``test_accuracy``),
         each sharded over the ranks."""
-        if self.world_size > 1:
-            for buf in self.model.buffers():
-                dist.broadcast(buf, src=0)
-        self.model.eval()
+        self._rank0_eval()
         splits = [("test", self.data.test_x, self.data.test_y)]
         if self.data.has_validation:
             splits.insert(0, ("val", self.data.val_x, self.data.val_y))
@@ -82,14 +79,19 @@ class Evaluator:
         """Rank 0's model on the first ``size`` validation images (all: None), sharded, running
         batch-norm statistics as they are: one point of the accuracy curve, cheap enough to take
         several times an epoch."""
-        if self.world_size > 1:
-            for buf in self.model.buffers():
-                dist.broadcast(buf, src=0)
-        self.model.eval()
+        self._rank0_eval()
         n = len(self.data.val_y) if size is None else min(size, len(self.data.val_y))
         out = self._score("val", self.data.val_x[:n], self.data.val_y[:n])
         self.model.train()
         return {"accuracy": out["val_accuracy"], "loss": out["val_loss"], "size": n}
+
+    def _rank0_eval(self) -> None:
+        """Every rank scores rank 0's model: its batch-norm statistics broadcast, eval mode (the
+        caller puts the model back in train mode)."""
+        if self.world_size > 1:
+            for buf in self.model.buffers():
+                dist.broadcast(buf, src=0)
+        self.model.eval()
 
     def _score(self, name: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
