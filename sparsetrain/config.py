@@ -48,6 +48,10 @@ class SchemeConfig:
     # a scheme to its class. Set by conf/scheme/<name>.yaml.
     compressor: Any = None
     error_feedback: bool = True
+    # What a worker keeps of what it did not send: a node with ``_target_`` (a subclass of
+    # sparsetrain.compress.Memory), ``_partial_: true`` and its options; None: error feedback
+    # (sparsetrain.compress.ErrorFeedback). scheme.error_feedback=false keeps nothing.
+    memory: Any = None
     # Tensors that travel whole, in the same collective: "1d" (biases, batch-norm weights and
     # biases, as the reference code does), "none" (compress every tensor), or an integer N
     # (tensors with fewer than N entries).
@@ -412,7 +416,7 @@ def schema_keys(cls: type = None, prefix: str = "") -> dict[str, Any]:
 
 
 # Keys whose value is free-form (the scheme's class and its options): any key below them is allowed.
-FREE_FORM = ("scheme.compressor",)
+FREE_FORM = ("scheme.compressor", "scheme.memory")
 
 
 def _known(key: str, keys: dict[str, Any]) -> bool:
@@ -776,6 +780,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         else:
             check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
                               scheme_compressor(cfg.scheme))
+            scheme_memory(cfg.scheme)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     choices = {
@@ -897,6 +902,35 @@ def scheme_compressor(scheme: Any) -> Any:
     except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"scheme.compressor of scheme={scheme.name} cannot be built: {reason}") from None
+
+
+def scheme_memory(scheme: Any) -> Any:
+    """What the scheme's ``memory`` node builds: a ``functools.partial`` of a ``Memory`` class
+    with its options, called with the compressed entries by the exchange; None (error feedback)
+    when the node is null. ``ConfigError`` (one line) when it cannot be built or is no memory."""
+    from hydra.utils import instantiate
+
+    from sparsetrain.compress import memory_class
+
+    node = scheme.get("memory") if hasattr(scheme, "get") else None
+    if not node:
+        return None
+    target = str(node.get("_target_")) if node.get("_target_") else None
+    if target is None:
+        raise ConfigError(f"scheme.memory of scheme={scheme.name} has no _target_; it names a class, e.g. "
+                          "sparsetrain.compress.ErrorFeedback, with _partial_: true")
+    module = target.rpartition(".")[0]
+    try:
+        factory = instantiate(node)
+        memory_class(factory)
+    except TypeError:
+        raise ConfigError(f"scheme.memory._target_={target} is not allowed: it is not a subclass of "
+                          "sparsetrain.compress.Memory built with _partial_: true") from None
+    except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"scheme.memory of scheme={scheme.name} cannot be built ({target}; is {module} on "
+                          f"PYTHONPATH?): {reason}") from None
+    return factory
 
 
 def compose(overrides: list[str] = ()) -> Any:

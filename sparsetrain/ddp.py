@@ -14,20 +14,24 @@ and exchange of early buckets overlap backward of later layers. Per bucket:
 - ``scope="layerwise"``: k_i = max(1, round(ratio x numel_i)) per compressed parameter, exactly
   as the trainer does; ``scope="global"`` is **global within a bucket**: one k over the bucket's
   compressed entries (not over the model: DDP hands the hook one bucket at a time);
-- error feedback, compression and the one collective are those of
-  ``sparsetrain.comm.SparseReducer`` (one reducer per bucket: its memory, compressor, message
-  and collective): AllReduce sums the k values and the whole tensors in one buffer; AllGather
-  sends values, whole tensors and positions in one packed message. The collective is started
-  asynchronously; the returned future gives the averaged bucket (divided by world size);
-- all of it on the bucket in place: the error-feedback add reads the compressed tensors where
-  they lie in the bucket, the whole tensors go straight into the message and back, the averaged
-  values are added at their bucket positions, and the hook returns the bucket itself (no copy of
-  the bucket into the reducer's ``[compressed | whole]`` order and back). Build DDP with
-  ``gradient_as_bucket_view=True`` (the trainer does): the ``.grad`` tensors are then views of
-  the buckets, and DDP copies no gradient into a bucket or back either;
-- positions come from ``bucket_seed(seed, step, bucket)``: shared by all ranks for AllReduce,
-  per rank for AllGather (each bucket's reducer is seeded with the bucket's seed, as the
-  trainer's reducer is with the run's);
+- error feedback, compression, the one collective and the decoding are the trainer's own
+  (``sparsetrain.comm.SparseReducer.start`` / ``finish``; one reducer per bucket: its memory,
+  compressor, message and collective), run on the bucket in place through a ``Placement`` (where
+  the bucket's compressed and whole tensors lie): the error-feedback add reads the compressed
+  tensors where they lie, the whole tensors go straight into the message and back, and every
+  message is decoded by the compressor's own ``decompress_add``. The hook has no step of its
+  own, so any compressor the trainer runs runs here alike. The collective is started
+  asynchronously; the returned future gives the averaged bucket (divided by world size). Build
+  DDP with ``gradient_as_bucket_view=True`` (the trainer does): the ``.grad`` tensors are then
+  views of the buckets, and DDP copies no gradient into a bucket or back;
+- positions (and every other random draw) follow tensors, not buckets: with layer-wise scope
+  each bucket's reducer has the run's seed (shared by all ranks for AllReduce, per rank for
+  AllGather), and a compressor whose draws span its tensors (``draws_span_segments``: random-k,
+  block-k, QSGD) takes the trainer's draws for the bucket's tensors (``share_draws``). So the
+  hook, layer-wise, exchanges exactly what the trainer does, whatever the buckets (bit for bit at
+  two ranks; with more, gloo's AllReduce may sum a value's terms in another order depending on
+  where it lies in the buffer). Global scope draws per bucket from ``bucket_seed(seed, step,
+  bucket)``;
 - the first ``warmup_steps`` iterations use DDP's plain AllReduce; compression then starts with
   empty memory. ``state.step`` counts iterations (it advances on the bucket DDP reduces last).
 
@@ -43,9 +47,6 @@ its parameters' pieces when it first runs: no memory is lost or misplaced, whate
 layout. (torch's PowerSGD hook instead refuses error feedback before iteration 2.) The same
 re-homing loads a checkpoint into any bucket layout.
 
-Over 400 lines on purpose: the hook works on DDP's bucket in place, so where each parameter's
-entries lie in a bucket (the slot map), the memory re-homing and the hook read the same layout
-and change together.
 """
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
@@ -58,6 +59,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from sparsetrain.comm import SparseReducer, build_reducer, check_combination
 from sparsetrain.comm.flat import packed_runs
+from sparsetrain.comm.sparse import Placement
 from sparsetrain.compress import (
     BlockRandomK,
     Layout,
@@ -77,123 +79,26 @@ def bucket_seed(seed: int, step: int, bucket: int, rank: int | None = None) -> i
 
 class _Bucket:
     """One DDP bucket as the hook sees it: its parameters, where its compressed and its whole
-    tensors lie in the bucket, and the reducer.
+    tensors lie in the bucket (``placement``), and the reducer.
 
     The reducer's memory and message hold the compressed tensors, then the whole ones, each group
     in bucket order (``[compressed | whole]``); the bucket interleaves them (a convolution, its
-    batch-norm vectors, the next convolution, ...). The hook works on the bucket itself: the
-    error-feedback add reads the compressed tensors where they lie, the whole ones are copied
-    straight into the message and back, and the averaged values are added at their bucket
-    positions (``place``): no copy of the bucket into that order and back.
+    batch-norm vectors, the next convolution, ...). The reducer's own step (``SparseReducer.start``
+    / ``finish``, the trainer's) runs on the bucket through the placement: the error-feedback add
+    reads the compressed tensors where they lie, the whole ones are copied straight into the
+    message and back, and every message is decoded by the compressor's own ``decompress_add``.
     """
 
     def __init__(self, keys, shapes, flags, reducer):
         self.keys = keys
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.reducer: SparseReducer | None = reducer
+        self.sizes = reducer  # what the bucket sends (of whole tensors only: a DenseReducer's count)
+        self.reducer: SparseReducer | None = reducer if isinstance(reducer, SparseReducer) else None
         order = compressed_first(flags)
         self.compressed = [(keys[i], sizes[i]) for i in order if not flags[i]]  # memory layout
-        self.grad_runs = packed_runs((offsets[i], sizes[i]) for i in order if not flags[i])
-        self.whole_runs = packed_runs((offsets[i], sizes[i]) for i in order if flags[i])
-        self._shift = None  # where a compressed entry's index lands in the bucket: see place()
-        self._run_starts = self._run_shift = None
-        if reducer is None:
-            return
-        from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
-
-        comp = reducer.compressor
-        if len(self.grad_runs) == 1:
-            self._shift = self.grad_runs[0][0]
-        elif comp.scope == "layerwise" and type(comp) in (TopK, RandomK, BlockRandomK):
-            # these put segment s's entries at slots [sum(ks[:s]), sum(ks[:s+1])): one shift a slot
-            moved, pos = [], 0
-            for i in order:  # per compressed tensor: its bucket offset - its memory offset
-                if not flags[i]:
-                    moved.append(offsets[i] - pos)
-                    pos += sizes[i]
-            ks = torch.tensor(comp.ks, dtype=torch.int64)
-            self._shift = torch.repeat_interleave(torch.tensor(moved, dtype=torch.int64), ks).to(comp.device)
-        else:
-            self._run_starts = torch.tensor([f for _, f, _ in self.grad_runs], dtype=torch.int64, device=comp.device)
-            self._run_shift = torch.tensor([a - f for a, f, _ in self.grad_runs], dtype=torch.int64, device=comp.device)
-
-    def place(self, idx: torch.Tensor) -> torch.Tensor:
-        """Bucket positions of the compressed part's entry indices ``idx`` (in the order of the
-        compressor's values)."""
-        if self._run_starts is not None:
-            run = torch.searchsorted(self._run_starts, idx, right=True).sub_(1)
-            return idx + self._run_shift[run]
-        return idx + self._shift if not isinstance(self._shift, int) or self._shift else idx
-
-    # The two halves of ``SparseReducer.pack`` / ``unpack`` on the bucket in place (the same
-    # operations on the same numbers, so the same results; keep the two in step).
-    def pack(self, buf: torch.Tensor, step: int):
-        """Error feedback and compression of the bucket's compressed tensors into the reducer's
-        message, the whole tensors after the values (and, for AllGather, the positions)."""
-        red = self.reducer
-        comp, k = red.compressor, red.compressor.num_values
-        pieces = [(f, buf[a : a + n]) for a, f, n in self.grad_runs]
-        wire = red._send_positions if red.aggregation == "allgather" else None
-        payload = red.memory.step(pieces if len(pieces) > 1 else pieces[0][1], comp,
-                                  red.positions_seed(step), out=red._values[:k], wire=wire)
-        for a, w, n in self.whole_runs:
-            red._values[k + w : k + w + n].copy_(buf[a : a + n])
-        return payload
-
-    def unpack(self, buf: torch.Tensor, payload) -> None:
-        """Overwrite the bucket with the average over ranks (after the collective)."""
-        red = self.reducer
-        comp, k, world = red.compressor, red.compressor.num_values, red.world_size
-        if not comp.sends_entries:  # a quantizer: every message decodes to the whole compressed part
-            self._unpack_dense(buf)
-            return
-        own = payload.indices if payload.indices is not None else comp.indices(payload.positions)
-        for a, _, n in self.grad_runs:
-            buf[a : a + n].zero_()
-        if red.aggregation == "allreduce":
-            red._values.div_(world)
-            self.place_add(buf, red._values[:k], own)
-            for a, w, n in self.whole_runs:
-                buf[a : a + n].copy_(red._values[k + w : k + w + n])
-            return
-        for a, _, n in self.whole_runs:
-            buf[a : a + n].zero_()
-        for r, values, wire in red.messages():
-            idx = own if r == red.rank else comp.indices(wire)  # own positions already expanded
-            self.place_add(buf, values[:k], idx)
-            for a, w, n in self.whole_runs:
-                buf[a : a + n].add_(values[k + w : k + w + n])
-
-    def place_add(self, buf: torch.Tensor, values: torch.Tensor, idx: torch.Tensor) -> None:
-        """``buf[place(idx)] += values``: a message's values added where its entries lie in the
-        bucket (``idx`` index the compressed layout; the bucket orders tensors its own way)."""
-        buf.index_add_(0, self.place(idx), values.to(buf.dtype))
-
-    def _unpack_dense(self, buf: torch.Tensor) -> None:
-        """``unpack`` for a compressor whose messages decode to every compressed entry (the
-        quantizers, AllGather only): every rank's message decoded in rank order, as
-        ``SparseReducer.unpack`` does, into the bucket's compressed tensors where they are one
-        run, else into a buffer in memory order copied to them."""
-        red = self.reducer
-        comp, k = red.compressor, red.compressor.num_values
-        if len(self.grad_runs) == 1:
-            a, _, n = self.grad_runs[0]
-            dense = buf[a : a + n]
-        else:
-            dense = self.__dict__.get("_dense")
-            if dense is None:
-                dense = self._dense = torch.empty(comp.numel, dtype=buf.dtype, device=buf.device)
-        dense.zero_()
-        for a, _, n in self.whole_runs:
-            buf[a : a + n].zero_()
-        for _, values, wire in red.messages():
-            comp.decompress_add(values[:k], wire, dense)
-            for a, w, n in self.whole_runs:
-                buf[a : a + n].add_(values[k + w : k + w + n])
-        if len(self.grad_runs) > 1:
-            for a, f, n in self.grad_runs:
-                buf[a : a + n].copy_(dense[f : f + n])
+        self.placement = Placement(tuple(packed_runs((offsets[i], sizes[i]) for i in order if not flags[i])),
+                                   tuple(packed_runs((offsets[i], sizes[i]) for i in order if flags[i])))
 
 
 class SparseHookState:
@@ -226,6 +131,7 @@ class SparseHookState:
         warmup_steps: int = 0,
         seed: int = 0,
         compressor=None,
+        memory=None,
         process_group=None,
     ):
         check_combination(scheme, scope, aggregation, ratio, compressor)
@@ -237,12 +143,19 @@ class SparseHookState:
         self.warmup_steps = int(warmup_steps)
         self.seed = int(seed)
         self.compressor = compressor
+        self.memory = memory  # the memory's class (or partial): error feedback when None
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         params = list(module.parameters())
         self._key = {id(p): i for i, p in enumerate(params)}
         self._numel = [p.numel() for p in params]
+        # each compressed parameter's segment in the trainer's layout (the module's parameters
+        # that train, those that travel whole left out, in order)
+        trained = [i for i, p in enumerate(params) if p.requires_grad]
+        whole = uncompressed_flags([params[i].shape for i in trained], self.uncompressed)
+        self._segment = {key: s for s, key in enumerate(key for key, w in zip(trained, whole, strict=True) if not w)}
+        self._whole = None  # the trainer's compressor, built when a bucket first needs its draws
         self.step = 0
         self._buckets: dict[int, _Bucket] = {}
         self._pending: dict[int, torch.Tensor] = {}  # memory of parameters waiting for their bucket
@@ -268,21 +181,29 @@ class SparseHookState:
             raise ValueError("a DDP bucket holds a parameter that is not in the module given to "
                              "SparseHookState; pass the DDP model the hook is registered on") from None
 
+    def _model_compressor(self, device):
+        """The trainer's compressor: over the module's compressed parameters in their order (whose
+        draws the buckets' compressors share)."""
+        if self._whole is None or self._whole.device != torch.device(device):
+            sizes = [self._numel[key] for key in sorted(self._segment, key=self._segment.get)]
+            self._whole = self.compressor(self.ratio, Layout.from_sizes(sizes), "layerwise", device=device)
+        return self._whole
+
     def _dissolve(self) -> None:
         """Split every bucket's memory into per-parameter pieces (after a rebuild or a load)."""
         for plan in self._buckets.values():
             if plan.reducer is not None:
-                self._park([key for key, _ in plan.compressed], plan.reducer.memory.memory)
+                self._park([key for key, _ in plan.compressed], plan.reducer.memory.buffers())
         self._buckets.clear()
 
-    def _park(self, keys, memory: torch.Tensor) -> int:
-        """Cut a bucket's memory (its compressed parameters ``keys``, in memory order) into
-        per-parameter pieces that wait for the bucket that next holds them. Returns the entries
-        used."""
+    def _park(self, keys, buffers: dict) -> int:
+        """Cut a bucket's memory buffers (``{name: tensor}``, whatever the memory holds, over its
+        compressed parameters ``keys`` in memory order) into per-parameter pieces that wait for
+        the bucket that next holds them. Returns the entries used."""
         pos = 0
         for key in keys:
             n = self._numel[key]
-            self._pending[key] = memory[pos : pos + n].clone()
+            self._pending[key] = {name: buf[pos : pos + n].clone() for name, buf in buffers.items()}
             pos += n
         return pos
 
@@ -298,26 +219,33 @@ class SparseHookState:
         shapes = [p.shape for p in params]
         flags = uncompressed_flags(shapes, self.uncompressed)
         order = compressed_first(flags)
-        # Each bucket's reducer draws its positions from the bucket's own seed: its seed rule
-        # (shared with AllReduce, per rank with AllGather) then gives bucket_seed(seed, step, index).
+        # Layer-wise, a tensor's positions do not depend on the bucket it is in: every bucket's
+        # reducer has the run's seed, and a compressor whose draws span its tensors takes the
+        # trainer's draws for them (``share_draws``), so the hook exchanges what the trainer
+        # does. Global scope is global within a bucket: each bucket draws from its own seed,
+        # bucket_seed(seed, step, index) (shared with AllReduce, per rank with AllGather).
+        layerwise = self.scope == "layerwise"
         reducer = build_reducer(
             self.scheme, self.scope, self.aggregation, self.ratio,
             Layout.from_sizes(shapes[i].numel() for i in order),
-            world_size=self.world_size, rank=self.rank, seed=step_seed(self.seed, index),
-            error_feedback=self.error_feedback,
+            world_size=self.world_size, rank=self.rank, seed=self.seed if layerwise else step_seed(self.seed, index),
+            error_feedback=self.error_feedback, memory=self.memory,
             uncompressed=[flags[i] for i in order], group=self.process_group,
             device=buf.device, dtype=buf.dtype, compressor=self.compressor,
         )
-        plan = _Bucket(keys, shapes, flags, reducer if isinstance(reducer, SparseReducer) else None)
-        if plan.reducer is not None:
-            mem, pos = plan.reducer.memory.memory, 0
+        plan = _Bucket(keys, shapes, flags, reducer)
+        if plan.reducer is not None and layerwise and plan.reducer.compressor.draws_span_segments:
+            plan.reducer.compressor.share_draws(self._model_compressor(buf.device),
+                                                [self._segment[key] for key, _ in plan.compressed])
+        if plan.reducer is not None:  # the bucket takes its parameters' memory, every buffer of it
+            buffers, pos = plan.reducer.memory.buffers(), 0
             for key, n in plan.compressed:
-                piece = self._pending.pop(key, None)
-                if piece is not None:
-                    if piece.numel() != n:
-                        raise ValueError(f"error-feedback memory of parameter {key} has {piece.numel()} "
-                                         f"entries, the parameter {n}")
-                    mem[pos : pos + n].copy_(piece)
+                pieces = self._pending.pop(key, None)
+                for name, piece in (pieces or {}).items():
+                    if name not in buffers or piece.numel() != n:
+                        raise ValueError(f"the memory of parameter {key} has a {name!r} of {piece.numel()} "
+                                         f"entries; this memory holds {sorted(buffers)} of {n}")
+                    buffers[name][pos : pos + n].copy_(piece)
                 pos += n
         self._buckets[index] = plan
         return plan
@@ -341,14 +269,14 @@ class SparseHookState:
             return allreduce_hook(self.process_group, bucket)
         red = plan.reducer
         self.bytes_sent[index] = red.bytes_sent_per_step
-        payload = plan.pack(buf, step)
-        work = red.communicate(async_op=True)  # in flight when the hook returns
+        pending = red.start(buf, step, placement=plan.placement)  # the collective in flight
+        work, pending.work = pending.work, None
 
         def finish(fut=None) -> torch.Tensor:
             if fut is not None:
                 fut.value()  # raises if the collective failed
             t0 = time.perf_counter()
-            plan.unpack(buf, payload)
+            red.finish(pending)
             self.decompress_ms.append((time.perf_counter() - t0) * 1e3)  # list.append: thread-safe
             return buf
 
@@ -371,9 +299,7 @@ class SparseHookState:
         entries)."""
         out = {"bytes_sent": 0, "uncompressed_bytes": 0, "sent_entries": 0.0, "numel": 0}
         for plan in self._buckets.values():
-            red = plan.reducer
-            if red is None:
-                continue
+            red = plan.sizes  # the bucket's reducer, sparse or (whole tensors only) dense
             out["bytes_sent"] += red.bytes_sent_per_step
             out["uncompressed_bytes"] += red.uncompressed_bytes_per_step
             out["sent_entries"] += red.density * red.numel
@@ -383,57 +309,63 @@ class SparseHookState:
         return out
 
     def memory_norm(self) -> float:
-        """||error-feedback memory|| over every bucket (and memory waiting for its bucket)."""
-        sq = sum(float(plan.reducer.memory.memory.double().pow(2).sum())
-                 for plan in self._buckets.values() if plan.reducer is not None)
-        sq += sum(float(piece.double().pow(2).sum()) for piece in self._pending.values())
+        """||memory|| over every bucket (and memory waiting for its bucket): the norm of each
+        memory's first buffer (error feedback's ``memory``)."""
+        sq = sum(plan.reducer.memory.norm() ** 2 for plan in self._buckets.values() if plan.reducer is not None)
+        for pieces in self._pending.values():
+            first = next(iter(pieces.values()), None)
+            sq += 0.0 if first is None else float(first.double().pow(2).sum())
         return math.sqrt(sq)
 
     # --- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """``step`` and the memory per bucket (``params``: positions in ``module.parameters()``
         of the compressed parameters it covers, in memory order; ``layout``: all the bucket's
-        parameters), plus memory not yet re-homed.
+        parameters; then the memory's buffers by name, error feedback's ``memory``), plus memory
+        not yet re-homed (per parameter, its buffers by name).
 
-        Restored, the memory and the step are exact. Positions are drawn per bucket, so a resumed
-        run draws those of an uninterrupted one only once DDP has its rebuilt buckets back: a
-        fresh DDP runs its first iteration on one initial bucket. The trainer therefore lets DDP
-        settle its buckets (two bypassed iterations, ``train.ddp_exchange``) before every run's
-        first step, fresh or resumed, and resumes bit for bit."""
+        Restored, the memory and the step are exact. The trainer lets DDP settle its buckets
+        (two bypassed iterations, ``train.ddp_exchange``) before every run's first step, fresh or
+        resumed (global scope draws per bucket), and resumes bit for bit."""
         buckets = {}
         for index, plan in self._buckets.items():
             if plan.reducer is not None:
                 buckets[index] = {"params": [k for k, _ in plan.compressed],
-                                  "memory": plan.reducer.memory.memory.detach().clone(),
-                                  "layout": list(plan.keys)}  # every parameter of the bucket, in order
+                                  "layout": list(plan.keys),  # every parameter of the bucket, in order
+                                  **{name: buf.detach().clone() for name, buf in plan.reducer.memory.buffers().items()}}
         return {"step": self.step, "buckets": buckets,
-                "pending": {k: v.clone() for k, v in self._pending.items()}}
+                "pending": {k: {name: t.clone() for name, t in v.items()} for k, v in self._pending.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore step and memory; each bucket takes its parameters' memory when it next runs,
-        whatever DDP's bucket layout is now."""
+        whatever DDP's bucket layout is now. (Checkpoints written before memories had several
+        buffers hold error feedback's ``memory`` alone, as a tensor per parameter: read alike.)"""
         self._buckets.clear()
-        self._pending = {int(k): v.clone() for k, v in state.get("pending", {}).items()}
+        self._pending = {int(k): ({"memory": v.clone()} if isinstance(v, torch.Tensor)
+                                  else {name: t.clone() for name, t in v.items()})
+                         for k, v in state.get("pending", {}).items()}
         for entry in state["buckets"].values():
-            mem = entry["memory"]
-            used = self._park([int(key) for key in entry["params"]], mem)
-            if used != mem.numel():
-                raise ValueError(f"a saved bucket's memory has {mem.numel()} entries, its parameters {used}")
+            buffers = {name: t for name, t in entry.items() if name not in ("params", "layout")}
+            used = self._park([int(key) for key in entry["params"]], buffers)
+            for name, t in buffers.items():
+                if used != t.numel():
+                    raise ValueError(f"a saved bucket's {name} has {t.numel()} entries, its parameters {used}")
         self.step = int(state["step"])
 
 
 # ------------------------------------------------------------------------- bytes of other hooks
-def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0) -> int:
+def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0, *, whole_only: bool = False) -> int:
     """Entries torch's PowerSGD hook sends per step: rank x (n + m) for each tensor viewed as an
     n x m matrix (n = shape[0]) that it compresses, the others (1-D ones, small ones) whole; the
-    same test as torch's ``_should_compress``."""
+    same test as torch's ``_should_compress``. ``whole_only``: the entries of the whole ones."""
     total = 0
     for shape in shapes:
         numel = math.prod(shape)
         n = shape[0] if len(shape) else 1
         m = numel // n
         r = min(n, m, rank)
-        total += r * (n + m) if (n + m) * r * min_compression_rate < numel else numel
+        compressed = (n + m) * r * min_compression_rate < numel
+        total += numel if not compressed else 0 if whole_only else r * (n + m)
     return total
 
 

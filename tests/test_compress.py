@@ -14,6 +14,7 @@ from sparsetrain.compress import (
     NoCompression,
     RandomK,
     TopK,
+    compression_stats,
     compressor_class,
     k_for,
     sampling,
@@ -110,10 +111,11 @@ def test_disabled_error_feedback_keeps_memory_zero():
     comp = make("topk", 0.05, "layerwise")
     ef = ErrorFeedback(LAYOUT.total, enabled=False, dtype=torch.float64)
     g = int_grad(LAYOUT.total, 0)
-    p = ef.step(g, comp)
-    assert torch.count_nonzero(ef.memory) == 0
-    rel, mem = ef.stats(p, grad_sq_norm=float(g @ g))
-    assert mem == 0.0
+    acc = ef.accumulate(g)
+    p = comp.compress(acc)
+    rel = compression_stats(acc, p, comp)
+    ef.forget(p, comp)
+    assert torch.count_nonzero(ef.memory) == 0 and ef.norm() == 0.0
     kept = dense_of(comp, p, LAYOUT.total)
     assert rel == pytest.approx(float((g - kept).norm() / g.norm()), rel=1e-9)
 
@@ -123,11 +125,29 @@ def test_stats_match_definitions():
     ef = ErrorFeedback(LAYOUT.total, dtype=torch.float64)
     ef.memory.copy_(torch.randn(LAYOUT.total, dtype=torch.float64))
     acc = ef.memory + (g := torch.randn(LAYOUT.total, dtype=torch.float64))
-    p = ef.step(g, comp, seed=1)
+    p = comp.compress(ef.accumulate(g), seed=1)
+    rel = compression_stats(ef.memory, p, comp)
+    ef.forget(p, comp)
     sent = dense_of(comp, p, LAYOUT.total)
-    rel, mem = ef.stats(p)
     assert rel == pytest.approx(float((acc - sent).norm() / acc.norm()), rel=1e-9)
-    assert mem == pytest.approx(float(ef.memory.norm()), rel=1e-12)
+    assert ef.norm() == pytest.approx(float(ef.memory.norm()), rel=1e-12)
+
+
+def test_stats_measure_the_decoded_message():
+    """A compressor that scales what it sends (random-k rescaled by n / k, unbiased) is measured
+    by what it sends: the error is ||acc - decoded||, not the share of acc left unsent."""
+
+    class Rescaled(type(make("randk", 0.1, "global"))):
+        def decompress_add(self, values, positions, out, *, indices=None):
+            return super().decompress_add(values * (self.numel / self.k), positions, out, indices=indices)
+
+    comp = Rescaled(0.1, LAYOUT, "global")
+    acc = torch.randn(LAYOUT.total, dtype=torch.float64)
+    p = comp.compress(acc, seed=3)
+    decoded = comp.decompress(p.values, p.positions, indices=p.indices)
+    assert not torch.equal(decoded[p.indices], acc[p.indices])  # scaled: not acc's own entries
+    assert compression_stats(acc, p, comp) == pytest.approx(float((acc - decoded).norm() / acc.norm()), rel=1e-12)
+    assert compression_stats(acc, p, comp) > 1.0  # sends 10x the entries' values: far from acc
 
 
 def test_state_dict_roundtrip():

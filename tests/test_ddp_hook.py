@@ -18,7 +18,7 @@ from test_exchange import COMBOS  # every valid scheme x scope x aggregation
 from torch import nn
 
 from sparsetrain.comm import check_combination
-from sparsetrain.compress import BlockRandomK, Layout, TopK, uncompressed_flags
+from sparsetrain.compress import BlockRandomK, Layout, TopK, step_seed, uncompressed_flags
 from sparsetrain.ddp import SparseHookState, bucket_seed, sparse_hook
 
 CAP_MB = 0.002  # a few KB: several buckets, most holding conv weights and batch-norm vectors
@@ -269,7 +269,8 @@ def test_ratio_one_equals_ddp_allreduce(world, two, three):
 
 def reference(scheme, scope, agg, layouts, world=2):
     """Replays the run by hand: per step each rank's gradient without DDP, then per bucket (as DDP
-    laid them out at that step) acc = grad + memory, the chosen entries masked and averaged, the
+    laid them out at that step; layer-wise, the whole model at once, as the trainer draws its
+    positions) acc = grad + memory, the chosen entries masked and averaged, the
     rest kept in that rank's memory, kept per parameter. Whole (1-D) tensors plainly averaged."""
     model = net(torch.float64)
     params = list(model.parameters())
@@ -286,6 +287,8 @@ def reference(scheme, scope, agg, layouts, world=2):
         avg = [torch.zeros(p.numel(), dtype=torch.float64) for p in params]
         buckets = [(b, keys) for s, b, keys in layouts if s == step]
         assert sorted(k for _, keys in buckets for k in keys) == list(range(len(params)))
+        if scope == "layerwise":  # a tensor's positions follow it, not its bucket: the trainer's
+            buckets = [(None, list(range(len(params))))]
         for b, keys in buckets:
             comp_keys = [k for k in keys if not whole[k]]
             for k in keys:
@@ -298,7 +301,9 @@ def reference(scheme, scope, agg, layouts, world=2):
             comp = compressor_for(scheme, block_size=BLOCK)(RATIO, Layout.from_sizes(sizes), scope)
             for r in range(world):
                 acc = torch.cat([per_rank[r][k] + memory[r][k] for k in comp_keys])
-                _, idx = comp.select(acc.clone(), bucket_seed(SEED, step, b, None if agg == "allreduce" else r))
+                rank = None if agg == "allreduce" else r
+                seed = step_seed(SEED, step, rank) if b is None else bucket_seed(SEED, step, b, rank)
+                _, idx = comp.select(acc.clone(), seed)
                 mask = torch.zeros(acc.numel(), dtype=torch.bool)
                 mask[idx] = True
                 assert int(mask.sum()) == comp.k

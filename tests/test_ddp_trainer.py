@@ -8,6 +8,14 @@ import pytest
 import torch
 from conftest import TINY, read_json, read_jsonl, run_cli
 
+from sparsetrain.config import CONF_DIR
+from sparsetrain.results import TORCH_HOOK_SCHEMES
+
+# every scheme that DDP runs through sparsetrain's sparse hook (torch's own hooks, dense SGD and
+# PowerSGD, whose DDP hook is still its own, aside)
+SPARSE_HOOK_SCHEMES = sorted(p.stem for p in (CONF_DIR / "scheme").glob("*.yaml")
+                             if p.stem not in (*TORCH_HOOK_SCHEMES, "none", "powersgd"))
+
 SHORT = (*TINY, "world_size=2", "train.max_steps=6", "train.log_every=1", "train.save_model=true")
 
 
@@ -51,6 +59,39 @@ def test_ddp_hook_at_ratio_one_trains_the_dense_model(tmp_path):
     assert a.keys() == b.keys()
     worst = max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
     assert worst < 1e-5, worst
+
+
+@pytest.mark.parametrize("scheme, aggregation", [(s, "allgather") for s in SPARSE_HOOK_SCHEMES]
+                         + [("randk", "allreduce")])
+def test_ddp_hook_trains_bit_for_bit_as_the_trainer(scheme, aggregation, tmp_path):
+    """Layer-wise, the hook runs the trainer's exchange on each bucket and every tensor draws what
+    the trainer draws for it: 2 ranks, 30 steps, several buckets, the same weights and train loss
+    to the last bit, for every scheme (random-k, block-k and QSGD drew per bucket before)."""
+    assert {"topk", "randk", "blockk", "signsgd", "qsgd"} <= set(SPARSE_HOOK_SCHEMES)
+    common = (f"scheme={scheme}", f"aggregation={aggregation}", "scope=layerwise", "train.epochs=4", "train.max_steps=30",
+              "dist.bucket_cap_mb=0.05")
+    flat, s_flat = _run(tmp_path, "trainer", *common)
+    ddp, s_ddp = _run(tmp_path, "ddp", *common, "dist.ddp=true")
+    assert s_flat["steps"] == s_ddp["steps"] == 30
+    assert s_flat["train_loss"] == s_ddp["train_loss"]
+    a = torch.load(flat / "model.pt", weights_only=True)
+    b = torch.load(ddp / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
+    # the bytes from the same count: the same entries sent, whole tensors and share; AllReduce's
+    # values to the byte (AllGather's messages are one per bucket, each aligned)
+    for key in ("density", "uncompressed_bytes_per_step", "dense_bytes_per_step"):
+        assert s_flat[key] == s_ddp[key], key
+    if aggregation == "allreduce":
+        assert s_flat["bytes_sent_per_step"] == s_ddp["bytes_sent_per_step"]
+
+
+def test_dense_sgd_sends_everything_whole_on_both_paths(tmp_path):
+    """Dense SGD's share of uncompressed bytes is 1 through the trainer and through DDP alike."""
+    for name, extra in (("trainer", ()), ("ddp", ("dist.ddp=true",))):
+        _, s = _run(tmp_path, name, "scheme=none", "train.max_steps=2", *extra)
+        assert s["uncompressed_bytes_per_step"] == s["bytes_sent_per_step"] == s["dense_bytes_per_step"], name
+        assert s["uncompressed_share"] == 1.0, name
 
 
 @pytest.mark.parametrize("scheme, bytes_per_entry", [("torch_powersgd", None), ("fp16", 2), ("bf16", 2)])

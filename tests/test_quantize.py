@@ -21,6 +21,7 @@ from sparsetrain.compress import (
     ErrorFeedback,
     Layout,
     SignSGD,
+    compression_stats,
     pack_codes,
     packed_nbytes,
     step_seed,
@@ -285,26 +286,29 @@ def test_error_feedback_conserves_what_was_not_sent(name, scope):
     for step in range(4):
         g = grad_of(0, step, COMPRESSED.total)
         acc = ef.memory + g
-        p = ef.step(g, comp, seed=step_seed(SEED, step, 0))
+        p = comp.compress(ef.accumulate(g), seed=step_seed(SEED, step, 0))
+        err = compression_stats(ef.memory, p, comp)
+        ef.forget(p, comp)
         decoded = comp.decompress(p.values, p.positions)
         assert torch.equal(ef.memory, acc - decoded)
         torch.testing.assert_close(ef.memory + decoded, acc, rtol=0, atol=1e-12)
-        err, mem = ef.stats(p, compressor=comp)
-        assert mem == pytest.approx(float(ef.memory.norm()))
+        assert ef.norm() == pytest.approx(float(ef.memory.norm()))
         assert err == pytest.approx(float((acc - decoded).norm() / acc.norm()))
     if name == "signsgd":  # a scaled sign sends less than what it approximates: the memory stays bounded
         assert float(ef.memory.norm()) < 2 * float(grad_of(0, 0, COMPRESSED.total).norm())
 
 
-def test_stats_without_error_feedback_need_the_gradient():
+def test_stats_without_error_feedback_read_the_gradient():
     comp = SignSGD(1.0, COMPRESSED)
     ef = ErrorFeedback(COMPRESSED.total, enabled=False, dtype=torch.float64)
     g = grad_of(0, 0, COMPRESSED.total)
-    p = ef.step(g, comp)
-    assert torch.count_nonzero(ef.memory) == 0
-    err, mem = ef.stats(p, compressor=comp, acc=g)
+    acc = ef.accumulate(g)
+    p = comp.compress(acc)
+    err = compression_stats(acc, p, comp)
+    ef.forget(p, comp)
+    assert torch.count_nonzero(ef.memory) == 0 and ef.norm() == 0.0
     d = comp.decompress(p.values, p.positions)
-    assert mem == 0.0 and err == pytest.approx(float((g - d).norm() / g.norm()))
+    assert err == pytest.approx(float((g - d).norm() / g.norm()))
 
 
 # ---- the exchange: bytes, whole tensors, refusals ------------------------------------------------------

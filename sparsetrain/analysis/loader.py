@@ -57,6 +57,7 @@ AXES = (
     "bucket_size",
     "rank",
     "compressor_options",
+    "memory",
     "uncompressed",
     "warmup_steps",
     "exchange",
@@ -191,6 +192,22 @@ def _compressor_options(cfg: dict) -> str | None:
     return ", ".join(shown) or None
 
 
+# memory of a run whose scheme named none: error feedback (or none, scheme.error_feedback=false,
+# its own axis). The column is there only when some run named one (load_runs).
+DEFAULT_MEMORY = "error feedback"
+
+
+def _memory(cfg: dict) -> str | None:
+    """The memory a run's ``scheme.memory`` node names, with its options, as one stable text
+    (``MomentumCorrection(momentum=0.9)``); None when it names none (error feedback)."""
+    node = _get(cfg, "scheme", "memory")
+    if not isinstance(node, dict):
+        return None
+    name = str(node.get("_target_", "?")).rpartition(".")[2]
+    options = ", ".join(f"{k}={v}" for k, v in sorted(node.items()) if k not in ("_target_", "_partial_"))
+    return f"{name}({options})"
+
+
 def _powersgd_rank(cfg: dict, scheme: str | None):
     if scheme not in POWERSGD_SCHEMES:
         return NOT_APPLICABLE
@@ -213,6 +230,7 @@ def _axes_from_config(cfg: dict) -> dict:
         "bucket_size": _bucket_size(cfg, scheme),  # scheme=qsgd's own key
         "rank": _powersgd_rank(cfg, scheme),  # PowerSGD's own key
         "compressor_options": _compressor_options(cfg),
+        "memory": _memory(cfg),
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
@@ -574,10 +592,10 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
     if frame.empty:
         return frame
     frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
-    if "compressor_options" in frame:
-        options = frame["compressor_options"]
-        frame = (frame.drop(columns="compressor_options") if options.isna().all()
-                 else frame.assign(compressor_options=options.fillna(CLASS_DEFAULTS)))
+    for column, default in (("compressor_options", CLASS_DEFAULTS), ("memory", DEFAULT_MEMORY)):
+        if column in frame:  # only where some run set one: other results keep their columns
+            values = frame[column]
+            frame = frame.drop(columns=column) if values.isna().all() else frame.assign(**{column: values.fillna(default)})
     frame = _integer_columns(frame)
     if not include_failed:
         frame = frame[frame["status"].isin(STATUSES_DONE)].reset_index(drop=True)

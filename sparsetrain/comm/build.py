@@ -13,7 +13,7 @@ from sparsetrain.comm.powersgd import build_powersgd_reducer, is_powersgd
 from sparsetrain.comm.protocol import Reducer
 from sparsetrain.comm.rules import check_combination
 from sparsetrain.comm.sparse import SparseReducer
-from sparsetrain.compress import Layout, as_layout, uncompressed_flags
+from sparsetrain.compress import ErrorFeedback, Layout, as_layout, memory_class, uncompressed_flags
 
 
 def build_reducer(
@@ -33,6 +33,7 @@ def build_reducer(
     device="cpu",
     dtype=torch.float32,
     compressor=None,
+    memory=None,
     shapes=None,
 ) -> Reducer:
     """The reducer for a scheme/scope/aggregation; ``DenseReducer`` for ``scheme='none'``.
@@ -43,6 +44,9 @@ def build_reducer(
     instantiates to (a ``functools.partial`` of the scheme's class with its options, e.g.
     ``partial(BlockRandomK, block_size=256)``), or the class itself; required unless
     ``scheme='none'``.
+    ``memory``: the memory's class, or a ``functools.partial`` of it with its options (what the
+    scheme's ``memory`` node instantiates to), built as ``memory(numel, enabled=error_feedback,
+    device=..., dtype=...)``; None: ``ErrorFeedback``.
     ``uncompressed``: one flag per segment, True for the tensors that travel whole; they must be
     the last segments (``flat_gradients`` orders the buffer so). ``warmup_steps``: dense steps
     before compression starts. ``shapes``: one per segment, the tensors' shapes (PowerSGD
@@ -61,6 +65,8 @@ def build_reducer(
     if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
         return DenseReducer(layout.total, esize, group=group)
     if is_powersgd(compressor):  # its own exchange: P and Q factors, two AllReduces (comm.powersgd)
+        if memory is not None and memory_class(memory) is not ErrorFeedback:
+            raise ValueError(f"scheme={scheme!r} keeps error feedback's memory only, not {memory_class(memory).__name__}")
         if shapes is None or len(shapes) != len(layout):
             raise ValueError(f"scheme={scheme!r} needs the shape of each of the {len(layout)} tensors: shapes=...")
         return build_powersgd_reducer(compressor, ratio, scope, shapes, flags, world_size=world_size, rank=rank,
@@ -74,6 +80,7 @@ def build_reducer(
         rank=rank,
         seed=seed,
         error_feedback=error_feedback,
+        memory=memory,
         uncompressed_numel=layout.total - compressed.total,
         warmup_steps=warmup_steps,
         group=group,

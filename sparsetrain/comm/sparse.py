@@ -27,7 +27,7 @@ import torch.distributed as dist
 from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.protocol import ExchangeStats
 from sparsetrain.comm.rules import check_aggregation
-from sparsetrain.compress import ErrorFeedback, step_seed
+from sparsetrain.compress import ErrorFeedback, compression_stats, step_seed
 from sparsetrain.timing import NULL_TIMER, PhaseTimer
 
 
@@ -41,14 +41,31 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where the exchange's two parts lie in the buffer it is handed, as runs ``(offset in the
+    buffer, offset in the part, length)``: ``grad_runs`` cover the compressed tensors in the
+    compressor's layout order, ``whole_runs`` the tensors that travel whole. The trainer's flat
+    buffer is ``[compressed | whole]``, one run each (``Placement.flat``); a DDP bucket
+    interleaves the two (``comm.flat.packed_runs``)."""
+
+    grad_runs: tuple
+    whole_runs: tuple
+
+    @classmethod
+    def flat(cls, compressed_numel: int, uncompressed_numel: int) -> Placement:
+        whole = ((compressed_numel, 0, uncompressed_numel),) if uncompressed_numel else ()
+        return cls(((0, 0, compressed_numel),), whole)
+
+
 @dataclass
 class SparseStep:
-    """One sparse step in flight, between ``SparseReducer.start`` and ``finish``: the two parts
-    of the flat buffer, what was packed, the collective's ``Work`` (None when it already ran, or
+    """One sparse step in flight, between ``SparseReducer.start`` and ``finish``: the buffer and
+    where its parts lie, what was packed, the collective's ``Work`` (None when it already ran, or
     on one rank) and the statistics (``(compression_error, memory_norm)``, None when not asked)."""
 
-    grad: torch.Tensor
-    whole: torch.Tensor
+    buf: torch.Tensor
+    placement: Placement
     payload: Any
     work: Any
     stats: tuple | None
@@ -77,6 +94,7 @@ class SparseReducer:
         rank: int,
         seed: int,
         error_feedback: bool = True,
+        memory=None,
         uncompressed_numel: int = 0,
         warmup_steps: int = 0,
         group=None,
@@ -97,7 +115,11 @@ class SparseReducer:
         self.compressed_numel = compressor.numel
         self.uncompressed_numel = int(uncompressed_numel)
         self.numel = self.compressed_numel + self.uncompressed_numel
-        self.memory = ErrorFeedback(self.compressed_numel, enabled=error_feedback, device=device, dtype=dtype)
+        # the memory component (conf/scheme/<name>.yaml's ``memory`` node; error feedback by default)
+        self.memory = (memory or ErrorFeedback)(self.compressed_numel, enabled=error_feedback, device=device,
+                                                dtype=dtype)
+        self.flat_placement = Placement.flat(self.compressed_numel, self.uncompressed_numel)
+        self._decoded: torch.Tensor | None = None  # decoding buffer for a placement of several runs
 
         esize = torch.empty((), dtype=dtype).element_size()
         num_positions = compressor.num_positions
@@ -161,44 +183,54 @@ class SparseReducer:
         )
 
     # --- the one sparse step: ``reduce`` and the DDP hook (sparsetrain.ddp) both drive it ---------
-    def start(self, flat: torch.Tensor, step: int, *, want_stats: bool = False,
-              timer: PhaseTimer = NULL_TIMER, async_op: bool = True) -> SparseStep:
-        """Error feedback and compression of ``flat`` (``[compressed | whole]``) into the message,
-        then the one collective, started (``async_op``: not waited for). ``want_stats``: the
-        compression error and memory norm (a host sync on CUDA, left out of the step's time)."""
-        grad, whole = flat[: self.compressed_numel], flat[self.compressed_numel :]
-        grad_sq = None
-        if want_stats and not self.memory.enabled:
-            with timer.untimed():
-                grad_sq = float(torch.dot(grad, grad))
+    def start(self, buf: torch.Tensor, step: int, *, placement: Placement | None = None,
+              want_stats: bool = False, timer: PhaseTimer = NULL_TIMER, async_op: bool = True) -> SparseStep:
+        """Error feedback and compression of ``buf``'s compressed tensors into the message, its
+        whole tensors after them, then the one collective, started (``async_op``: not waited
+        for). ``placement``: where the two parts lie in ``buf`` (default: the trainer's
+        ``[compressed | whole]``). ``want_stats``: the compression error and memory norm (a host
+        sync on CUDA, left out of the step's time)."""
+        placement = placement or self.flat_placement
         with timer.phase("compress"):
-            payload = self.pack(grad, whole, self.positions_seed(step))
+            payload, acc = self.pack(buf, placement, self.positions_seed(step))
         stats = None
+        if want_stats:  # the error before forget changes acc; the norm after
+            with timer.untimed():
+                error = compression_stats(acc, payload, self.compressor)
+        with timer.phase("compress"):
+            self.keep(buf, placement, payload)
         if want_stats:
             with timer.untimed():
-                stats = self.memory.stats(payload, grad_sq, compressor=self.compressor, acc=grad)
+                stats = (error, self.memory.norm())
         with timer.phase("exchange"):
             work = self.communicate(async_op=async_op)
-        return SparseStep(grad, whole, payload, work, stats)
+        return SparseStep(buf, placement, payload, work, stats)
 
     def finish(self, pending: SparseStep) -> None:
-        """Wait for the collective (if still in flight) and overwrite the flat buffer with the
+        """Wait for the collective (if still in flight) and overwrite the buffer with the
         average over ranks."""
         if pending.work is not None:
             pending.work.wait()
-        self.unpack(pending.grad, pending.whole, pending.payload)
+        self.unpack(pending.buf, pending.placement, pending.payload)
 
     # --- the three phases of a step ------------------------------------------------------------
-    def pack(self, grad: torch.Tensor, whole: torch.Tensor, seed: int):
-        """Error feedback + compression of ``grad`` (the compressed part) into the message, then
-        ``whole`` after the values (and, for AllGather, the positions). Returns the payload."""
-        comp, nv = self.compressor, self.compressor.num_values
-        acc = self.memory.accumulate(grad)
+    def pack(self, buf: torch.Tensor, placement: Placement, seed: int):
+        """The memory's accumulate and the compression of ``buf``'s compressed tensors (read
+        where they lie) into the message. Returns ``(payload, acc)``: ``acc`` the vector that was
+        compressed (until ``keep``)."""
+        pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
+        acc = self.memory.accumulate(pieces[0][1] if len(pieces) == 1 else pieces)
         wire = self._send_positions if self.aggregation == "allgather" else None
-        payload = comp.compress(acc, seed, out=self._values[:nv], wire=wire)
-        self.memory.forget(payload, comp)
-        self._values[nv:].copy_(whole)
-        return payload
+        payload = self.compressor.compress(acc, seed, out=self._values[: self.compressor.num_values], wire=wire)
+        return payload, acc
+
+    def keep(self, buf: torch.Tensor, placement: Placement, payload) -> None:
+        """The memory's forget (what was not sent is kept), then ``buf``'s whole tensors into the
+        message after the values."""
+        self.memory.forget(payload, self.compressor)
+        nv = self.compressor.num_values
+        for a, w, n in placement.whole_runs:
+            self._values[nv + w : nv + w + n].copy_(buf[a : a + n])
 
     def communicate(self, async_op: bool = False):
         """The one collective over the packed message; its ``Work`` when ``async_op`` (None on
@@ -211,27 +243,44 @@ class SparseReducer:
             self._recv[: self._message_nbytes].copy_(self._send)
         return None
 
-    def unpack(self, grad: torch.Tensor, whole: torch.Tensor, payload) -> None:
-        """Overwrite ``grad`` and ``whole`` with the average over ranks (after ``communicate``)."""
+    def unpack(self, buf: torch.Tensor, placement: Placement, payload) -> None:
+        """Overwrite ``buf``'s two parts with the average over ranks (after ``communicate``):
+        every message decoded by the compressor's own ``decompress_add``, in rank order, into
+        the compressed tensors (where they are one run, in place; else into a buffer in the
+        compressor's layout, copied to them), the whole tensors summed beside."""
         comp, k, world = self.compressor, self.compressor.num_values, self.world_size
+        runs = placement.grad_runs
+        if len(runs) == 1:
+            a, _, n = runs[0]
+            grad = buf[a : a + n]
+        else:
+            if self._decoded is None or self._decoded.dtype != buf.dtype or self._decoded.device != buf.device:
+                self._decoded = torch.empty(self.compressed_numel, dtype=buf.dtype, device=buf.device)
+            grad = self._decoded
         grad.zero_()
         if self.aggregation == "allreduce":
             self._values.div_(world)
             comp.decompress_add(self._values[:k], payload.positions, grad, indices=payload.indices)
-            whole.copy_(self._values[k:])
+            for a, w, n in placement.whole_runs:
+                buf[a : a + n].copy_(self._values[k + w : k + w + n])
         else:
-            whole.zero_()
+            for a, _, n in placement.whole_runs:
+                buf[a : a + n].zero_()
             for r, values, wire in self.messages():
                 if r == self.rank and payload.indices is not None:  # own positions already expanded
                     comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
                 else:
                     comp.decompress_add(values[:k], wire, grad)
-                whole.add_(values[k:])
+                for a, w, n in placement.whole_runs:
+                    buf[a : a + n].add_(values[k + w : k + w + n])
+        if len(runs) > 1:
+            for a, f, n in runs:
+                buf[a : a + n].copy_(grad[f : f + n])
 
     def messages(self):
         """After an AllGather, every rank's message in rank order: ``(rank, its values section
         divided by the ranks, its wire section)`` (views of the receive buffer; the values a new
-        tensor). ``unpack`` and the DDP hook (``sparsetrain.ddp``) read them alike."""
+        tensor)."""
         size, world = self._message_nbytes, self.world_size
         for r in range(world):
             msg = self._recv[r * size : (r + 1) * size]

@@ -22,7 +22,7 @@ from sparsetrain.compress.base import (
     k_for,
     step_seed,
 )
-from sparsetrain.compress.feedback import ErrorFeedback
+from sparsetrain.compress.feedback import ErrorFeedback, Memory, compression_stats, memory_class
 from sparsetrain.compress.layout import (
     UNCOMPRESSED_RULES,
     Layout,
@@ -49,6 +49,9 @@ __all__ = [
     "Compressor",
     "DistinctSampler",
     "ErrorFeedback",
+    "Memory",
+    "compression_stats",
+    "memory_class",
     "Layout",
     "NoCompression",
     "Payload",

@@ -130,6 +130,11 @@ class Compressor:
     sends_entries: ClassVar[bool] = True
     #: Why ``aggregation=allreduce`` is refused when ``shared_positions`` is False (one line's end).
     allreduce_refusal: ClassVar[str] = "picks different positions on every rank"
+    #: True when a layer-wise compressor draws its random numbers from one stream over all its
+    #: segments (random-k, block-k, QSGD), so that the same class over some of the segments (a
+    #: DDP bucket's tensors) would draw other numbers for them. Such a class implements
+    #: ``share_draws``; the DDP hook then gives every tensor the numbers the trainer draws for it.
+    draws_span_segments: ClassVar[bool] = False
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:
@@ -144,6 +149,7 @@ class Compressor:
         self.device = _normalise_device(device)
         self.ks: list[int] = [k_for(self.ratio, n) for n in self.layout.sizes]
         self.k: int = sum(self.ks)
+        self._draw_source: tuple[Compressor, list[int]] | None = None  # see share_draws
         if options:
             raise TypeError(f"{type(self).__name__} got unknown options {sorted(options)}")
 
@@ -165,6 +171,20 @@ class Compressor:
     def indices(self, positions: torch.Tensor) -> torch.Tensor:
         """Expand wire positions to the k entry indices (int64), in the order of values."""
         return positions.long()
+
+    def share_draws(self, source: Compressor, segments) -> None:
+        """Draw, from now on, the numbers that ``source`` draws for its ``segments`` (this class
+        with the same options over a larger layout, e.g. the model's; ``segments``: which of its
+        segments this compressor's are, in order): a DDP bucket's compressor then draws for each
+        tensor what the trainer's draws, whatever the buckets. Needed only where
+        ``draws_span_segments``; layer-wise scope only."""
+        segments = [int(s) for s in segments]
+        if type(source) is not type(self) or self.scope != "layerwise" or source.scope != "layerwise":
+            raise ValueError(f"{type(self).__name__} shares draws only with a layer-wise compressor of its own class")
+        if [source.layout.sizes[s] for s in segments] != list(self.layout.sizes) or \
+                [source.ks[s] for s in segments] != list(self.ks):
+            raise ValueError(f"segments {segments[:8]} of {source!r} are not the segments of {self!r}")
+        self._draw_source = (source, segments)
 
     # --- shared behaviour ----------------------------------------------------------------------
     @property

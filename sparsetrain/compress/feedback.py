@@ -1,20 +1,122 @@
-"""Error feedback (memory): what a worker did not send is added to its next gradient."""
+"""The memory: what a worker keeps of what it did not send, one component beside the compressor.
+
+A memory turns the gradient into the vector the compressor sees (``accumulate``) and, once the
+message is made, keeps what was not sent (``forget``). Its state is a few buffers of one entry
+per compressed entry (``buffers``): checkpoints save them, and the DDP hook moves them, entry by
+entry, when DDP rebuilds its buckets, whatever the memory holds.
+
+- ``ErrorFeedback`` (the scheme's default): ``acc = grad + memory; memory = acc - sent``.
+  ``enabled=False`` (``scheme.error_feedback=false``) is the ablation: ``acc = grad``, nothing kept.
+- Another memory is one class (subclass ``Memory``) named in the scheme's yaml::
+
+      memory:
+        _target_: mymodule.MomentumCorrection
+        _partial_: true
+        momentum: 0.9
+
+  built as ``factory(numel, enabled=..., device=..., dtype=...)`` by the exchange.
+
+``compression_stats`` gives the relative compression error from the decoded message (any
+compressor, scaled values included) and the memory's norm.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any, ClassVar
 
 import torch
 
 from sparsetrain.compress.base import Compressor, Payload
 
 
-class ErrorFeedback:
+class Memory:
+    """Base of the memories. Subclasses set ``BUFFERS`` (the names of their per-entry buffers,
+    the first one the one whose norm is logged) and implement ``accumulate`` and ``forget``.
+
+    ``numel``: the compressed entries; ``enabled``: False keeps nothing (``acc = grad``)."""
+
+    BUFFERS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, numel: int, *, enabled: bool = True, device="cpu", dtype=torch.float32):
+        self.enabled = bool(enabled)
+        self.numel = int(numel)
+        for name in self.BUFFERS:
+            setattr(self, name, torch.zeros(self.numel, device=device, dtype=dtype))
+
+    # --- what a subclass provides ------------------------------------------------------------
+    def accumulate(self, grad) -> torch.Tensor:
+        """The vector to compress, from ``grad`` (a tensor, or its pieces ``[(offset, tensor)]``
+        covering the compressed entries in order: a DDP bucket's tensors where they lie)."""
+        raise NotImplementedError
+
+    def forget(self, payload: Payload, compressor: Compressor) -> None:
+        """After ``compressor.compress(acc)``: keep what was not sent."""
+        raise NotImplementedError
+
+    # --- shared behaviour ---------------------------------------------------------------------
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The per-entry state, by name (zeros, never changed, when disabled)."""
+        return {name: getattr(self, name) for name in self.BUFFERS}
+
+    def norm(self) -> float:
+        """||first buffer||: what the logs call the memory norm (0 when disabled)."""
+        if not self.enabled or not self.BUFFERS:
+            return 0.0
+        m = getattr(self, self.BUFFERS[0])
+        return math.sqrt(float(torch.dot(m, m)))
+
+    @staticmethod
+    def gradient(grad, numel: int) -> torch.Tensor:
+        """``grad`` as one tensor (pieces concatenated: a copy)."""
+        if isinstance(grad, torch.Tensor):
+            return grad
+        pieces = list(grad)
+        total = sum(g.numel() for _, g in pieces)
+        if total != numel:
+            raise ValueError(f"the gradient has {total} entries, the memory {numel}")
+        return torch.cat([g.reshape(-1) for _, g in pieces])
+
+    @staticmethod
+    def add_into(buffer: torch.Tensor, grad) -> torch.Tensor:
+        """``buffer += grad`` (a tensor or its pieces), in place; returns ``buffer``."""
+        if isinstance(grad, torch.Tensor):
+            return buffer.add_(grad)
+        pieces = list(grad)
+        total = sum(g.numel() for _, g in pieces)
+        if total != buffer.numel():
+            raise ValueError(f"the gradient has {total} entries, the memory {buffer.numel()}")
+        for off, g in pieces:
+            buffer[off : off + g.numel()].add_(g.reshape(-1))
+        return buffer
+
+    def step(self, grad, compressor: Compressor, seed: int = 0, out=None, wire=None) -> Payload:
+        """accumulate + compress + forget, for a plain training loop."""
+        acc = self.accumulate(grad)
+        payload = compressor.compress(acc, seed, out=out, wire=wire)
+        self.forget(payload, compressor)
+        return payload
+
+    def state_dict(self) -> dict:
+        return {"enabled": self.enabled, **{k: v.detach().clone() for k, v in self.buffers().items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, buf in self.buffers().items():
+            saved = state[name]
+            if saved.numel() != buf.numel():
+                raise ValueError(f"{name} of the {type(self).__name__} has {saved.numel()} entries, "
+                                 f"this model {buf.numel()}")
+            buf.copy_(saved)
+
+
+class ErrorFeedback(Memory):
     """Per-worker memory over the flat buffer: ``acc = grad + memory; sent = C(acc);
     memory = acc - sent``.
 
     The accumulation happens in the memory buffer itself (``memory += grad`` is ``acc``), and
-    ``memory = acc - sent`` is done by zeroing the sent entries: exact, no extra buffer.
+    ``memory = acc - sent`` is the compressor's ``forget``: zeroing the sent entries for a
+    sparsifier (exact, no extra buffer), subtracting the decoded message for a quantizer.
     ``enabled=False`` is the ablation: ``acc = grad`` and the memory stays zero.
 
     >>> import torch
@@ -26,94 +128,37 @@ class ErrorFeedback:
     ([1, 3], [1.0, 0.0, 0.5, 0.0])
     """
 
-    def __init__(self, numel: int, *, enabled: bool = True, device="cpu", dtype=torch.float32):
-        self.enabled = bool(enabled)
-        self.memory = torch.zeros(int(numel), device=device, dtype=dtype)
+    BUFFERS = ("memory",)
 
-    def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
-        """Return ``acc``: the memory buffer (now holding grad + memory) or ``grad`` if disabled."""
+    def accumulate(self, grad) -> torch.Tensor:
+        """``acc``: the memory buffer (now holding grad + memory), or the gradient itself if
+        disabled (pieces concatenated)."""
         if not self.enabled:
-            return grad
-        return self.memory.add_(grad)
+            return self.gradient(grad, self.numel)
+        return self.add_into(self.memory, grad)
 
     def forget(self, payload: Payload, compressor: Compressor) -> None:
-        """``memory = acc - sent (as decoded)`` (call after ``compress``): the compressor's
-        ``forget`` zeroes the sent entries (sparsifiers) or subtracts the decoded message
-        (quantizers)."""
-        if not self.enabled:
-            return
-        compressor.forget(self.memory, payload)
-
-    def step(self, grad, compressor: Compressor, seed: int = 0, out=None, wire=None) -> Payload:
-        """accumulate + compress + forget, for a plain training loop and the reducers.
-
-        ``grad``: the gradient, or its pieces ``[(offset, tensor)]`` covering the memory in order
-        (the DDP hook passes a bucket's compressed tensors where they lie, without a copy).
-        """
-        if isinstance(grad, torch.Tensor):
-            acc = self.accumulate(grad)
-        else:
-            pieces = list(grad)
-            numel = sum(g.numel() for _, g in pieces)
-            if numel != self.memory.numel():
-                raise ValueError(f"the gradient has {numel} entries, the error-feedback memory "
-                                 f"{self.memory.numel()}")
-            if self.enabled:
-                for off, g in pieces:
-                    self.memory[off : off + g.numel()].add_(g.reshape(-1))
-                acc = self.memory
-            else:
-                acc = torch.cat([g.reshape(-1) for _, g in pieces])
-        payload = compressor.compress(acc, seed, out=out, wire=wire)
-        self.forget(payload, compressor)
-        return payload
-
-    def stats(self, payload: Payload, grad_sq_norm: float | None = None, *,
-              compressor: Compressor | None = None, acc: torch.Tensor | None = None) -> tuple[float, float]:
-        """``(relative compression error ||acc - sent|| / ||acc||, memory norm)`` after a step.
-
-        With memory on, ``acc - sent`` is the memory and ``||acc||^2 = ||memory||^2 +
-        ||values||^2`` (sent values are acc's own entries): one pass. With memory off pass
-        ``grad_sq_norm`` = ||grad||^2 measured before the buffer changed.
-
-        A compressor that does not send entries (``sends_entries`` False: the quantizers) needs
-        ``compressor``, and with memory off ``acc`` (the gradient, unchanged): the sent vector is
-        then its decoded message.
-        """
-        if compressor is not None and not compressor.sends_entries:
-            sent = compressor.decompress(payload.values, payload.positions, dtype=self.memory.dtype)
-            if self.enabled:
-                mem_sq = float(torch.dot(self.memory, self.memory))
-                total = self.memory + sent
-                acc_sq, err_sq, mem_norm = float(torch.dot(total, total)), mem_sq, math.sqrt(mem_sq)
-            else:
-                if acc is None:
-                    raise ValueError("acc is needed when error feedback is disabled")
-                err = acc - sent
-                acc_sq, err_sq, mem_norm = float(torch.dot(acc, acc)), float(torch.dot(err, err)), 0.0
-            return (math.sqrt(err_sq / acc_sq) if acc_sq > 0 else 0.0), mem_norm
-        sent_sq = float(torch.dot(payload.values.view(-1), payload.values.view(-1)))
+        """``memory = acc - sent (as decoded)``: the compressor's ``forget``."""
         if self.enabled:
-            mem_sq = float(torch.dot(self.memory, self.memory))
-            acc_sq = mem_sq + sent_sq
-            err_sq = mem_sq
-            mem_norm = math.sqrt(mem_sq)
-        else:
-            if grad_sq_norm is None:
-                raise ValueError("grad_sq_norm is needed when error feedback is disabled")
-            acc_sq = float(grad_sq_norm)
-            err_sq = max(acc_sq - sent_sq, 0.0)
-            mem_norm = 0.0
-        rel = math.sqrt(err_sq / acc_sq) if acc_sq > 0 else 0.0
-        return rel, mem_norm
+            compressor.forget(self.memory, payload)
 
-    def state_dict(self) -> dict:
-        return {"enabled": self.enabled, "memory": self.memory.detach().clone()}
 
-    def load_state_dict(self, state: dict) -> None:
-        mem = state["memory"]
-        if mem.numel() != self.memory.numel():
-            raise ValueError(
-                f"error-feedback memory has {mem.numel()} entries, this model {self.memory.numel()}"
-            )
-        self.memory.copy_(mem)
+def compression_stats(acc: torch.Tensor, payload: Payload, compressor: Compressor) -> float:
+    """``||acc - decoded|| / ||acc||``: the relative compression error of one rank's message,
+    from the message as the receivers decode it (so a compressor that scales or encodes its
+    values is measured by what it sends). Call before the memory's ``forget`` (which may change
+    ``acc`` in place). 0 for a zero ``acc``."""
+    decoded = compressor.decompress(payload.values, payload.positions, indices=payload.indices, dtype=acc.dtype)
+    err = decoded.sub_(acc)
+    acc_sq = float(torch.dot(acc, acc))
+    return math.sqrt(float(torch.dot(err, err)) / acc_sq) if acc_sq > 0 else 0.0
+
+
+def memory_class(factory: Any) -> type[Memory]:
+    """The class a scheme's memory factory builds: the class itself, or the class of a
+    ``functools.partial`` of it (what ``scheme.memory`` instantiates to). ``TypeError`` else."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    if isinstance(factory, type) and issubclass(factory, Memory):
+        return factory
+    raise TypeError(f"{factory!r} is not a Memory class or a functools.partial of one")

@@ -355,6 +355,40 @@ class QSGD(Quantizer):
         for v, b, count in self._pieces(x):
             v *= factors[b : b + count].reshape(count, 1)
 
+    draws_span_segments = True
+
+    def uniforms(self, seed: int, acc: torch.Tensor, numpy: bool):
+        """One uniform in [0, 1) per entry for ``seed``, in ``acc``'s dtype: numpy's PCG64 into
+        a reused array (``numpy``: the CPU path), torch's generator otherwise. Shared draws
+        (``share_draws``): the source's numbers at this compressor's entries (the source keeps
+        its latest draw: every DDP bucket of a step reads it)."""
+        if self._draw_source is not None:
+            source, _ = self._draw_source
+            full = source.uniforms(seed, acc, numpy)
+            if numpy:
+                return np.take(full, self._entries_np, out=self.scratch("u", full.dtype))
+            return full[self._entries.to(full.device)]
+        key = (int(seed), acc.dtype, acc.device, numpy)
+        if self.__dict__.get("_drawn_key") == key:
+            return self._drawn
+        if numpy:
+            dtype = acc.numpy().dtype
+            u = np.random.default_rng(int(seed)).random(self.numel, dtype=dtype, out=self.scratch("u", dtype))
+        else:
+            gen = torch.Generator(device=acc.device)
+            gen.manual_seed(int(seed))
+            u = torch.rand(self.numel, generator=gen, dtype=acc.dtype, device=acc.device)
+        self._drawn_key, self._drawn = key, u
+        return u
+
+    def share_draws(self, source, segments):
+        if (source.levels, source.bucket_size) != (self.levels, self.bucket_size):
+            raise ValueError(f"{self!r} shares draws only with a QSGD of its own options, not {source!r}")
+        super().share_draws(source, segments)
+        self._entries = torch.cat([torch.arange(source.layout.offsets[s], source.layout.offsets[s] + n)
+                                   for s, n in zip(segments, self.layout.sizes, strict=True)])
+        self._entries_np = self._entries.numpy()
+
     def encode(self, acc, seed, values, wire):
         s = self.levels
         values.copy_(self.bucket_norms(acc))
@@ -365,7 +399,7 @@ class QSGD(Quantizer):
             a = acc.numpy()
             r = np.abs(a, out=self.scratch("r", a.dtype))
             self._scale_buckets(r, factors.numpy())  # |x| / ||x|| * s
-            u = np.random.default_rng(int(seed)).random(self.numel, dtype=a.dtype, out=self.scratch("u", a.dtype))
+            u = self.uniforms(seed, acc, numpy=True)
             np.floor(np.add(r, u, out=r), out=r)  # floor(r + u): floor(r) + 1 with probability r - floor(r)
             np.copysign(np.minimum(r, s, out=r), a, out=r)  # the signed level
             code = self.scratch("code", self._signed)
@@ -377,9 +411,7 @@ class QSGD(Quantizer):
             return
         r = torch.abs(acc)
         self._scale_buckets(r, factors.to(acc.device))  # |x| / ||x|| * s
-        gen = torch.Generator(device=acc.device)
-        gen.manual_seed(int(seed))
-        u = torch.rand(self.numel, generator=gen, dtype=acc.dtype, device=acc.device)
+        u = self.uniforms(seed, acc, numpy=False)
         # floor(r + u), u uniform in [0, 1): floor(r) + 1 with probability r - floor(r)
         level = torch.copysign(r.add_(u).floor_().clamp_(max=s), acc)
         pack_codes(level.to(torch.int32).bitwise_and_(self._mask), self.bits_per_entry, wire)

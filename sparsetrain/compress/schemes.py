@@ -306,13 +306,36 @@ class RandomK(Compressor):
     deterministic from the seed. See ``sampling.DistinctSampler`` for the method."""
 
     shared_positions = True
+    draws_span_segments = True
 
     def __init__(self, ratio, layout, scope="layerwise", **kw):
         super().__init__(ratio, layout, scope, **kw)
         self.sampler = DistinctSampler(self.layout.sizes, self.ks, self.device)
+        self._drawn = None  # (seed, indices): the latest draw, which the compressors sharing it read
+
+    def draw(self, seed, device) -> torch.Tensor:
+        """The k indices for ``seed`` (the latest kept: every DDP bucket of a step reads it)."""
+        if self._drawn is None or self._drawn[0] != seed:
+            self._drawn = (seed, self.sampler.sample(_generator(device, seed)))
+        return self._drawn[1]
+
+    def share_draws(self, source, segments):
+        super().share_draws(source, segments)
+        # per entry of this compressor: the slot of the source's draw it reads, and the shift
+        # from the source's segment offset to this one's
+        slots = torch.cat([torch.arange(source_k0, source_k0 + k) for source_k0, k in
+                           zip((sum(source.ks[:s]) for s in segments), self.ks, strict=True)])
+        shift = torch.repeat_interleave(
+            torch.tensor([o - source.layout.offsets[s] for o, s in zip(self.layout.offsets, segments, strict=True)],
+                         dtype=torch.int64), torch.tensor(self.ks, dtype=torch.int64))
+        self._shared = (slots.to(self.device), shift.to(self.device))
 
     def select(self, acc, seed):
-        idx = self.sampler.sample(_generator(acc.device, seed))
+        if self._draw_source is None:
+            idx = self.sampler.sample(_generator(acc.device, seed))
+        else:
+            slots, shift = self._shared
+            idx = self._draw_source[0].draw(seed, acc.device)[slots] + shift
         return idx, idx
 
 
@@ -332,7 +355,7 @@ class BlockRandomK(Compressor):
     """
 
     shared_positions = True
-
+    draws_span_segments = True
 
     def __init__(self, ratio, layout, scope="layerwise", *, block_size: int = 256, **kw):
         super().__init__(ratio, layout, scope, **kw)
@@ -371,14 +394,24 @@ class BlockRandomK(Compressor):
             return max(self.layout.sizes) - 1
         return (self.nb - 1) * self.block_size
 
+    def layerwise_starts(self, seed, device) -> torch.Tensor:
+        """Layer-wise: each tensor's run start for ``seed``, one uniform per tensor."""
+        u = torch.rand(len(self.layout), generator=_generator(device, seed), dtype=torch.float64, device=device)
+        return torch.minimum(u.mul_(self.seg_n).long(), self.segment_max_index)
+
     def select(self, acc, seed):
-        gen = _generator(acc.device, seed)
-        if self.scope == "layerwise":
-            u = torch.rand(len(self.layout), generator=gen, dtype=torch.float64, device=acc.device)
-            starts = torch.minimum(u.mul_(self.seg_n).long(), self.segment_max_index)
+        if self._draw_source is not None:  # a DDP bucket's tensors: the model's draws for them
+            starts = self._draw_source[0].layerwise_starts(seed, acc.device)[self._segment_ids]
+        elif self.scope == "layerwise":
+            starts = self.layerwise_starts(seed, acc.device)
         else:
+            gen = _generator(acc.device, seed)
             starts = self.sampler.sample(gen).mul_(self.block_size)
         return starts, self.indices(starts)
+
+    def share_draws(self, source, segments):
+        super().share_draws(source, segments)
+        self._segment_ids = torch.tensor(segments, dtype=torch.int64, device=self.device)
 
     def decompress_add(self, values, positions, out, *, indices=None):
         """``out[indices] += values``. Layer-wise on the CPU, as at most two slice adds per tensor

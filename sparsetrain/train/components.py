@@ -41,7 +41,7 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
         params, cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
         uncompressed=cfg.scheme.uncompressed, device=device, world_size=world_size, rank=rank,
         seed=cfg.seed, error_feedback=cfg.scheme.error_feedback, warmup_steps=cfg.scheme.warmup_steps,
-        compressor=compressor)
+        compressor=compressor, memory=instantiate(cfg.scheme.memory) if cfg.scheme.get("memory") else None)
     if cfg.dist.overlap:
         reducer.attach(params, flat, bucket_mb=cfg.dist.overlap_bucket_mb,
                        first_bucket_mb=cfg.dist.overlap_first_bucket_mb)

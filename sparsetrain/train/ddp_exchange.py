@@ -103,7 +103,9 @@ class DDPExchange:
         self.numel = sum(p.numel() for p in params)
         esize = params[0].element_size()
         self.dense_bytes_per_step = self.numel * esize
-        self.uncompressed_bytes_per_step = 0
+        # the bytes of tensors that travel whole, uncompressed: all of them for dense SGD (as the
+        # trainer's DenseReducer counts), the hooks' own count otherwise
+        self.uncompressed_bytes_per_step = self.dense_bytes_per_step if scheme.name == "none" else 0
         self.density = 1.0
         self.collective = "allreduce"
         self.warmup_steps = 0
@@ -140,6 +142,7 @@ class DDPExchange:
             hook = powerSGD_hook.powerSGD_hook
             sent = powersgd_numel(shapes, self.powersgd_rank)
             self.bytes_sent_per_step = sent * esize
+            self.uncompressed_bytes_per_step = powersgd_numel(shapes, self.powersgd_rank, whole_only=True) * esize
             self.density = sent / self.numel
         elif scheme.name in ("fp16", "bf16"):
             hook = default_hooks.fp16_compress_hook if scheme.name == "fp16" else default_hooks.bf16_compress_hook
@@ -157,7 +160,7 @@ class DDPExchange:
                     self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
                     error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
                     warmup_steps=scheme.warmup_steps, seed=cfg.seed,
-                    compressor=compressor)
+                    compressor=compressor, memory=instantiate(scheme.memory) if scheme.get("memory") else None)
                 hook = sparse_hook
             on_bypass = self.state.plan
             self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
