@@ -149,3 +149,16 @@ def test_lr_schedule_warmup_scaling_and_decay():
     assert lr_at(200, steps, cfg, 4) == pytest.approx(0.4)  # peak = 0.1 x 4 workers
     assert lr_at(500, steps, cfg, 4) == pytest.approx(0.04)  # first decay at 50%
     assert lr_at(900, steps, cfg, 4) == pytest.approx(0.004)  # second at 83.3%
+
+
+def test_no_module_of_sparsetrain_imports_hydras_internals():
+    """Hydra's public API only (``hydra.compose``, ``hydra.core``): ``hydra._internal`` changes
+    without notice between Hydra's releases."""
+    from pathlib import Path
+
+    import sparsetrain
+
+    root = Path(sparsetrain.__file__).parent
+    users = [p.relative_to(root.parent).as_posix() for p in sorted(root.rglob("*.py"))
+             if "hydra._internal" in p.read_text()]
+    assert users == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +114,33 @@ def did_you_mean(key: str, keys: list[str]) -> str | None:
     return by_leaf[close[0]] if close else None
 
 
-def _search_path(dirs: tuple[Path, ...]):
-    """Hydra's search path for conf/ and the extra folders, where Hydra puts ``--config-dir``."""
-    from hydra._internal.utils import create_config_search_path
-    from hydra.core.config_search_path import SearchPathQuery
+@contextmanager
+def _hydra_on_conf():
+    """Hydra initialized on conf/ (``hydra.initialize_config_dir``), as ``python -m
+    sparsetrain.run`` initializes it; a Hydra initialized before is put back after."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
-    csp = create_config_search_path(str(CONF_DIR))
-    for folder in dirs:
-        csp.prepend(provider="command-line", path=f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
-    return csp
+    register()
+    before = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            yield GlobalHydra.instance()
+    finally:
+        if before is not None:
+            GlobalHydra.instance().clear()
+            GlobalHydra.instance().initialize(before)
+
+
+def _searchpath(dirs: tuple[Path, ...]) -> list[str]:
+    """The override that adds the extra config folders ``dirs`` (``search_dirs``: the command
+    line's ``--config-dir`` and ``hydra.searchpath``, else conf/config.yaml's own) to Hydra's
+    search path, after conf/, where Hydra puts them; [] without any."""
+    if not dirs:
+        return []
+    quoted = ("'file://" + str(d).replace("\\", "\\\\").replace("'", "\\'") + "'" for d in dirs)
+    return [f"hydra.searchpath=[{','.join(quoted)}]"]
 
 
 def _chosen_schemes(overrides: list, multirun: bool, dirs: tuple[Path, ...] = ()) -> list[str]:
@@ -129,10 +148,9 @@ def _chosen_schemes(overrides: list, multirun: bool, dirs: tuple[Path, ...] = ()
     what ``conf/config.yaml`` and the ``experiment=`` preset choose (a preset's own sweep with
     ``-m``), read from the defaults as Hydra composes them. [] when that cannot be read (Hydra
     then reports what is wrong)."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra import compose
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
-    from hydra.types import RunMode
 
     def values(override, options: list[str]) -> list[str]:
         if override.value_type == ValueType.GLOB_CHOICE_SWEEP:
@@ -145,34 +163,32 @@ def _chosen_schemes(overrides: list, multirun: bool, dirs: tuple[Path, ...] = ()
     if "scheme" in by_key:
         return values(by_key["scheme"], group_options("scheme", dirs))
     presets = values(by_key["experiment"], group_options("experiment", dirs)) if "experiment" in by_key else [None]
-    register()
-    loader = ConfigLoaderImpl(config_search_path=_search_path(dirs))
     parser = OverridesParser.create()
     out: list[str] = []
-    for preset in presets:
-        try:
-            cfg = loader.load_configuration(
-                "config", [] if preset in (None, "None", "null") else [f"experiment={preset}"],
-                run_mode=RunMode.MULTIRUN if multirun else RunMode.RUN)
-        except Exception:  # noqa: BLE001  (Hydra says what is wrong when it composes)
-            return []
-        swept = OmegaConf.select(cfg, "hydra.sweeper.params.scheme") if multirun else None
-        if swept is not None:
-            out += values(parser.parse_overrides([f"scheme={swept}"])[0], group_options("scheme", dirs))
-        else:
-            out.append(str(cfg.hydra.runtime.choices.scheme))
+    with _hydra_on_conf():
+        for preset in presets:
+            try:
+                cfg = compose("config", [*_searchpath(dirs), *([] if preset in (None, "None", "null")
+                                                               else [f"experiment={preset}"])],
+                              return_hydra_config=True)
+            except Exception:  # noqa: BLE001  (Hydra says what is wrong when it composes)
+                return []
+            swept = OmegaConf.select(cfg, "hydra.sweeper.params.scheme") if multirun else None
+            if swept is not None:
+                out += values(parser.parse_overrides([f"scheme={swept}"])[0], group_options("scheme", dirs))
+            else:
+                out.append(str(cfg.hydra.runtime.choices.scheme))
     return out
 
 
 def launcher_options(dirs: tuple[Path, ...] = ()) -> list[str]:
     """The options of Hydra's ``hydra/launcher`` group: Hydra's own, the installed plugins', ours
     (and those in the extra config folders ``dirs``)."""
-    from hydra._internal.config_repository import ConfigRepository
     from hydra.core.plugins import Plugins
 
     Plugins.instance()  # the plugins register their launchers' configs
-    repo = ConfigRepository(_search_path(dirs))
-    return sorted(repo.get_group_options("hydra/launcher"))
+    with _hydra_on_conf() as hydra:
+        return sorted(hydra.config_loader().get_group_options("hydra/launcher", overrides=_searchpath(dirs)))
 
 
 def check_overrides(args: list[str]) -> None:
