@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sparsetrain import schemes  # plain yaml, no torch
 from sparsetrain.errors import one_line_error  # noqa: F401  (the one formatter; re-exported)
 
 SUMMARY = "summary.json"
@@ -310,22 +311,21 @@ class NullWriter:
 
 
 # Schemes that are torch's own DDP communication hooks (PowerSGD, fp16 and bf16 compression): they
-# run only through DDP (dist.ddp=true) and have no scope or aggregation of sparsetrain's.
-TORCH_HOOK_SCHEMES = ("torch_powersgd", "fp16", "bf16")
+# run only through DDP (dist.ddp=true) and have no scope or aggregation of sparsetrain's
+# (conf/schemes.yaml: torch_hook).
+TORCH_HOOK_SCHEMES = schemes.with_property("torch_hook")
 # Schemes that send every entry, quantized (sparsetrain.compress.quantize): ``ratio`` does not
-# apply to them (the analysis records 1.0, as for fp16 and bf16).
-QUANTIZER_SCHEMES = ("signsgd", "qsgd")
+# apply to them (the analysis records 1.0, as for fp16 and bf16; conf/schemes.yaml: every_entry).
+QUANTIZER_SCHEMES = tuple(s for s in schemes.with_property("every_entry") if s not in TORCH_HOOK_SCHEMES)
 
 
 def recorded_scheme(node: Any) -> Any:
     """The scheme a recorded config (``scheme`` node, or its bare name) ran. Until sparsetrain had
     a PowerSGD of its own (issue 24), ``scheme=powersgd`` was torch's DDP hook, recorded with no
-    compressor (``compressor: null``); it is ``torch_powersgd`` now. sparsetrain's PowerSGD
-    records its compressor node."""
+    compressor (``compressor: null``); it is ``torch_powersgd`` now (conf/schemes.yaml:
+    ``formerly``). sparsetrain's PowerSGD records its compressor node."""
     name = node.get("name") if isinstance(node, dict) else node
-    if name == "powersgd" and not (isinstance(node, dict) and node.get("compressor")):
-        return "torch_powersgd"
-    return name
+    return schemes.formerly(name, has_compressor=bool(isinstance(node, dict) and node.get("compressor")))
 
 # A run "did not train" when its final training loss is no better than a uniform guess over the
 # classes (ln C, 2.30 for 10 classes): such a run diverged or never left the start, and its

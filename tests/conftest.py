@@ -8,24 +8,43 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# The tests' own table from a scheme's name to its class; training has no such table, it takes the
-# class from conf/scheme/<name>.yaml (tests/test_config.py checks that the two agree).
-SCHEME_CLASSES = {"none": "NoCompression", "topk": "TopK", "randk": "RandomK", "blockk": "BlockRandomK",
-                  "powersgd": "PowerSGD", "signsgd": "SignSGD", "qsgd": "QSGD"}
+
+
+def _scheme_targets() -> dict[str, str | None]:
+    """Every scheme in conf/scheme/, with the class its yaml's ``compressor._target_`` names (None:
+    no compressor, as dense SGD and torch's hooks)."""
+    import yaml
+
+    out = {}
+    for path in sorted((ROOT / "conf" / "scheme").glob("*.yaml")):
+        node = (yaml.safe_load(path.read_text()) or {}).get("compressor")
+        out[path.stem] = node.get("_target_") if isinstance(node, dict) else None
+    return out
+
+
+# Every scheme (conf/scheme/<name>.yaml), and the name of the class of those with a compressor: read
+# from the yamls, as training reads them, so that a new scheme's yaml is a new test case.
+SCHEME_TARGETS = _scheme_targets()
+SCHEMES = tuple(SCHEME_TARGETS)
+SCHEME_CLASSES = {name: target.rpartition(".")[2] for name, target in SCHEME_TARGETS.items() if target}
 
 
 def compressor_for(scheme: str, block_size: int | None = None):
     """What ``scheme.compressor`` instantiates to for ``scheme`` (a ``functools.partial`` of the
-    class; ``block_size`` applies to block-k only), for the library calls tests make by hand;
-    None for dense SGD (``scheme='none'``)."""
+    class its yaml names; ``block_size`` applies to a class that takes it), for the library calls
+    tests make by hand; None for a scheme without a compressor (dense SGD, ``scheme='none'``)."""
+    import importlib
+    import inspect
     from functools import partial
 
-    import sparsetrain.compress as compress
-
-    if scheme == "none":
+    target = SCHEME_TARGETS[scheme]
+    if target is None:
         return None
-    options = {"block_size": block_size} if scheme == "blockk" and block_size is not None else {}
-    return partial(getattr(compress, SCHEME_CLASSES[scheme]), **options)
+    module, _, name = target.rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    takes = "block_size" in inspect.signature(cls).parameters
+    options = {"block_size": block_size} if takes and block_size is not None else {}
+    return partial(cls, **options)
 
 
 def cli_env(**extra: str) -> dict:

@@ -1,7 +1,7 @@
 """Config composition, schema rejection and semantic checks (no ranks started)."""
 
 import pytest
-from conftest import SCHEME_CLASSES
+from conftest import SCHEME_CLASSES, SCHEME_TARGETS, SCHEMES, compressor_for
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -12,6 +12,7 @@ from sparsetrain.config import (
     SCHEME_SCHEMAS,
     ConfigError,
     check_overrides,
+    compressor_class,
     register,
     scheme_compressor,
     scheme_options,
@@ -34,21 +35,24 @@ def test_default_config_composes_and_validates():
     validate(cfg, env={})
 
 
-@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk", "signsgd", "qsgd"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_scheme_composes(scheme):
-    cfg = make(f"scheme={scheme}", "scope=global")
+    """Every scheme in conf/scheme/ composes and validates; through DDP, which every scheme runs
+    with (torch's hooks only with it)."""
+    cfg = make(f"scheme={scheme}", "dist.ddp=true")
     assert cfg.scheme.name == scheme
     validate(cfg, env={})
 
 
-@pytest.mark.parametrize("scheme", ["none", "topk", "randk", "blockk", "powersgd", "signsgd", "qsgd"])
+@pytest.mark.parametrize("scheme", SCHEMES)
 def test_the_schemes_class_comes_from_its_yaml(scheme):
-    """One route from scheme=<name> to its class: the yaml's compressor node (the tests' own table
-    in conftest.py agrees with it)."""
+    """One route from scheme=<name> to its class: the yaml's compressor node (the tests'
+    ``compressor_for`` reads the same node)."""
     factory = scheme_compressor(make(f"scheme={scheme}").scheme)
-    if scheme == "none":
-        assert factory is None
+    if SCHEME_TARGETS[scheme] is None:
+        assert factory is None and compressor_for(scheme) is None
     else:
+        assert factory.func is compressor_class(SCHEME_TARGETS[scheme]) is compressor_for(scheme).func
         assert factory.func.__name__ == SCHEME_CLASSES[scheme]
 
 
@@ -62,7 +66,7 @@ def test_each_scheme_has_only_its_own_keys():
     assert scheme_compressor(make("scheme=qsgd", "scheme.levels=3").scheme).keywords == {"levels": 3, "bucket_size": 512}
     assert scheme_compressor(make("scheme=qsgd", "scheme.bucket_size=null").scheme).keywords == {
         "levels": 127, "bucket_size": None}
-    for scheme in ("none", "topk", "randk", "fp16", "bf16", "signsgd"):
+    for scheme in (s for s in SCHEMES if s not in SCHEME_SCHEMAS):  # the schemes without keys of their own
         node = make(f"scheme={scheme}").scheme
         assert not {"block_size", "rank", "levels", "bucket_size"} & set(node), scheme
     with pytest.raises(ConfigCompositionException):  # Hydra refuses it too, where the CLI does not check
@@ -149,3 +153,16 @@ def test_lr_schedule_warmup_scaling_and_decay():
     assert lr_at(200, steps, cfg, 4) == pytest.approx(0.4)  # peak = 0.1 x 4 workers
     assert lr_at(500, steps, cfg, 4) == pytest.approx(0.04)  # first decay at 50%
     assert lr_at(900, steps, cfg, 4) == pytest.approx(0.004)  # second at 83.3%
+
+
+def test_no_module_of_sparsetrain_imports_hydras_internals():
+    """Hydra's public API only (``hydra.compose``, ``hydra.core``): ``hydra._internal`` changes
+    without notice between Hydra's releases."""
+    from pathlib import Path
+
+    import sparsetrain
+
+    root = Path(sparsetrain.__file__).parent
+    users = [p.relative_to(root.parent).as_posix() for p in sorted(root.rglob("*.py"))
+             if "hydra._internal" in p.read_text()]
+    assert users == []

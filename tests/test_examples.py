@@ -38,6 +38,8 @@ def test_each_example_is_one_module_and_one_yaml():
 # ---- DGC: random-k with momentum correction ------------------------------------------------------
 DGC = EXAMPLES / "dgc"
 DGC_ARGS = ("--config-dir", str(DGC / "conf"), "scheme=dgc_randk", "optim.momentum=0", "optim.nesterov=false")
+# the same run with error feedback and the optimizer's momentum: the method DGC changes
+EF_ARGS = ("--config-dir", str(DGC / "conf"), "scheme=randk")
 
 
 def _dgc_env() -> dict:
@@ -69,9 +71,9 @@ def test_momentum_correction_follows_its_definition():
         dgc.MomentumCorrection(4, momentum=1.0)
 
 
-def _run(tmp_path, name, *extra):
+def _run(tmp_path, name, *extra, scheme=DGC_ARGS):
     run = tmp_path / name
-    proc = run_cli(*DGC_ARGS, *TINY, "world_size=2", "train.epochs=4", "train.max_steps=30",
+    proc = run_cli(*scheme, *TINY, "world_size=2", "train.epochs=4", "train.max_steps=30",
                    "train.log_every=1", "train.save_model=true", "dist.bucket_cap_mb=0.05", *extra,
                    f"hydra.run.dir={run}", env=_dgc_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -89,7 +91,7 @@ def test_dgc_trains_through_the_trainer_and_ddp_alike_and_is_analysed(tmp_path):
     # the memory is the example's: its norm is logged, and differs from error feedback's run
     steps = [r for r in read_jsonl(flat / "metrics.jsonl") if r["kind"] == "step"]
     assert all(r["memory_norm"] > 0 for r in steps[1:])
-    ef, s_ef = _run(tmp_path, "ef", "scheme=randk", "--config-dir", str(DGC / "conf"))
+    _, s_ef = _run(tmp_path, "ef", scheme=EF_ARGS)
     assert s_ef["train_loss"] != s_flat["train_loss"]
     # the analysis of the researcher's own results: one row per scheme, DGC's by its name
     proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(tmp_path), "--out",

@@ -10,10 +10,10 @@ import torch
 import yaml
 from conftest import TINY, read_json, read_jsonl, run_cli
 
-from sparsetrain import config as config_mod
 from sparsetrain.analysis import tuning
 from sparsetrain.analysis.loader import load_runs
 from sparsetrain.config import ConfigError, compose, validate
+from sparsetrain.config import schema as config_schema
 from sparsetrain.data import load_dataset, split_validation
 from sparsetrain.launch.cli import objective
 from sparsetrain.results import DID_NOT_TRAIN, untrained_reason
@@ -80,7 +80,7 @@ def test_did_not_train_reads_the_end_of_training_not_the_epochs_mean():
 
 def test_the_protocol_reads_each_schemes_tuned_values_and_the_command_line_wins(tmp_path, monkeypatch):
     (tmp_path / "topk_global.yaml").write_text("lr: 0.0125\nwarmup_epochs: 1.0\nval_accuracy: 0.9\n")
-    monkeypatch.setattr(config_mod, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(config_schema, "TUNED_DIR", tmp_path)
     cfg = compose(["experiment=protocol", "scheme=topk", "scope=global"])
     validate(cfg)
     assert (cfg.optim.lr, cfg.optim.warmup_epochs, cfg.data.val_size) == (0.0125, 1.0, 5000)

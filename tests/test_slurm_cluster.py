@@ -109,7 +109,7 @@ _APP = textwrap.dedent(
     import hydra
     from omegaconf import OmegaConf
 
-    # Same semantics as the resolvers in sparsetrain/config.py.
+    # Same semantics as the resolvers in sparsetrain/config/schema.py.
     def _rpn(w, r):
         return int(w) if r is None else int(r)
     OmegaConf.register_new_resolver("st_nodes", lambda w, r: math.ceil(int(w) / _rpn(w, r)), replace=True)

@@ -21,15 +21,19 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from sparsetrain import schemes
+
 from .group import expand_dense, sort_rows, summarize, varying_axes
 from .loader import DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
-# One colour per scheme, the same in every figure: Okabe-Ito first (distinguishable with
-# colour-blindness), then Paul Tol's wine and olive and two greys/browns for the torch hooks.
-SCHEME_COLORS = {DENSE: "#222222", "topk": "#0072B2", "randk": "#E69F00", "blockk": "#009E73",
-                 "signsgd": "#D55E00", "powersgd": "#CC79A7", "torch_powersgd": "#882255",
-                 "qsgd": "#999933", "fp16": "#7F7F7F", "bf16": "#8C510A"}
+# One colour per scheme, the same in every figure (conf/schemes.yaml's ``color``): Okabe-Ito first
+# (distinguishable with colour-blindness), then Paul Tol's wine and olive and two greys/browns for
+# the torch hooks.
+SCHEME_COLORS = {DENSE if info.get("dense") else name: info["color"] for name, info in schemes.table().items()
+                 if "color" in info}
+# Okabe-Ito's blue, top-k's: a new scheme's hue keeps twice the gap from it.
+BLUE = "#0072B2"
 # A scheme not in the table (one's own) gets a hue from its name at least this far (degrees)
 # from every coloured scheme of the table, and twice that from top-k's blue.
 MIN_HUE_GAP = 20.0
@@ -106,7 +110,7 @@ def scheme_color(scheme: str) -> str:
         return SCHEME_COLORS[scheme]
     taken = [_hue(c) for c in SCHEME_COLORS.values()]
     taken = [h for h, sat in taken if sat > 0.2]  # greys have no hue to keep clear of
-    blue = _hue(SCHEME_COLORS["topk"])[0]
+    blue = _hue(BLUE)[0]
     start = zlib.crc32(str(scheme).encode()) / 2**32
     lightness = (0.32, 0.44, 0.56)[zlib.adler32(str(scheme).encode()) % 3]
     for i in range(360):

@@ -24,6 +24,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from sparsetrain import schemes  # plain yaml, no torch
 from sparsetrain.costmodel import wire_bytes  # no torch
 from sparsetrain.provenance import UNKNOWN, describe  # stdlib only, no torch
 from sparsetrain.results import (  # stdlib only, no torch
@@ -85,9 +86,13 @@ PER_TENSOR = "tensor"
 # scheme.rank (PowerSGD's, sparsetrain's and torch's hook) null: the rank whose bytes come closest
 # to the sparse schemes' at `ratio`
 MATCHED_TO_RATIO = "matched"
-POWERSGD_SCHEMES = ("powersgd", "torch_powersgd")
 
 STATUSES_DONE = ("completed",)
+
+
+def is_dense(scheme) -> bool:
+    """Dense SGD: the analysis's own row name for it, or a scheme conf/schemes.yaml calls dense."""
+    return scheme == DENSE or bool(schemes.info(scheme).get("dense"))
 
 
 def _read_json(path: Path) -> dict | None:
@@ -162,13 +167,13 @@ def find_sweep_dirs(*paths: str | Path) -> list[Path]:
 
 def _block_size(cfg: dict, scheme: str | None):
     node = cfg.get("scheme")
-    if isinstance(node, dict) and "block_size" not in node and scheme != "blockk":
+    if isinstance(node, dict) and "block_size" not in node and "block_size" not in schemes.own_keys(scheme):
         return BLOCK_SIZE_OF_OTHER_SCHEMES
     return _get(cfg, "scheme", "block_size")
 
 
 def _bucket_size(cfg: dict, scheme: str | None):
-    if scheme != "qsgd":
+    if "bucket_size" not in schemes.own_keys(scheme):
         return NOT_APPLICABLE
     value = _get(cfg, "scheme", "bucket_size")
     return PER_TENSOR if value is None else value
@@ -209,7 +214,7 @@ def _memory(cfg: dict) -> str | None:
 
 
 def _powersgd_rank(cfg: dict, scheme: str | None):
-    if scheme not in POWERSGD_SCHEMES:
+    if "rank" not in schemes.own_keys(scheme):
         return NOT_APPLICABLE
     value = _get(cfg, "scheme", "rank")
     return MATCHED_TO_RATIO if value is None else value
@@ -251,14 +256,14 @@ def _axes_from_config(cfg: dict) -> dict:
     if scheme in TORCH_HOOK_SCHEMES:  # torch's hooks: no scope, aggregation, ... of sparsetrain's
         for axis in DENSE_IRRELEVANT:
             row[axis] = NOT_APPLICABLE
-        if scheme in ("fp16", "bf16"):
+        if schemes.info(scheme).get("every_entry"):
             row["ratio"] = 1.0  # every entry, in half the bytes
         return row  # torch_powersgd keeps its ratio unless its rank is set: the rank matched to it
-    if scheme == "powersgd":  # two AllReduces whatever the key says
+    if schemes.info(scheme).get("allreduce"):  # PowerSGD: two AllReduces whatever the key says
         row["aggregation"] = NOT_APPLICABLE
     if scheme in QUANTIZER_SCHEMES:
         row["ratio"] = 1.0  # every entry, in a few bits
-    if scheme in ("none", DENSE):
+    if is_dense(scheme):
         # Dense SGD sends everything: its scope, aggregation and ratio knobs do nothing.
         row["scheme"] = DENSE
         row["ratio"] = 1.0
@@ -366,7 +371,7 @@ def collective_of(row: dict) -> str | None:
     scheme uses its aggregation (None when unknown). PowerSGD, sparsetrain's and torch's hook,
     AllReduces its P, then its Q (one AllReduce of their bytes here, one latency too few); torch's
     fp16 and bf16 hooks AllReduce the 16-bit gradient."""
-    if row.get("scheme") in (DENSE, "powersgd", *TORCH_HOOK_SCHEMES):
+    if is_dense(row.get("scheme")) or schemes.info(row.get("scheme")).get("allreduce"):
         return "allreduce"
     aggregation = row.get("aggregation")
     return aggregation if aggregation in ("allreduce", "allgather") else None

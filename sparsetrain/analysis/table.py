@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from sparsetrain import schemes
+
 from .loader import AXES, DENSE, NOT_APPLICABLE, REPLICATE
 
 # Readable names for columns and metrics.
@@ -46,11 +48,10 @@ LABELS = {
 ACCURACY_EXTRAS = ["test_accuracy_gain_last_epoch", "bytes_sent_per_step", "wire_bytes_per_step", "blew_up",
                    "loss_peak"]
 BYTES = ("bytes_sent_per_step", "dense_bytes_per_step", "wire_bytes_per_step")
-SCHEME_ORDER = {DENSE: 0, "topk": 1, "randk": 2, "blockk": 3, "powersgd": 4, "torch_powersgd": 5, "fp16": 6,
-                "bf16": 7, "signsgd": 8, "qsgd": 9}
-SCHEME_NAMES = {DENSE: "dense SGD", "topk": "top-k", "randk": "random-k", "blockk": "block-random-k",
-                "powersgd": "PowerSGD", "torch_powersgd": "PowerSGD (torch hook)", "fp16": "fp16 (torch hook)",
-                "bf16": "bf16 (torch hook)", "signsgd": "signSGD (EF, scaled)", "qsgd": "QSGD"}
+# Each scheme's place and name in tables and figures: conf/schemes.yaml's order and ``display``
+# (dense SGD under the analysis's own row name); a scheme not listed is shown by its name.
+SCHEME_ORDER = {DENSE if info.get("dense") else name: i for i, (name, info) in enumerate(schemes.table().items())}
+SCHEME_NAMES = {DENSE if info.get("dense") else name: info.get("display", name) for name, info in schemes.table().items()}
 PERCENT = {"test_accuracy", "train_accuracy", "test_accuracy_running_bn", "test_accuracy_gain_last_epoch"}
 # The grid coordinates that name a missing run.
 MISSING_AXES = ("scheme", "scope", "aggregation", "ratio", "uncompressed", "warmup_steps", "world_size",

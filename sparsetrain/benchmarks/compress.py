@@ -93,19 +93,19 @@ def timeit_ratio(fn, ref, repeats: int, device: torch.device) -> tuple[float, fl
 def compressor_for(scheme: str, scope: str, ratio: float, layout: Layout, device: torch.device,
                    block_size: int | None = None):
     """The compressor training builds for ``scheme=<scheme> scope=<scope> ratio=<ratio>``: the
-    composed config's ``scheme.compressor`` node (with ``scheme.block_size`` for block-k when
-    given), called on ``layout``. ``scheme=none`` (dense SGD, no compressor in training) is timed
-    as ``NoCompression``, the reference row."""
+    composed config's ``scheme.compressor`` node (with ``scheme.block_size``, when given, for a
+    scheme that has that key), called on ``layout``, and whether the scheme keeps error feedback
+    (its yaml's ``error_feedback``). ``scheme=none`` (dense SGD, no compressor in training) is
+    timed as ``NoCompression``, the reference row."""
     from sparsetrain.config import compose, scheme_compressor
 
-    overrides = [f"scheme={scheme}", f"scope={scope}", f"ratio={ratio}"]
-    if block_size is not None:
-        overrides.append(f"scheme.block_size={block_size}")
-    cfg = compose(overrides)
+    cfg = compose([f"scheme={scheme}", f"scope={scope}", f"ratio={ratio}"])
+    if block_size is not None and "block_size" in cfg.scheme:
+        cfg.scheme.block_size = block_size  # the compressor node reads it (${..block_size})
     factory = scheme_compressor(cfg.scheme)
     if factory is None:
-        return NoCompression(1.0, layout, cfg.scope.name, device=device)
-    return factory(cfg.ratio, layout, cfg.scope.name, device=device)
+        return NoCompression(1.0, layout, cfg.scope.name, device=device), bool(cfg.scheme.error_feedback)
+    return factory(cfg.ratio, layout, cfg.scope.name, device=device), bool(cfg.scheme.error_feedback)
 
 
 def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int | None = None) -> dict:
@@ -138,9 +138,8 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
     rows = []
     for scheme in SCHEMES:
         for scope in ("layerwise", "global"):
-            comp = compressor_for(scheme, scope, ratio, layout, device,
-                                  block_size if scheme == "blockk" else None)
-            ef = ErrorFeedback(n, device=device, enabled=scheme != "qsgd")  # as its yaml: no memory
+            comp, error_feedback = compressor_for(scheme, scope, ratio, layout, device, block_size)
+            ef = ErrorFeedback(n, device=device, enabled=error_feedback)  # as its yaml trains it
             values = torch.empty(comp.num_values, device=device)
             step = [0]
 

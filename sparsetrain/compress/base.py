@@ -27,7 +27,7 @@ back from such a factory (e.g. ``shared_positions`` for the allowed aggregations
 
 Adding a scheme = one ``Compressor`` subclass (here or anywhere importable) + one
 ``conf/scheme/<name>.yaml`` whose ``compressor`` node names it, + a structured config in
-``sparsetrain/config.py`` (``SCHEME_SCHEMAS``) only if the scheme has options of its own.
+``sparsetrain/config/schema.py`` (``SCHEME_SCHEMAS``) only if the scheme has options of its own.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ ADDED_LATER = {"dist.ddp": False, "dist.bucket_cap_mb": 25.0, "scheme.rank": Non
                "data.val_size": 0,
                # before the memory was a component: error feedback (scheme.error_feedback)
                "scheme.memory": None}
-# A scheme's keys are those of its schema (sparsetrain/config.py): scheme.block_size is block-k's,
+# A scheme's keys are those of its schema (sparsetrain/config/schema.py): scheme.block_size is block-k's,
 # scheme.rank PowerSGD's. Runs written before they were (issue 23) recorded both for every scheme;
 # a saved ``scheme.`` key that the current scheme does not have did nothing in that run (the
 # scheme's name is compared on its own), so it is no difference.

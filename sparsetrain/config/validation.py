@@ -1,0 +1,201 @@
+"""The semantic checks on a composed config (``validate``): what types cannot express (ranges,
+combinations, the launch environment); the tuned values experiment=protocol reads; ``compose``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from sparsetrain.config.overrides import check_compressor_option, compressor_class
+from sparsetrain.config.schema import CONF_DIR, register
+from sparsetrain.errors import ConfigError
+
+
+def validate(cfg: Any, env: dict | None = None) -> None:
+    """Semantic checks on a composed config: the one place that says which values and
+    combinations run. Raises ConfigError with one line (key, value, what is allowed). Whether
+    ``world_size`` agrees with the launcher's environment is the launcher's check
+    (``launch.env.check_launch_environment``, called by the CLI before any rank starts)."""
+    from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES, check_combination
+    from sparsetrain.compress import parse_uncompressed
+
+    env = os.environ if env is None else env
+    _resolve_tuned(cfg)
+    if cfg.world_size < 1:
+        raise ConfigError(f"world_size={cfg.world_size} is not allowed; it must be an integer >= 1")
+    try:
+        if cfg.scheme.name in TORCH_HOOK_SCHEMES:  # no scope or aggregation of ours; ratio: matching
+            check_combination("none", cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+        else:
+            check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
+                              scheme_compressor(cfg.scheme))
+            scheme_memory(cfg.scheme)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    choices = {
+        "wandb.mode": (cfg.wandb.mode, ("offline", "online", "disabled")),
+        "train.device": (cfg.train.device, ("auto", "cpu", "cuda")),
+        "dist.backend": (cfg.dist.backend, ("auto", "gloo", "nccl")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of: {', '.join(allowed)}")
+    positive = {
+        "train.batch_size": cfg.train.batch_size,
+        "train.epochs": cfg.train.epochs,
+        "train.log_every": cfg.train.log_every,
+        "train.eval_every": cfg.train.eval_every,
+        "train.curve_points": cfg.train.get("curve_points", 1),
+        "optim.lr": cfg.optim.lr,
+        "dist.timeout_s": cfg.dist.timeout_s,
+    }
+    if cfg.scheme.get("block_size") is not None:
+        positive["scheme.block_size"] = cfg.scheme.block_size
+    if cfg.train.max_steps is not None:
+        positive["train.max_steps"] = cfg.train.max_steps
+    if cfg.dist.ranks_per_node is not None:
+        positive["dist.ranks_per_node"] = cfg.dist.ranks_per_node
+    if cfg.scheme.get("rank") is not None:
+        positive["scheme.rank"] = cfg.scheme.rank
+    positive["dist.bucket_cap_mb"] = cfg.dist.bucket_cap_mb
+    positive["dist.overlap_bucket_mb"] = cfg.dist.overlap_bucket_mb
+    positive["dist.overlap_first_bucket_mb"] = cfg.dist.overlap_first_bucket_mb
+    for key, value in positive.items():
+        if not value > 0:
+            raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
+    _check_milestones(list(cfg.optim.milestones))
+    levels = cfg.scheme.get("levels")
+    if levels is not None and not 1 <= levels <= 65535:  # QSGD's levels (an int: the schema says so)
+        raise ConfigError(f"scheme.levels={levels} is not allowed; it must be an integer in [1, 65535]")
+    bucket_size = cfg.scheme.get("bucket_size")
+    if bucket_size is not None and not bucket_size >= 1:  # QSGD's buckets (an int or null: the schema)
+        raise ConfigError(f"scheme.bucket_size={bucket_size} is not allowed; it must be an integer >= 1, "
+                          "or null (one norm per tensor)")
+    for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
+                       "train.bn_recalibrate": cfg.train.bn_recalibrate,
+                       "data.val_size": cfg.data.get("val_size", 0)}.items():
+        if value < 0:
+            raise ConfigError(f"{key}={value} is not allowed; it must be >= 0")
+    _check_ddp(cfg)
+    if cfg.train.get("curve_points", 1) > 1 and not cfg.data.get("val_size"):
+        raise ConfigError(f"train.curve_points={cfg.train.curve_points} is not allowed with data.val_size=0: "
+                          "curve points score the validation split; hold some out, e.g. data.val_size=5000")
+    curve_size = cfg.train.get("curve_size")
+    if curve_size is not None and curve_size < 1:
+        raise ConfigError(f"train.curve_size={curve_size} is not allowed; it must be >= 1, or null (the whole split)")
+    try:
+        parse_uncompressed(cfg.scheme.uncompressed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if cfg.wandb.mode == "online" and not _wandb_logged_in(env):
+        raise ConfigError(
+            "wandb.mode='online' needs a W&B key: run `wandb login` or set WANDB_API_KEY; "
+            "allowed without one: offline, disabled"
+        )
+
+
+def _resolve_tuned(cfg: Any) -> None:
+    """Resolve ``optim`` first, so that a scheme without tuned values (``${st_tuned:...}``) stops
+    with its own line rather than OmegaConf's wrapped one."""
+    from omegaconf.errors import InterpolationResolutionError
+
+    try:
+        OmegaConf.to_container(cfg.optim, resolve=True)
+    except InterpolationResolutionError as exc:
+        first = str(exc).splitlines()[0]
+        head = f"{ConfigError.__name__} raised while resolving interpolation: "
+        if first.startswith(head):  # OmegaConf wraps the resolver's error: keep its line
+            raise ConfigError(first[len(head):]) from None
+        raise
+
+
+def _check_milestones(milestones: list[float]) -> None:
+    """Fractions of ``train.epochs`` (lr_at compares them with the step's share of the run): a
+    value of 1 or more, or an unordered list, would silently never decay or decay out of order."""
+    inside = all(0 < m < 1 for m in milestones)
+    if not inside or any(a >= b for a, b in zip(milestones, milestones[1:])):
+        shown = "[" + ",".join(f"{m:g}" for m in milestones) + "]"
+        raise ConfigError(f"optim.milestones={shown} is not allowed; give fractions of train.epochs, "
+                          "each in (0, 1), increasing, e.g. optim.milestones=[0.5,0.8333]")
+
+
+def _check_ddp(cfg: Any) -> None:
+    """``dist.ddp`` needs a process group; torch's hooks (scheme=torch_powersgd, fp16) need DDP."""
+    from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES
+
+    if cfg.dist.ddp and cfg.world_size < 2:
+        raise ConfigError(f"dist.ddp=true is not allowed with world_size={cfg.world_size}: DDP needs "
+                          "a process group; use world_size >= 2 or dist.ddp=false")
+    if cfg.scheme.name in TORCH_HOOK_SCHEMES and not cfg.dist.ddp:
+        raise ConfigError(f"scheme={cfg.scheme.name} is not allowed with dist.ddp=false: it is torch's "
+                          "DDP communication hook; add dist.ddp=true")
+
+
+def scheme_compressor(scheme: Any) -> Any:
+    """What the scheme's ``compressor`` node builds: a ``functools.partial`` of its class with its
+    options (``.func`` is the class), called with (ratio, layout, scope) once the flat buffer is
+    known; None when the node is null (dense SGD, torch's hooks). ``ConfigError`` (one line) when
+    the node cannot be built."""
+    from hydra.utils import instantiate
+
+    node = scheme.get("compressor") if hasattr(scheme, "get") else None
+    if not node:
+        return None
+    target = str(node.get("_target_")) if node.get("_target_") else None
+    if target is not None:  # one line for a module off PYTHONPATH or an argument the class lacks
+        compressor_class(target)
+        for option in (k for k in node if k not in ("_target_", "_partial_")):
+            check_compressor_option(option, target, f"scheme.compressor.{option}={node.get(option)!r}")
+    try:
+        return instantiate(node)
+    except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"scheme.compressor of scheme={scheme.name} cannot be built: {reason}") from None
+
+
+def scheme_memory(scheme: Any) -> Any:
+    """What the scheme's ``memory`` node builds: a ``functools.partial`` of a ``Memory`` class
+    with its options, called with the compressed entries by the exchange; None (error feedback)
+    when the node is null. ``ConfigError`` (one line) when it cannot be built or is no memory."""
+    from hydra.utils import instantiate
+
+    from sparsetrain.compress import memory_class
+
+    node = scheme.get("memory") if hasattr(scheme, "get") else None
+    if not node:
+        return None
+    target = str(node.get("_target_")) if node.get("_target_") else None
+    if target is None:
+        raise ConfigError(f"scheme.memory of scheme={scheme.name} has no _target_; it names a class, e.g. "
+                          "sparsetrain.compress.ErrorFeedback, with _partial_: true")
+    module = target.rpartition(".")[0]
+    try:
+        factory = instantiate(node)
+        memory_class(factory)
+    except TypeError:
+        raise ConfigError(f"scheme.memory._target_={target} is not allowed: it is not a subclass of "
+                          "sparsetrain.compress.Memory built with _partial_: true") from None
+    except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"scheme.memory of scheme={scheme.name} cannot be built ({target}; is {module} on "
+                          f"PYTHONPATH?): {reason}") from None
+    return factory
+
+
+def compose(overrides: list[str] = ()) -> Any:
+    """The config ``python -m sparsetrain.run`` composes from these overrides, unchecked: what a
+    benchmark row or a test builds (``validate`` checks it as the command line does)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def _wandb_logged_in(env: Any) -> bool:
+    from sparsetrain.tracking import has_wandb_credentials
+
+    return has_wandb_credentials(env)
