@@ -6,6 +6,7 @@ results. The method itself is checked against its definition in float64."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, run_cli
 from test_launch import _wait_for_steps
+from test_netns import requires_netns
 
 from sparsetrain.compress import Layout, RandomK
 
@@ -140,3 +142,22 @@ def test_dgc_resumes_bit_for_bit_under_ddp(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     strip = lambda rs: [{k: v for k, v in r.items() if k not in ("time_ms", "elapsed_s")} for r in rs]  # noqa: E731
     assert strip(read_jsonl(run / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+
+
+@pytest.mark.netns
+@requires_netns
+def test_dgc_runs_through_the_step_benchmark(tmp_path):
+    """The step benchmark times a row of one's own (``--row``) beside its rows, on the
+    bandwidth-limited cluster: the example's scheme found through the search path."""
+    cmd = [sys.executable, "-m", "sparsetrain.benchmarks.step", "--rates", "2gbit", "--nproc", "2", "--batch", "2",
+           "--steps", "1", "--warmup", "0", "--rounds", "1", "--visits", "1",
+           "--override", f"hydra.searchpath=[file://{DGC / 'conf'}]",
+           "--row", "dgc=scheme=dgc_randk optim.momentum=0 optim.nesterov=false",
+           "--schemes", "compute,dense,randk_ag,dgc", "--out", str(tmp_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=cli_env(**_dgc_env()))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / "step.json").read_text())["results"][0]["schemes"]
+    assert rows["dgc"]["options"]["scheme"] == "dgc_randk"
+    # the same entries as random-k's row: DGC changes the memory, not the message
+    assert rows["dgc"]["bytes_sent_per_step"] == rows["randk_ag"]["bytes_sent_per_step"] > 0
+    assert rows["dgc"]["phases_ms"]["compress"] > 0

@@ -91,7 +91,7 @@ def test_trainer_computes_statistics_on_logged_steps_only(tmp_path):
     trainer = Trainer(cfg, RankInfo(0, 1, 0, 1, "single"), tmp_path / "run", torch.device("cpu"))
     red = trainer.reducer
     passes, seen = [], []
-    real_stats, real_reduce = red.memory.stats, red.reduce
+    real_stats, real_reduce = red.memory.norm, red.reduce  # the memory's norm: on logged steps only
 
     def stats(*args, **kwargs):
         passes.append(trainer.step + 1)  # the step being run, 1-based like the log
@@ -102,7 +102,7 @@ def test_trainer_computes_statistics_on_logged_steps_only(tmp_path):
         seen.append((step + 1, out))
         return out
 
-    red.memory.stats, red.reduce = stats, reduce
+    red.memory.norm, red.reduce = stats, reduce
     trainer.fit()
     assert passes == [3, 6]  # logged compressing steps (1 and 2 are warm-up: dense, no pass)
     for done, out in seen:

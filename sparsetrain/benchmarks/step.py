@@ -23,6 +23,12 @@ momentum) plus the row's scheme / aggregation, through the trainer's own ``build
              AllGather of packed levels and norms
   ddp        torch DistributedDataParallel (gloo, 25 MB buckets), the baseline
 
+and rows of one's own (``--row NAME=OVERRIDES``), e.g. a scheme kept outside the checkout::
+
+    sudo PYTHONPATH=examples/dgc .venv/bin/python -m sparsetrain.benchmarks.step \
+      --override 'hydra.searchpath=[file://'$PWD'/examples/dgc/conf]' \
+      --row 'dgc=scheme=dgc_randk optim.momentum=0 optim.nesterov=false' --schemes compute,dense,randk_ag,dgc
+
 Every row is rebuilt and timed once per round, rows rotated round-robin, for --rounds rounds,
 split over --visits visits (default 3): each visit runs every rate in turn on a fresh cluster for
 its share of the rounds, so that rates interleave in time as rows do and a slow drift of the
@@ -87,6 +93,19 @@ ROWS = {
     "ddp": ["scheme=none", "dist.ddp=true"],
 }
 PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "skew", "optimizer")
+
+
+def add_rows(specs: list[str]) -> None:
+    """``--row NAME=OVERRIDES`` (space-separated Hydra overrides): a row of one's own, e.g. a
+    scheme from another config folder (``--override 'hydra.searchpath=[file://DIR]'`` finds it,
+    PYTHONPATH its module): ``--row 'dgc=scheme=dgc_randk optim.momentum=0'``."""
+    for spec in specs:
+        name, sep, overrides = spec.partition("=")
+        name = name.strip()
+        if not sep or not name or not overrides.split() or name in ("compute",):
+            raise SystemExit(f"--row {spec!r} is not allowed; it takes NAME=OVERRIDES, e.g. "
+                             "--row 'mine=scheme=mine aggregation=allgather' (NAME not 'compute')")
+        ROWS[name] = overrides.split()
 
 
 def parse_rows(text: str) -> list[str]:
@@ -397,6 +416,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-skew-phase", dest="skew_phase", action="store_false",
                     help="do not time the wait for the slowest rank (a barrier before the exchange) "
                          "as its own phase 'skew'; it then shows up inside 'exchange'")
+    ap.add_argument("--row", action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="a row of one's own (repeatable): NAME=space-separated overrides; list it in --schemes")
     ap.add_argument("--schemes", default=",".join(ROWS),
                     help=f"rows: {', '.join(ROWS)}; topk, randk, blockk = all of that scheme's rows")
     ap.add_argument("--out", default=str(harness.REPO / "results" / "bench"))
@@ -407,6 +428,7 @@ def main(argv=None) -> int:
     if a.report:
         print(render(json.loads(Path(a.report).read_text()), Path(a.out)))
         return 0
+    add_rows(a.row)
     a.schemes = parse_rows(a.schemes)
     if a.worker:
         worker(a)
@@ -429,6 +451,7 @@ def main(argv=None) -> int:
                   "--model", a.model, "--schemes", ",".join(a.schemes),
                   *(["--ratio", str(a.ratio)] if a.ratio is not None else []),
                   *(x for o in a.override for x in ("--override", o)),
+                  *(x for r in a.row for x in ("--row", r)),
                   *([] if a.skew_phase else ["--no-skew-phase"])]
     # The rounds are split into visits; each visit runs every rate in turn (a fresh cluster per
     # rate and visit), so the rates interleave in time as the rows do within a rate.
