@@ -133,7 +133,10 @@ def test_the_choice_is_the_best_trained_trial_on_validation(tmp_path):
     tuned = yaml.safe_load((tmp_path / "tuned" / "topk_global.yaml").read_text())
     assert (tuned["lr"], tuned["warmup_epochs"], tuned["trials"], tuned["code"]) == (0.05, 0.3, 3, "abc123")
     text = (tmp_path / "fig" / "trials.md").read_text()
-    assert "blockk (global)" in text and "none of its trials trained" in text and "**chosen**" in text
+    assert "blockk (global)" in text and "ran, none trained: no choice" in text and "**chosen**" in text
+    # a scheme none of whose trials has run yet says so (not "none trained")
+    waiting = pd.concat([rows, rows[rows["scheme"] == "topk"].assign(scheme="qsgd", status="absent", val_accuracy=math.nan)])
+    assert "qsgd (global) | | | | | | 0 / " in tuning.markdown(tuning.trials(waiting), tuning.choose(tuning.trials(waiting)))
     assert (tmp_path / "fig" / "val_vs_lr.png").stat().st_size > 0
 
 

@@ -83,7 +83,8 @@ def choose(trial_rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def unchosen(trial_rows: pd.DataFrame, choices: pd.DataFrame) -> list[str]:
-    """``scheme (scope)`` of every scheme with trials but no choice: none of them trained."""
+    """``scheme (scope)`` of every scheme with trials but no choice: none of them trained, or
+    none has run yet."""
     done = set(zip(choices["scheme"], choices["scope"]))
     return [f"{scheme} ({scope})" for scheme, scope in
             dict.fromkeys(zip(trial_rows["scheme"], trial_rows["scope"])) if (scheme, scope) not in done]
@@ -150,7 +151,11 @@ def markdown(trial_rows: pd.DataFrame, choices: pd.DataFrame) -> str:
                      f"{100 * c['val_accuracy']:.2f} | {100 * c['test_accuracy']:.2f} | "
                      f"{ran} | {'yes' if c['at_edge'] else 'no'} |")
     for name in unchosen(trial_rows, choices):
-        lines.append(f"| {name} | | | | | | none of its trials trained: no choice, no tuned file | |")
+        scheme, _, scope = name.partition(" (")
+        rows = trial_rows[(trial_rows["scheme"] == scheme) & (trial_rows["scope"] == scope.rstrip(")"))]
+        ran = int(rows["status"].isin(FINISHED).sum())
+        why = (f"{ran} / {len(rows)} ran, none trained" if ran else f"0 / {len(rows)}: no trial has run yet")
+        lines.append(f"| {name} | | | | | | {why}: no choice, no tuned file | |")
     lines += ["", "## Trials", "",
               "| scheme | scope | lr | warm-up | status | stability | val acc % | test acc % | chosen |",
               "|---|---|--:|--:|---|---|--:|--:|---|"]
