@@ -26,6 +26,7 @@ HELP = {
     "seed": "seeds the weights, the data order and the shared random positions",
     "scheme.name": "the scheme (set it with scheme=...)",
     "scheme.compressor": "how the compressor is built (set by scheme=...)",
+    "scheme.memory": "what a worker keeps of what it did not send: a Memory class node (null: error feedback)",
     "scheme.error_feedback": "keep what was not sent and add it to the next gradient (false: the ablation)",
     "scheme.block_size": "scheme=blockk only, with scope=global: entries per contiguous block",
     "scheme.uncompressed": "tensors sent whole: 1d (biases, batch-norm), none, or N (tensors under N entries)",
