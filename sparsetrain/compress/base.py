@@ -26,8 +26,9 @@ calls it as ``factory(ratio, layout, scope, device=...)``. ``compressor_class`` 
 back from such a factory (e.g. ``shared_positions`` for the allowed aggregations).
 
 Adding a scheme = one ``Compressor`` subclass (here or anywhere importable) + one
-``conf/scheme/<name>.yaml`` whose ``compressor`` node names it, + a structured config in
-``sparsetrain/config/schema.py`` (``SCHEME_SCHEMAS``) only if the scheme has options of its own.
+``conf/scheme/<name>.yaml`` (in conf/ or a folder on Hydra's search path) whose ``compressor``
+node names it and gives its options (``scheme.compressor.<option>`` on the command line);
+docs/own_compressor.md.
 """
 
 from __future__ import annotations
@@ -43,16 +44,23 @@ from sparsetrain.compress.layout import Layout, as_layout
 SCOPES = ("layerwise", "global")
 
 
+def unwrap_partial(factory: Any) -> Any:
+    """What a (possibly nested) ``functools.partial`` calls: a yaml node's ``_partial_: true``
+    instantiates to one."""
+    while isinstance(factory, functools.partial):
+        factory = factory.func
+    return factory
+
+
 def compressor_class(factory: Any) -> type[Compressor]:
     """The class a scheme's compressor factory builds: ``factory`` itself when it is the class, the
     class of a ``functools.partial`` (what ``scheme.compressor`` instantiates to), or the class of
     a built compressor. ``TypeError`` for anything else."""
-    while isinstance(factory, functools.partial):
-        factory = factory.func
-    if isinstance(factory, Compressor):
-        return type(factory)
-    if isinstance(factory, type) and issubclass(factory, Compressor):
-        return factory
+    cls = unwrap_partial(factory)
+    if isinstance(cls, Compressor):
+        return type(cls)
+    if isinstance(cls, type) and issubclass(cls, Compressor):
+        return cls
     raise TypeError(f"{factory!r} is not a Compressor class, a functools.partial of one, or a Compressor")
 
 

@@ -22,13 +22,12 @@ compressor, scaled values included) and the memory's norm.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, ClassVar
 
 import torch
 
-from sparsetrain.compress.base import Compressor, Payload
+from sparsetrain.compress.base import Compressor, Payload, unwrap_partial
 
 
 class Memory:
@@ -68,26 +67,27 @@ class Memory:
         return math.sqrt(float(torch.dot(m, m)))
 
     @staticmethod
-    def gradient(grad, numel: int) -> torch.Tensor:
-        """``grad`` as one tensor (pieces concatenated: a copy)."""
-        if isinstance(grad, torch.Tensor):
-            return grad
+    def _pieces(grad, numel: int) -> list:
+        """``grad``'s pieces ``[(offset, tensor)]``, checked to cover ``numel`` entries."""
         pieces = list(grad)
         total = sum(g.numel() for _, g in pieces)
         if total != numel:
             raise ValueError(f"the gradient has {total} entries, the memory {numel}")
-        return torch.cat([g.reshape(-1) for _, g in pieces])
+        return pieces
+
+    @staticmethod
+    def gradient(grad, numel: int) -> torch.Tensor:
+        """``grad`` as one tensor (pieces concatenated: a copy)."""
+        if isinstance(grad, torch.Tensor):
+            return grad
+        return torch.cat([g.reshape(-1) for _, g in Memory._pieces(grad, numel)])
 
     @staticmethod
     def add_into(buffer: torch.Tensor, grad) -> torch.Tensor:
         """``buffer += grad`` (a tensor or its pieces), in place; returns ``buffer``."""
         if isinstance(grad, torch.Tensor):
             return buffer.add_(grad)
-        pieces = list(grad)
-        total = sum(g.numel() for _, g in pieces)
-        if total != buffer.numel():
-            raise ValueError(f"the gradient has {total} entries, the memory {buffer.numel()}")
-        for off, g in pieces:
+        for off, g in Memory._pieces(grad, buffer.numel()):
             buffer[off : off + g.numel()].add_(g.reshape(-1))
         return buffer
 
@@ -157,8 +157,7 @@ def compression_stats(acc: torch.Tensor, payload: Payload, compressor: Compresso
 def memory_class(factory: Any) -> type[Memory]:
     """The class a scheme's memory factory builds: the class itself, or the class of a
     ``functools.partial`` of it (what ``scheme.memory`` instantiates to). ``TypeError`` else."""
-    while isinstance(factory, functools.partial):
-        factory = factory.func
-    if isinstance(factory, type) and issubclass(factory, Memory):
-        return factory
+    cls = unwrap_partial(factory)
+    if isinstance(cls, type) and issubclass(cls, Memory):
+        return cls
     raise TypeError(f"{factory!r} is not a Memory class or a functools.partial of one")

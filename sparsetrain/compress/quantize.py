@@ -294,6 +294,7 @@ class QSGD(Quantizer):
     default); ``bucket_size=None``: one bucket per segment (one norm per tensor)."""
 
     MAX_LEVELS = 65535
+    draws_span_segments = True  # one stream of uniforms over every entry (see uniforms)
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127,
                  bucket_size: int | None = 512, **kw):
@@ -354,8 +355,6 @@ class QSGD(Quantizer):
         """``x`` (a tensor or numpy array) times its bucket's factor, in place, entry by entry."""
         for v, b, count in self._pieces(x):
             v *= factors[b : b + count].reshape(count, 1)
-
-    draws_span_segments = True
 
     def uniforms(self, seed: int, acc: torch.Tensor, numpy: bool):
         """One uniform in [0, 1) per entry for ``seed``, in ``acc``'s dtype: numpy's PCG64 into

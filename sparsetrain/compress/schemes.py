@@ -323,8 +323,8 @@ class RandomK(Compressor):
         super().share_draws(source, segments)
         # per entry of this compressor: the slot of the source's draw it reads, and the shift
         # from the source's segment offset to this one's
-        slots = torch.cat([torch.arange(source_k0, source_k0 + k) for source_k0, k in
-                           zip((sum(source.ks[:s]) for s in segments), self.ks, strict=True)])
+        slots = torch.cat([torch.arange(source.sampler.kstarts[s], source.sampler.kstarts[s] + k)
+                           for s, k in zip(segments, self.ks, strict=True)])
         shift = torch.repeat_interleave(
             torch.tensor([o - source.layout.offsets[s] for o, s in zip(self.layout.offsets, segments, strict=True)],
                          dtype=torch.int64), torch.tensor(self.ks, dtype=torch.int64))
