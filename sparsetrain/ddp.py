@@ -14,42 +14,49 @@ and exchange of early buckets overlap backward of later layers. Per bucket:
 - ``scope="layerwise"``: k_i = max(1, round(ratio x numel_i)) per compressed parameter, exactly
   as the trainer does; ``scope="global"`` is **global within a bucket**: one k over the bucket's
   compressed entries (not over the model: DDP hands the hook one bucket at a time);
-- error feedback, compression, the one collective and the decoding are the trainer's own
-  (``sparsetrain.comm.SparseReducer.start`` / ``finish``; one reducer per bucket: its memory,
-  compressor, message and collective), run on the bucket in place through a ``Placement`` (where
-  the bucket's compressed and whole tensors lie): the error-feedback add reads the compressed
-  tensors where they lie, the whole tensors go straight into the message and back, and every
-  message is decoded by the compressor's own ``decompress_add``. The hook has no step of its
-  own, so any compressor the trainer runs runs here alike. The collective is started
-  asynchronously; the returned future gives the averaged bucket (divided by world size). Build
-  DDP with ``gradient_as_bucket_view=True`` (the trainer does): the ``.grad`` tensors are then
-  views of the buckets, and DDP copies no gradient into a bucket or back;
+- the memory, compression, the compressor's rounds of collectives and the decoding are the
+  trainer's own (``sparsetrain.comm.SparseReducer.start`` / ``finish``; one reducer per bucket:
+  its memory, compressor, messages and collectives), run on the bucket in place through a
+  ``Placement`` (where the bucket's compressed and whole tensors lie): the memory's add reads the
+  compressed tensors where they lie, the whole tensors go straight into the message and back,
+  and every message is decoded by the compressor's own ``receive``. The hook has no step of its
+  own, so any compressor the trainer runs runs here alike (PowerSGD's two rounds included).
+  Every round but the last is waited for inside the hook (``exchange_ms``); the last is left
+  in flight, and the returned future gives the averaged bucket. Build DDP with
+  ``gradient_as_bucket_view=True`` (the trainer does): the ``.grad`` tensors are then views of
+  the buckets, and DDP copies no gradient into a bucket or back;
 - positions (and every other random draw) follow tensors, not buckets: with layer-wise scope
   each bucket's reducer has the run's seed (shared by all ranks for AllReduce, per rank for
   AllGather), and a compressor whose draws span its tensors (``draws_span_segments``: random-k,
-  block-k, QSGD) takes the trainer's draws for the bucket's tensors (``share_draws``). So the
+  block-k, QSGD, PowerSGD's start of Q) takes the trainer's draws for the bucket's tensors
+  (``share_draws``) and the options the model's compressor chose (``bucket_options``:
+  PowerSGD's rank). So the
   hook, layer-wise, exchanges exactly what the trainer does, whatever the buckets (bit for bit at
   two ranks; with more, gloo's AllReduce may sum a value's terms in another order depending on
-  where it lies in the buffer). Global scope draws per bucket from ``bucket_seed(seed, step,
+  where it lies in the buffer; PowerSGD within rounding, as a matrix product's last bit depends
+  on where its output lies in memory). Global scope draws per bucket from ``bucket_seed(seed, step,
   bucket)``;
 - the first ``warmup_steps`` iterations use DDP's plain AllReduce; compression then starts with
   empty memory. ``state.step`` counts iterations (it advances on the bucket DDP reduces last).
 
-Each bucket issues exactly one collective, from the hook itself (never from a future
-callback), so ranks issue collectives in the same order with any number of buckets, on gloo too.
+Each bucket issues its collectives (one per round) from the hook itself, never from a future
+callback, so ranks issue collectives in the same order with any number of buckets, on gloo too.
 
 Bucket rebuilds. DDP rebuilds its buckets once, before the second iteration, in the order the
 gradients arrived (and a fresh DDP after a resume starts again from its initial buckets). The
 memory is kept per bucket index, and each bucket records which parameters it covers (their
 positions in ``module.parameters()``). When a bucket index arrives with other parameters than
-before, every bucket's memory is split back into per-parameter pieces, and each new bucket takes
-its parameters' pieces when it first runs: no memory is lost or misplaced, whatever the new
+before, every bucket's memory (and the state its compressor keeps, e.g. PowerSGD's Q:
+``Compressor.pieces``) is split back into per-parameter pieces, and each new bucket takes its
+parameters' pieces when it first runs: no memory is lost or misplaced, whatever the new
 layout. (torch's PowerSGD hook instead refuses error feedback before iteration 2.) The same
 re-homing loads a checkpoint into any bucket layout.
 
 """
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
+import contextlib
+import functools
 import math
 import time
 
@@ -58,16 +65,20 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from sparsetrain.comm import SparseReducer, build_reducer, check_combination
-from sparsetrain.comm.flat import packed_runs
 from sparsetrain.comm.sparse import Placement
 from sparsetrain.compress import (
     BlockRandomK,
     Layout,
     compressed_first,
+    compressor_class,
     parse_uncompressed,
     step_seed,
     uncompressed_flags,
 )
+from sparsetrain.timing import NULL_TIMER
+
+#: the prefix of a compressor's per-parameter state among a parameter's memory pieces
+KEPT = "compressor."
 
 
 def bucket_seed(seed: int, step: int, bucket: int, rank: int | None = None) -> int:
@@ -92,13 +103,10 @@ class _Bucket:
     def __init__(self, keys, shapes, flags, reducer):
         self.keys = keys
         sizes = [int(torch.Size(s).numel()) for s in shapes]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         self.sizes = reducer  # what the bucket sends (of whole tensors only: a DenseReducer's count)
         self.reducer: SparseReducer | None = reducer if isinstance(reducer, SparseReducer) else None
-        order = compressed_first(flags)
-        self.compressed = [(keys[i], sizes[i]) for i in order if not flags[i]]  # memory layout
-        self.placement = Placement(tuple(packed_runs((offsets[i], sizes[i]) for i in order if not flags[i])),
-                                   tuple(packed_runs((offsets[i], sizes[i]) for i in order if flags[i])))
+        self.compressed = [(keys[i], sizes[i]) for i in compressed_first(flags) if not flags[i]]  # memory layout
+        self.placement = Placement.of(sizes, flags)
 
 
 class SparseHookState:
@@ -106,8 +114,9 @@ class SparseHookState:
     error-feedback memory) per DDP bucket.
 
     ``module``: the DDP model (or the module it wraps): its ``parameters()`` order names the
-    parameters in the memory and in checkpoints. ``scheme``: ``none``, ``topk``, ``randk``,
-    ``blockk``, ``signsgd``, ``qsgd``; ``scope``: ``layerwise`` or ``global`` (global within a
+    parameters in the memory and in checkpoints. ``scheme``: ``none``, or any scheme with a
+    compressor (``topk``, ``randk``, ``blockk``, ``signsgd``, ``qsgd``, ``powersgd``, one's own);
+    ``scope``: ``layerwise`` or ``global`` (global within a
     bucket); ``aggregation``: ``allgather`` or ``allreduce`` (not for top-k and the quantizers);
     ``ratio`` in (0, 1] (the quantizers send every entry: it does not apply to them);
     ``error_feedback``; ``uncompressed``: ``"1d"``, ``"none"`` or N; ``warmup_steps``: dense
@@ -150,6 +159,7 @@ class SparseHookState:
         params = list(module.parameters())
         self._key = {id(p): i for i, p in enumerate(params)}
         self._numel = [p.numel() for p in params]
+        self._shape = [tuple(p.shape) for p in params]
         # each compressed parameter's segment in the trainer's layout (the module's parameters
         # that train, those that travel whole left out, in order)
         trained = [i for i, p in enumerate(params) if p.requires_grad]
@@ -162,8 +172,19 @@ class SparseHookState:
         self.bytes_sent: dict[int, int] = {}  # per bucket, as sent at its latest call
         self.dense_bytes: dict[int, int] = {}
         self.decompress_ms: list[float] = []  # this iteration's unpack times (collective callbacks)
+        self.exchange_ms: list[float] = []  # this iteration's waits for earlier rounds, inside the hook
 
     # --- accounting ----------------------------------------------------------------------------
+    @property
+    def collective(self) -> str:
+        """What carries the exchange once it compresses, as the planned buckets' reducers say
+        (AllGather where a round gathers; PowerSGD's rounds are AllReduces whatever
+        ``aggregation``); ``aggregation`` until a bucket is planned."""
+        for plan in self._buckets.values():
+            if plan.reducer is not None:
+                return plan.reducer.collective
+        return self.aggregation
+
     @property
     def bytes_sent_per_step(self) -> int:
         """Bytes one rank sent in the latest iteration (values, whole tensors, positions)."""
@@ -183,27 +204,36 @@ class SparseHookState:
 
     def _model_compressor(self, device):
         """The trainer's compressor: over the module's compressed parameters in their order (whose
-        draws the buckets' compressors share)."""
+        draws the buckets' compressors share, and whose bucket options they take)."""
         if self._whole is None or self._whole.device != torch.device(device):
-            sizes = [self._numel[key] for key in sorted(self._segment, key=self._segment.get)]
-            self._whole = self.compressor(self.ratio, Layout.from_sizes(sizes), "layerwise", device=device)
+            keys = sorted(self._segment, key=self._segment.get)
+            options = {"shapes": [self._shape[k] for k in keys]} if compressor_class(self.compressor).needs_shapes else {}
+            self._whole = self.compressor(self.ratio, Layout.from_sizes(self._numel[k] for k in keys), "layerwise",
+                                          device=device, **options)
         return self._whole
 
     def _dissolve(self) -> None:
-        """Split every bucket's memory into per-parameter pieces (after a rebuild or a load)."""
+        """Split every bucket's memory (and its compressor's kept state) into per-parameter
+        pieces (after a rebuild or a load)."""
         for plan in self._buckets.values():
             if plan.reducer is not None:
-                self._park([key for key, _ in plan.compressed], plan.reducer.memory.buffers())
+                self._park([key for key, _ in plan.compressed], plan.reducer.memory.buffers(),
+                           plan.reducer.compressor.pieces())
         self._buckets.clear()
 
-    def _park(self, keys, buffers: dict) -> int:
+    def _park(self, keys, buffers: dict, kept=None) -> int:
         """Cut a bucket's memory buffers (``{name: tensor}``, whatever the memory holds, over its
         compressed parameters ``keys`` in memory order) into per-parameter pieces that wait for
-        the bucket that next holds them. Returns the entries used."""
+        the bucket that next holds them, with each parameter's compressor state (``kept``: one
+        ``{name: tensor}`` per parameter, stored as ``compressor.<name>``). Returns the entries
+        used."""
         pos = 0
-        for key in keys:
+        for i, key in enumerate(keys):
             n = self._numel[key]
-            self._pending[key] = {name: buf[pos : pos + n].clone() for name, buf in buffers.items()}
+            piece = {name: buf[pos : pos + n].clone() for name, buf in buffers.items()}
+            if kept is not None:
+                piece.update({KEPT + name: t.clone() for name, t in kept[i].items()})
+            self._pending[key] = piece
             pos += n
         return pos
 
@@ -221,32 +251,41 @@ class SparseHookState:
         order = compressed_first(flags)
         # Layer-wise, a tensor's positions do not depend on the bucket it is in: every bucket's
         # reducer has the run's seed, and a compressor whose draws span its tensors takes the
-        # trainer's draws for them (``share_draws``), so the hook exchanges what the trainer
-        # does. Global scope is global within a bucket: each bucket draws from its own seed,
-        # bucket_seed(seed, step, index) (shared with AllReduce, per rank with AllGather).
+        # trainer's draws for them (``share_draws``) and the model's choices (``bucket_options``),
+        # so the hook exchanges what the trainer does. Global scope is global within a bucket:
+        # each bucket draws from its own seed, bucket_seed(seed, step, index) (shared with
+        # AllReduce, per rank with AllGather).
         layerwise = self.scope == "layerwise"
+        compressor = self.compressor
+        if layerwise and compressor is not None and self.scheme != "none":
+            options = self._model_compressor(buf.device).bucket_options()
+            compressor = functools.partial(compressor, **options) if options else compressor
         reducer = build_reducer(
             self.scheme, self.scope, self.aggregation, self.ratio,
             Layout.from_sizes(shapes[i].numel() for i in order),
             world_size=self.world_size, rank=self.rank, seed=self.seed if layerwise else step_seed(self.seed, index),
             error_feedback=self.error_feedback, memory=self.memory,
             uncompressed=[flags[i] for i in order], group=self.process_group,
-            device=buf.device, dtype=buf.dtype, compressor=self.compressor,
+            device=buf.device, dtype=buf.dtype, compressor=compressor, shapes=[tuple(shapes[i]) for i in order],
         )
         plan = _Bucket(keys, shapes, flags, reducer)
         if plan.reducer is not None and layerwise and plan.reducer.compressor.draws_span_segments:
             plan.reducer.compressor.share_draws(self._model_compressor(buf.device),
                                                 [self._segment[key] for key, _ in plan.compressed])
         if plan.reducer is not None:  # the bucket takes its parameters' memory, every buffer of it
-            buffers, pos = plan.reducer.memory.buffers(), 0
+            buffers, pos, kept = plan.reducer.memory.buffers(), 0, []
             for key, n in plan.compressed:
-                pieces = self._pending.pop(key, None)
-                for name, piece in (pieces or {}).items():
+                pieces = self._pending.pop(key, None) or {}
+                kept.append({name[len(KEPT):]: t for name, t in pieces.items() if name.startswith(KEPT)})
+                for name, piece in pieces.items():
+                    if name.startswith(KEPT):
+                        continue
                     if name not in buffers or piece.numel() != n:
                         raise ValueError(f"the memory of parameter {key} has a {name!r} of {piece.numel()} "
                                          f"entries; this memory holds {sorted(buffers)} of {n}")
                     buffers[name][pos : pos + n].copy_(piece)
                 pos += n
+            plan.reducer.compressor.adopt(kept)
         self._buckets[index] = plan
         return plan
 
@@ -258,6 +297,7 @@ class SparseHookState:
             self.bytes_sent.clear()
             self.dense_bytes.clear()
             self.decompress_ms.clear()
+            self.exchange_ms.clear()
         if bucket.is_last():  # one iteration = one pass over the buckets (as torch's PowerSGD)
             self.step += 1
         self.dense_bytes[index] = buf.numel() * buf.element_size()
@@ -269,7 +309,9 @@ class SparseHookState:
             return allreduce_hook(self.process_group, bucket)
         red = plan.reducer
         self.bytes_sent[index] = red.bytes_sent_per_step
-        pending = red.start(buf, step, placement=plan.placement)  # the collective in flight
+        clock = _ExchangeClock()
+        pending = red.start(buf, step, placement=plan.placement, timer=clock)  # the last round in flight
+        self.exchange_ms.append(clock.ms)
         work, pending.work = pending.work, None
 
         def finish(fut=None) -> torch.Tensor:
@@ -313,7 +355,7 @@ class SparseHookState:
         memory's first buffer (error feedback's ``memory``)."""
         sq = sum(plan.reducer.memory.norm() ** 2 for plan in self._buckets.values() if plan.reducer is not None)
         for pieces in self._pending.values():
-            first = next(iter(pieces.values()), None)
+            first = next((t for name, t in pieces.items() if not name.startswith(KEPT)), None)
             sq += 0.0 if first is None else float(first.double().pow(2).sum())
         return math.sqrt(sq)
 
@@ -333,6 +375,9 @@ class SparseHookState:
                 buckets[index] = {"params": [k for k, _ in plan.compressed],
                                   "layout": list(plan.keys),  # every parameter of the bucket, in order
                                   **{name: buf.detach().clone() for name, buf in plan.reducer.memory.buffers().items()}}
+                kept = plan.reducer.compressor.pieces()
+                if any(kept):  # the compressor's state, per parameter (PowerSGD's Q)
+                    buckets[index]["compressor"] = [{n: t.clone() for n, t in p.items()} for p in kept]
         return {"step": self.step, "buckets": buckets,
                 "pending": {k: {name: t.clone() for name, t in v.items()} for k, v in self._pending.items()}}
 
@@ -345,12 +390,32 @@ class SparseHookState:
                                   else {name: t.clone() for name, t in v.items()})
                          for k, v in state.get("pending", {}).items()}
         for entry in state["buckets"].values():
-            buffers = {name: t for name, t in entry.items() if name not in ("params", "layout")}
-            used = self._park([int(key) for key in entry["params"]], buffers)
+            buffers = {name: t for name, t in entry.items() if name not in ("params", "layout", "compressor")}
+            used = self._park([int(key) for key in entry["params"]], buffers, entry.get("compressor"))
             for name, t in buffers.items():
                 if used != t.numel():
                     raise ValueError(f"a saved bucket's {name} has {t.numel()} entries, its parameters {used}")
         self.step = int(state["step"])
+
+
+class _ExchangeClock:
+    """The hook's timer for ``SparseReducer.start``: the time spent in ``exchange`` (earlier
+    rounds waited for, the last one launched), so the trainer can tell it from compression."""
+
+    def __init__(self):
+        self.ms = 0.0
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if name == "exchange":
+                self.ms += (time.perf_counter() - t0) * 1e3
+
+    def untimed(self):
+        return NULL_TIMER.untimed()
 
 
 # ------------------------------------------------------------------------- bytes of other hooks

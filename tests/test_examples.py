@@ -44,8 +44,12 @@ DGC_ARGS = ("--config-dir", str(DGC / "conf"), "scheme=dgc_randk", "optim.moment
 EF_ARGS = ("--config-dir", str(DGC / "conf"), "scheme=randk")
 
 
+def _env(folder) -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT), str(folder)])}
+
+
 def _dgc_env() -> dict:
-    return {"PYTHONPATH": os.pathsep.join([str(ROOT), str(DGC)])}
+    return _env(DGC)
 
 
 def test_momentum_correction_follows_its_definition():
@@ -73,11 +77,11 @@ def test_momentum_correction_follows_its_definition():
         dgc.MomentumCorrection(4, momentum=1.0)
 
 
-def _run(tmp_path, name, *extra, scheme=DGC_ARGS):
+def _run(tmp_path, name, *extra, scheme=DGC_ARGS, env=None):
     run = tmp_path / name
     proc = run_cli(*scheme, *TINY, "world_size=2", "train.epochs=4", "train.max_steps=30",
                    "train.log_every=1", "train.save_model=true", "dist.bucket_cap_mb=0.05", *extra,
-                   f"hydra.run.dir={run}", env=_dgc_env())
+                   f"hydra.run.dir={run}", env=env or _dgc_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run, read_json(run / "summary.json")
 
@@ -120,21 +124,23 @@ def test_a_memory_option_defines_the_run():
     assert config_differences({"scheme": {"name": "randk"}}, {"scheme": {"name": "randk", "memory": None}}) == []
 
 
-def test_dgc_resumes_bit_for_bit_under_ddp(tmp_path):
-    """Both buffers of the example's memory are checkpointed and re-homed across DDP's bucket
+@pytest.mark.parametrize("example", ["dgc", "thc"])
+def test_example_resumes_bit_for_bit_under_ddp(example, tmp_path):
+    """Every buffer of the example's memory is checkpointed and re-homed across DDP's bucket
     rebuild: SIGTERM in the second epoch, resume, the same weights and metrics as a straight run."""
-    args = (*DGC_ARGS, *TINY, "world_size=2", "train.epochs=2", "train.log_every=1", "train.save_model=true",
+    scheme_args, env = (DGC_ARGS, _dgc_env()) if example == "dgc" else (THC_ARGS, _env(THC))
+    args = (*scheme_args, *TINY, "world_size=2", "train.epochs=2", "train.log_every=1", "train.save_model=true",
             "data.train_size=384", "dist.ddp=true", "dist.bucket_cap_mb=0.05")
-    straight = run_cli(*args, f"hydra.run.dir={tmp_path / 'straight'}", env=_dgc_env())
+    straight = run_cli(*args, f"hydra.run.dir={tmp_path / 'straight'}", env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
     run = tmp_path / "interrupted"
     proc = subprocess.Popen([sys.executable, "-m", "sparsetrain.run", *args, f"hydra.run.dir={run}"], cwd=ROOT,
-                            env=cli_env(**_dgc_env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=cli_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_steps(run, 8, proc)
     proc.send_signal(signal.SIGTERM)
     proc.communicate(timeout=120)
     assert read_json(run / "summary.json")["status"] == "failed"
-    resumed = run_cli(*args, f"hydra.run.dir={run}", env=_dgc_env())
+    resumed = run_cli(*args, f"hydra.run.dir={run}", env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_json(run / "summary.json")["resumed_from_step"] > 0
     a = torch.load(tmp_path / "straight" / "model.pt", weights_only=True)
@@ -146,18 +152,101 @@ def test_dgc_resumes_bit_for_bit_under_ddp(tmp_path):
 
 @pytest.mark.netns
 @requires_netns
-def test_dgc_runs_through_the_step_benchmark(tmp_path):
-    """The step benchmark times a row of one's own (``--row``) beside its rows, on the
-    bandwidth-limited cluster: the example's scheme found through the search path."""
+def test_examples_run_through_the_step_benchmark(tmp_path):
+    """The step benchmark times rows of one's own (``--row``) beside its rows, on the
+    bandwidth-limited cluster: the examples' schemes found through the search path."""
     cmd = [sys.executable, "-m", "sparsetrain.benchmarks.step", "--rates", "2gbit", "--nproc", "2", "--batch", "2",
            "--steps", "1", "--warmup", "0", "--rounds", "1", "--visits", "1",
-           "--override", f"hydra.searchpath=[file://{DGC / 'conf'}]",
-           "--row", "dgc=scheme=dgc_randk optim.momentum=0 optim.nesterov=false",
-           "--schemes", "compute,dense,randk_ag,dgc", "--out", str(tmp_path)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=cli_env(**_dgc_env()))
+           "--override", f"hydra.searchpath=[file://{DGC / 'conf'},file://{THC / 'conf'}]",
+           "--row", "dgc=scheme=dgc_randk optim.momentum=0 optim.nesterov=false", "--row", "thc=scheme=thc",
+           "--schemes", "compute,dense,randk_ag,dgc,thc", "--out", str(tmp_path)]
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), str(DGC), str(THC)])}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=cli_env(**env))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads((tmp_path / "step.json").read_text())["results"][0]["schemes"]
-    assert rows["dgc"]["options"]["scheme"] == "dgc_randk"
+    assert rows["dgc"]["options"]["scheme"] == "dgc_randk" and rows["thc"]["options"]["scheme"] == "thc"
     # the same entries as random-k's row: DGC changes the memory, not the message
     assert rows["dgc"]["bytes_sent_per_step"] == rows["randk_ag"]["bytes_sent_per_step"] > 0
     assert rows["dgc"]["phases_ms"]["compress"] > 0
+    # THC: a byte per entry (and a float per tensor), between random-k's and dense's
+    assert rows["randk_ag"]["bytes_sent_per_step"] < rows["thc"]["bytes_sent_per_step"] < \
+        rows["dense"]["bytes_sent_per_step"] / 3
+    assert rows["thc"]["phases_ms"]["compress"] > 0
+
+
+# ---- THC: an integer-sum quantizer (a shared scale by MAX, then int8 codes summed) ---------------
+THC = EXAMPLES / "thc"
+THC_ARGS = ("--config-dir", str(THC / "conf"), "scheme=thc")
+
+
+def _thc_exchange(levels=15, uncompressed=40, dtype=torch.float64):
+    from functools import partial
+
+    from sparsetrain.comm import build_reducer
+
+    thc = _module("thc", THC / "thc.py")
+    layout = Layout.from_sizes([50, 30, uncompressed])
+    return thc, build_reducer("thc", "layerwise", "allreduce", 1.0, layout, world_size=1, rank=0, seed=3,
+                              uncompressed=[False, False, True], dtype=dtype,
+                              compressor=partial(thc.IntegerSum, levels=levels))
+
+
+def test_integer_sum_follows_its_definition():
+    """One rank, float64: the rounds it declares (the whole tensors in a sum round of their own,
+    first), its bytes, the update on the shared grid (codes x s / L, within s / L of acc), error
+    feedback keeping acc - update exactly, and stochastic rounding unbiased over seeds."""
+    from sparsetrain.timing import NULL_TIMER
+
+    thc, red = _thc_exchange()
+    assert [(r.op, r.floats, r.ints, r.int_dtype) for r in red.rounds] == [
+        ("sum", 0, 0, torch.int32), ("max", 2, 0, torch.int32), ("sum", 0, 80, torch.int8)]
+    assert red.bytes_sent_per_step == 40 * 8 + 2 * 8 + 80 and red.collective == "allreduce"
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(120, generator=gen, dtype=torch.float64)
+    mem_before = red.memory.memory.clone()
+    flat = g.clone()
+    red.reduce(flat, 0, NULL_TIMER)
+    acc = g[:80] + mem_before
+    scale = torch.cat([acc[:50].abs().max().expand(50), acc[50:].abs().max().expand(30)])
+    codes = flat[:80] / scale * 15
+    assert float((codes - codes.round()).abs().max()) < 1e-9 and float(codes.abs().max()) <= 15  # on the grid
+    assert float(((flat[:80] - acc).abs() / scale).max()) < 1 / 15 + 1e-12
+    torch.testing.assert_close(red.memory.memory + flat[:80], acc, rtol=0, atol=1e-15)
+    assert torch.equal(flat[80:], g[80:])  # the whole tensors unchanged (one rank)
+    # unbiased: the mean of many draws (fresh memory each) approaches acc
+    mean = torch.zeros(80, dtype=torch.float64)
+    for seed in range(400):
+        _, red = _thc_exchange()
+        red.seed = seed
+        flat = g.clone()
+        red.reduce(flat, 0, NULL_TIMER)
+        mean += flat[:80] / 400
+    assert float(((mean - g[:80]).abs() / scale).max()) < 0.01
+    # the levels that cannot fit int8's sum, in one line
+    comp = thc.IntegerSum(1.0, Layout.from_sizes([4]), levels=15)
+    from sparsetrain.compress.base import Message, StepState
+
+    step = StepState(torch.ones(4), 0, 0, 16, 0, "allreduce", scratch={"scale": torch.ones(1)})
+    with pytest.raises(ValueError, match=r"^scheme.compressor.levels=15 is not allowed with world_size=16: "):
+        comp.send(1, step, Message(torch.empty(0), torch.empty(4, dtype=torch.int8)))
+
+
+def test_thc_trains_through_the_trainer_and_ddp_alike_and_is_analysed(tmp_path):
+    """The example's three rounds (whole tensors, MAX of the scales, the int8 codes' sum) through
+    the trainer and, per bucket, the DDP hook: the same weights and train loss to the bit; its
+    bytes a quarter of dense's (a byte per entry); its own row in the analysis."""
+    env = _env(THC)
+    flat, s_flat = _run(tmp_path, "trainer", scheme=THC_ARGS, env=env)
+    ddp, s_ddp = _run(tmp_path, "ddp", "dist.ddp=true", scheme=THC_ARGS, env=env)
+    assert s_flat["status"] == s_ddp["status"] == "completed" and s_flat["steps"] == 30
+    assert s_flat["train_loss"] == s_ddp["train_loss"] < 2.3  # below a uniform guess: it trains
+    a = torch.load(flat / "model.pt", weights_only=True)
+    b = torch.load(ddp / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    share = s_flat["bytes_sent_per_step"] / s_flat["dense_bytes_per_step"]
+    assert 0.25 < share < 0.26, share  # int8 codes, a float per tensor, the 1-D tensors whole
+    proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(tmp_path), "--out",
+                           str(tmp_path / "figures")], cwd=ROOT, env=cli_env(**env),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "thc" in proc.stdout

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -174,23 +175,27 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
     compressor node, ``scheme.uncompressed``) on one rank, its compression (error feedback, both
     projections and orthogonalisations: the matmuls of both factors) and its decompression, each
     timed against a copy of the gradient right before it."""
-    from sparsetrain.comm.powersgd import build_powersgd_reducer
-    from sparsetrain.compress import uncompressed_flags
+    from sparsetrain.comm import build_reducer
+    from sparsetrain.compress import compressed_first, uncompressed_flags
     from sparsetrain.config import compose, scheme_compressor
 
     cfg = compose(["scheme=powersgd", f"ratio={ratio}"])
     flags = uncompressed_flags(shapes, cfg.scheme.uncompressed)
-    red = build_powersgd_reducer(scheme_compressor(cfg.scheme), cfg.ratio, cfg.scope.name, shapes, flags,
-                                 world_size=1, rank=0, seed=0, device=device, dtype=g.dtype)
+    order = compressed_first(flags)
+    red = build_reducer("powersgd", cfg.scope.name, "allreduce", cfg.ratio,
+                        Layout.from_sizes(math.prod(shapes[i]) for i in order),
+                        uncompressed=[flags[i] for i in order], shapes=[shapes[i] for i in order],
+                        world_size=1, rank=0, seed=0, device=device, dtype=g.dtype,
+                        compressor=scheme_compressor(cfg.scheme))
     buf, out = g.clone(), torch.empty_like(g)
     state = {}
 
-    def compress_ef():
-        state["mats"] = red.compress_p(buf)
-        red.compress_q(buf, state["mats"])
+    def compress_ef():  # error feedback, P = M Q, P orthogonalised, Q = M^T P: every round's send
+        state["step"] = red.start(buf, 0, async_op=False)
 
-    def decompress():
-        red.decompress(buf, state["mats"])
+    def decompress():  # P Q^T and the memory's forget (rerun on the same step: forget each time)
+        state["step"].forgotten = False
+        red.finish(state["step"])
 
     def copy_once():
         out.copy_(g)

@@ -9,11 +9,10 @@ import torch
 
 from sparsetrain.comm.dense import DenseReducer
 from sparsetrain.comm.flat import flat_gradients
-from sparsetrain.comm.powersgd import build_powersgd_reducer, is_powersgd
 from sparsetrain.comm.protocol import Reducer
 from sparsetrain.comm.rules import check_combination
 from sparsetrain.comm.sparse import SparseReducer
-from sparsetrain.compress import ErrorFeedback, Layout, as_layout, memory_class, uncompressed_flags
+from sparsetrain.compress import Layout, as_layout, compressor_class, uncompressed_flags
 
 
 def build_reducer(
@@ -49,8 +48,9 @@ def build_reducer(
     device=..., dtype=...)``; None: ``ErrorFeedback``.
     ``uncompressed``: one flag per segment, True for the tensors that travel whole; they must be
     the last segments (``flat_gradients`` orders the buffer so). ``warmup_steps``: dense steps
-    before compression starts. ``shapes``: one per segment, the tensors' shapes (PowerSGD
-    compresses each as a matrix, ``comm.powersgd``; the sparse schemes need only sizes).
+    before compression starts. ``shapes``: one per segment, the tensors' shapes (for a
+    compressor with ``needs_shapes``: PowerSGD compresses each as a matrix; the sparse schemes
+    need only sizes).
     Raises ``ValueError`` with a one-line message for invalid combinations.
     """
     check_combination(scheme, scope, aggregation, ratio, compressor)
@@ -64,17 +64,14 @@ def build_reducer(
         raise ValueError("uncompressed segments must come last in the flat buffer (see flat_gradients)")
     if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
         return DenseReducer(layout.total, esize, group=group)
-    if is_powersgd(compressor):  # its own exchange: P and Q factors, two AllReduces (comm.powersgd)
-        if memory is not None and memory_class(memory) is not ErrorFeedback:
-            raise ValueError(f"scheme={scheme!r} keeps error feedback's memory only, not {memory_class(memory).__name__}")
+    options = {}
+    if compressor_class(compressor).needs_shapes:
         if shapes is None or len(shapes) != len(layout):
             raise ValueError(f"scheme={scheme!r} needs the shape of each of the {len(layout)} tensors: shapes=...")
-        return build_powersgd_reducer(compressor, ratio, scope, shapes, flags, world_size=world_size, rank=rank,
-                                      seed=seed, error_feedback=error_feedback, warmup_steps=warmup_steps,
-                                      group=group, device=device, dtype=dtype)
+        options["shapes"] = [tuple(int(d) for d in s) for s in shapes[:n_compressed]]
     compressed = Layout(layout.sizes[:n_compressed])
     return SparseReducer(
-        compressor(ratio, compressed, scope, device=device),
+        compressor(ratio, compressed, scope, device=device, **options),
         aggregation=aggregation,
         world_size=world_size,
         rank=rank,

@@ -1,7 +1,7 @@
 """What a reducer is: the one interface the train step talks to (``Reducer``), and what it
 reports per step (``ExchangeStats``).
 
-A reducer owns one collective per step over the flat gradient buffer (``comm.flat``): it reads
+A reducer owns the collectives of a step over the flat gradient buffer (``comm.flat``): it reads
 every rank's gradient there and overwrites it, in place, with the update every rank applies
 identically. ``DenseReducer`` (comm.dense) and ``SparseReducer`` (comm.sparse) implement it.
 """

@@ -1,19 +1,26 @@
-"""Compressed exchange: error feedback + a compressor from ``sparsetrain.compress``, then one
-collective.
+"""The compressed exchange: a memory (error feedback by default) + a compressor from
+``sparsetrain.compress`` + the rounds of collectives the compressor declares (``Round``).
 
-A compressor's message has two sections (``compress.base``): ``num_values`` floats (a
-sparsifier's k values, a quantizer's per-tensor scales) and ``num_positions`` integers of
-``wire_dtype`` (a sparsifier's positions, a quantizer's packed bits as uint8).
+A one-message compressor (the default ``rounds``) has two sections (``compress.base``):
+``num_values`` floats (a sparsifier's k values, a quantizer's per-tensor scales) and
+``num_positions`` integers of ``wire_dtype`` (a sparsifier's positions, a quantizer's packed
+bits as uint8).
 
 - ``allreduce``: positions drawn from a seed shared by all ranks, so only the k values are summed
-  (compressors with ``shared_positions``).
+  (compressors with ``shared_positions``): one ``sum`` round.
 - ``allgather``: each rank its own message, values and positions packed into one byte message,
-  one ``all_gather_into_tensor``, every rank decodes every message (``decompress_add``) in rank
-  order, so every rank adds the same numbers in the same order.
+  one ``all_gather_into_tensor`` (a ``gather`` round), every rank decodes every message
+  (``decompress_add``) in rank order, so every rank adds the same numbers in the same order.
+
+A compressor with several rounds (PowerSGD: P summed, then Q; an integer-sum quantizer: a scale
+by ``max``, then integer codes by ``sum``) runs through the same code: each round is sent,
+carried by one collective and received in turn; the last one may stay in flight (the DDP hook
+returns while it travels).
 
 Tensors that bypass compression (``scheme.uncompressed``: by default the 1-D ones) sit at the end
-of the flat buffer (``comm.flat.flat_gradients`` orders it so) and travel whole in the same
-collective: appended to the AllReduce values, or to the packed AllGather message.
+of the flat buffer (``comm.flat.flat_gradients`` orders it so) and travel whole in the first
+round that sums or gathers floats: appended to the AllReduce values, or to the packed AllGather
+message.
 """
 
 from __future__ import annotations
@@ -25,9 +32,11 @@ import torch
 import torch.distributed as dist
 
 from sparsetrain.comm.dense import average_dense
+from sparsetrain.comm.flat import packed_runs
 from sparsetrain.comm.protocol import ExchangeStats
 from sparsetrain.comm.rules import check_aggregation
-from sparsetrain.compress import ErrorFeedback, compression_stats, step_seed
+from sparsetrain.compress import ErrorFeedback, compressed_first, compression_stats, step_seed
+from sparsetrain.compress.base import Message, Round, StepState
 from sparsetrain.timing import NULL_TIMER, PhaseTimer
 
 
@@ -57,32 +66,123 @@ class Placement:
         whole = ((compressed_numel, 0, uncompressed_numel),) if uncompressed_numel else ()
         return cls(((0, 0, compressed_numel),), whole)
 
+    @classmethod
+    def of(cls, sizes, whole) -> Placement:
+        """The placement of a buffer of tensors of ``sizes``, in that order, ``whole`` saying
+        which travel whole (a DDP bucket): each part takes its tensors in buffer order."""
+        sizes, flags = [int(n) for n in sizes], [bool(f) for f in whole]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        order = compressed_first(flags)
+        return cls(tuple(packed_runs((offsets[i], sizes[i]) for i in order if not flags[i])),
+                   tuple(packed_runs((offsets[i], sizes[i]) for i in order if flags[i])))
+
 
 @dataclass
 class SparseStep:
-    """One sparse step in flight, between ``SparseReducer.start`` and ``finish``: the buffer and
-    where its parts lie, what was packed, the collective's ``Work`` (None when it already ran, or
-    on one rank) and the statistics (``(compression_error, memory_norm)``, None when not asked)."""
+    """One step in flight, between ``SparseReducer.start`` and ``finish``: the buffer and where
+    its parts lie, the compressor's step (``StepState``: its payload and scratch), the last
+    round's ``Work`` (None when it already ran, or on one rank) and the statistics
+    (``(compression_error, memory_norm)``, None until known or when not asked)."""
 
     buf: torch.Tensor
     placement: Placement
-    payload: Any
+    state: StepState
     work: Any
     stats: tuple | None
+    want_stats: bool = False
+    acc_copy: torch.Tensor | None = None  # acc for statistics taken after the last round
+    forgotten: bool = False  # the memory's forget has run
+
+    @property
+    def payload(self):
+        return self.state.payload
+
+
+class _RoundBuffers:
+    """One round's message buffers. ``sum`` / ``max``: one tensor, reduced in place (the floats,
+    then the whole tensors where this round carries them; or the integers). ``gather``: one
+    byte message per rank, ``[floats | whole tensors | integers]`` (the integers aligned for
+    their view, every message aligned for both), gathered into ``world`` messages."""
+
+    def __init__(self, rnd: Round, whole: int, world: int, device, dtype):
+        self.round, self.whole, self.world, self.dtype = rnd, int(whole), int(world), dtype
+        esize = torch.empty((), dtype=dtype).element_size()
+        isize = torch.empty((), dtype=rnd.int_dtype).element_size()
+        nf = rnd.floats + self.whole
+        self._no_ints = torch.empty(0, dtype=rnd.int_dtype, device=device)
+        if rnd.op != "gather":
+            if rnd.ints:
+                self.buffer = torch.empty(rnd.ints, dtype=rnd.int_dtype, device=device)
+                self.mine = Message(torch.empty(0, dtype=dtype, device=device), self.buffer)
+            else:
+                self.buffer = torch.empty(nf, dtype=dtype, device=device)
+                self.mine = Message(self.buffer[: rnd.floats], self._no_ints)
+            self.whole_view = self.buffer[rnd.floats :] if self.whole else None
+            self.nbytes = self.buffer.numel() * self.buffer.element_size()
+            return
+        self._floats_nbytes = nf * esize
+        self._ints_start = -(-self._floats_nbytes // isize) * isize  # aligned for the int view
+        self._ints_end = self._ints_start + rnd.ints * isize
+        align = max(esize, isize)  # every rank's message starts aligned for both views
+        self.nbytes = -(-self._ints_end // align) * align
+        self.send = torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros(self.world * self.nbytes, dtype=torch.uint8, device=device)
+        self.mine = self._message(self.send)
+
+    def _message(self, msg: torch.Tensor) -> Message:
+        floats = msg[: self._floats_nbytes].view(self.dtype)
+        return Message(floats[: self.round.floats], msg[self._ints_start : self._ints_end].view(self.round.int_dtype))
+
+    def own_whole(self) -> torch.Tensor:
+        """Where this rank's whole tensors go in its message."""
+        if self.round.op != "gather":
+            return self.whole_view
+        return self.send[: self._floats_nbytes].view(self.dtype)[self.round.floats :]
+
+    def communicate(self, group, async_op: bool):
+        """The round's collective; its ``Work`` when ``async_op`` (None on one rank)."""
+        op = self.round.op
+        if self.world > 1:
+            if op == "gather":
+                return _all_gather_single(self.recv, self.send, group=group, async_op=async_op)
+            red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+            return dist.all_reduce(self.buffer, op=red, group=group, async_op=async_op)
+        if op == "gather":
+            self.recv[: self.nbytes].copy_(self.send)
+        return None
+
+    def received(self):
+        """The round's result: a ``Message`` (sum, max) or every rank's, in rank order (gather)."""
+        if self.round.op != "gather":
+            return self.mine
+        return [self._message(self.recv[r * self.nbytes : (r + 1) * self.nbytes]) for r in range(self.world)]
+
+    def whole_received(self):
+        """The whole tensors as received: one tensor (summed) or every rank's (gathered)."""
+        if self.round.op != "gather":
+            return self.whole_view
+        return [self.recv[r * self.nbytes : r * self.nbytes + self._floats_nbytes].view(self.dtype)[self.round.floats :]
+                for r in range(self.world)]
 
 
 class SparseReducer:
-    """Error feedback + compression + one collective + decompression, on the flat buffer.
+    """The memory (error feedback by default) + a compressor's rounds of collectives, on the
+    flat buffer or a DDP bucket: the one exchange of every compressor.
 
-    Result on every rank: ``flat_grad = (1/W) * sum_r decompress(payload_r)`` (W ranks), identical on
-    all ranks (the same additions in the same rank order). Values are divided by W before they are
-    added, which is exact for W = 2 (and any power of two) so that ratio=1 matches dense there.
+    Result on every rank: the update the compressor's ``receive`` decodes (one message:
+    ``(1/W) * sum_r decompress(payload_r)``, W ranks), identical on all ranks (the same
+    additions in the same rank order). Values are divided by W before they are added, which is
+    exact for W = 2 (and any power of two) so that ratio=1 matches dense there.
 
-    The flat buffer is ``[compressed prefix | uncompressed tail]``: the compressor and the
-    error-feedback memory cover the prefix (``compressor.numel`` entries); the last
-    ``uncompressed_numel`` entries travel whole, after the sparse values in the same message,
+    The flat buffer is ``[compressed prefix | uncompressed tail]``: the compressor and the memory
+    cover the prefix (``compressor.numel`` entries); the last ``uncompressed_numel`` entries
+    travel whole, after the floats of the first round that sums or gathers floats (``Round``),
     and never enter the memory. For the first ``warmup_steps`` steps the whole buffer is
     AllReduced densely and the memory stays empty; compression starts at step ``warmup_steps``.
+
+    The memory forgets what was sent right after the last round's ``send`` when the payload is
+    this rank's own message, or after the last ``receive`` when the compressor gives the update
+    every rank decoded (``Payload.decoded``: PowerSGD's memory is ``acc - P Q^T``).
     """
 
     def __init__(
@@ -104,7 +204,6 @@ class SparseReducer:
         check_aggregation(type(compressor).__name__, aggregation, compressor)
         self.compressor = compressor
         self.aggregation = aggregation
-        self.collective = aggregation  # after warm-up; warm-up steps AllReduce densely
         self.world_size = int(world_size)
         self.rank = int(rank)
         self.seed = int(seed)
@@ -121,30 +220,30 @@ class SparseReducer:
         self.flat_placement = Placement.flat(self.compressed_numel, self.uncompressed_numel)
         self._decoded: torch.Tensor | None = None  # decoding buffer for a placement of several runs
 
+        rounds = list(compressor.rounds(aggregation))
+        if not rounds:
+            raise ValueError(f"{type(compressor).__name__}.rounds({aggregation!r}) declares no collective")
+        # the whole tensors ride after the floats of the first round that sums or gathers floats;
+        # where none does, in a sum round of their own, first (the compressor's rounds follow)
+        carrier = next((i for i, r in enumerate(rounds) if r.op in ("sum", "gather") and r.floats), None)
+        self._own = 0  # rounds of the exchange's own before the compressor's
+        if carrier is None and self.uncompressed_numel:
+            rounds.insert(0, Round("sum"))
+            carrier, self._own = 0, 1
+        self.whole_round = carrier if self.uncompressed_numel else None
+        self.rounds = tuple(rounds)
+        self._buffers = [_RoundBuffers(r, self.uncompressed_numel if i == self.whole_round else 0,
+                                       self.world_size, device, dtype) for i, r in enumerate(rounds)]
+        # what carries the step: AllGather where any round gathers, else AllReduce
+        self.collective = "allgather" if any(r.op == "gather" for r in rounds) else "allreduce"
+
         esize = torch.empty((), dtype=dtype).element_size()
-        num_positions = compressor.num_positions
-        num_values = compressor.num_values + self.uncompressed_numel  # compressor's values, then the whole tensors
         # per step once compression runs, whole tensors included (a quantizer sends every entry)
         self.entries_sent = compressor.k + self.uncompressed_numel
         self.density = self.entries_sent / self.numel
-        self.pos_dtype = compressor.wire_dtype
-        psize = torch.empty((), dtype=self.pos_dtype).element_size()
         self.dense_bytes_per_step = self.numel * esize
         self.uncompressed_bytes_per_step = self.uncompressed_numel * esize
-        if aggregation == "allreduce":
-            self._values = torch.empty(num_values, dtype=dtype, device=device)
-            self.bytes_sent_per_step = num_values * esize
-        else:
-            self._values_nbytes = num_values * esize
-            self._positions_start = -(-self._values_nbytes // psize) * psize  # aligned for the int view
-            align = max(esize, psize)  # every rank's message starts aligned for both views
-            self._message_nbytes = -(-(self._positions_start + num_positions * psize) // align) * align
-            self._send = torch.zeros(self._message_nbytes, dtype=torch.uint8, device=device)
-            self._recv = torch.zeros(self.world_size * self._message_nbytes, dtype=torch.uint8, device=device)
-            self._values = self._send[: self._values_nbytes].view(dtype)
-            self._positions_end = self._positions_start + num_positions * psize
-            self._send_positions = self._send[self._positions_start : self._positions_end].view(self.pos_dtype)
-            self.bytes_sent_per_step = self._message_nbytes
+        self.bytes_sent_per_step = sum(b.nbytes for b in self._buffers)
 
     def positions_seed(self, step: int) -> int:
         """The seed of ``step``'s positions: shared by every rank with AllReduce (they must send
@@ -159,7 +258,9 @@ class SparseReducer:
         return ExchangeStats(self.dense_bytes_per_step, self.dense_bytes_per_step, 1.0, 0.0, 0.0, "allreduce")
 
     def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer,
-               want_stats: bool = False) -> ExchangeStats:
+               want_stats: bool = False, placement: Placement | None = None) -> ExchangeStats:
+        """The ``Reducer`` step: dense during warm-up, then ``start`` and ``finish`` (``placement``:
+        where the parts lie in ``flat_grad``, default ``[compressed | whole]``)."""
         world = _world(self.group)
         if world != self.world_size:
             raise RuntimeError(
@@ -169,9 +270,9 @@ class SparseReducer:
             raise ValueError(f"the flat gradient has {flat_grad.numel()} entries, the reducer {self.numel}")
         if step < self.warmup_steps:
             return self._dense_step(flat_grad, world, timer)
-        pending = self.start(flat_grad, step, want_stats=want_stats, timer=timer, async_op=False)
-        with timer.phase("decompress"):
-            self.finish(pending)
+        pending = self.start(flat_grad, step, placement=placement, want_stats=want_stats, timer=timer,
+                             async_op=False)
+        self.finish(pending, timer)
         error, norm = pending.stats or (None, None)
         return ExchangeStats(
             self.bytes_sent_per_step,
@@ -179,113 +280,109 @@ class SparseReducer:
             density=self.density,
             compression_error=error,
             memory_norm=norm,
-            collective=self.aggregation,
+            collective=self.collective,
         )
 
-    # --- the one sparse step: ``reduce`` and the DDP hook (sparsetrain.ddp) both drive it ---------
+    # --- the one step: ``reduce`` and the DDP hook (sparsetrain.ddp) both drive it ------------------
     def start(self, buf: torch.Tensor, step: int, *, placement: Placement | None = None,
               want_stats: bool = False, timer: PhaseTimer = NULL_TIMER, async_op: bool = True) -> SparseStep:
-        """Error feedback and compression of ``buf``'s compressed tensors into the message, its
-        whole tensors after them, then the one collective, started (``async_op``: not waited
-        for). ``placement``: where the two parts lie in ``buf`` (default: the trainer's
-        ``[compressed | whole]``). ``want_stats``: the compression error and memory norm (a host
-        sync on CUDA, left out of the step's time)."""
+        """The memory's accumulate over ``buf``'s compressed tensors, then every round but the
+        last run to its end (send, collective, receive) and the last one sent and started
+        (``async_op``: not waited for). ``placement``: where the two parts lie in ``buf``
+        (default: the trainer's ``[compressed | whole]``). ``want_stats``: the compression error
+        and memory norm (a host sync on CUDA, left out of the step's time)."""
         placement = placement or self.flat_placement
         with timer.phase("compress"):
-            payload, acc = self.pack(buf, placement, self.positions_seed(step))
-        stats = None
-        if want_stats:  # the error before forget changes acc; the norm after
+            pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
+            acc = self.memory.accumulate(pieces[0][1] if len(pieces) == 1 else pieces)
+        state = StepState(acc, self.positions_seed(step), self.seed, self.world_size, self.rank, self.aggregation)
+        pending = SparseStep(buf, placement, state, None, None, want_stats)
+        if want_stats and len(self.rounds) > 1:  # the update may overwrite acc before it is measured
+            with timer.untimed():
+                pending.acc_copy = acc.clone()
+        last = len(self.rounds) - 1
+        for i, rb in enumerate(self._buffers):
+            with timer.phase("compress"):
+                if i >= self._own:
+                    self.compressor.send(i - self._own, state, rb.mine)
+                if i == self.whole_round:
+                    whole = rb.own_whole()
+                    for a, w, n in placement.whole_runs:
+                        whole[w : w + n].copy_(buf[a : a + n])
+            if i == last and state.payload is not None and state.payload.decoded is None:
+                self._forget(pending, acc, timer)  # the own message: forget before it travels
+            with timer.phase("exchange"):
+                work = rb.communicate(self.group, async_op=async_op and i == last)
+            if i < last:
+                with timer.phase("exchange"):
+                    if work is not None:
+                        work.wait()
+                with timer.phase("compress"):
+                    self._receive(i, pending, None)
+            else:
+                pending.work = work
+        return pending
+
+    def finish(self, pending: SparseStep, timer: PhaseTimer = NULL_TIMER) -> None:
+        """Wait for the last round (if still in flight), receive it and overwrite the buffer with
+        the update every rank applies (its compressed tensors, where they are one run, in place;
+        else through a buffer in the compressor's layout); then, where the compressor gives the
+        decoded update, the memory's forget."""
+        if pending.work is not None:
+            with timer.phase("exchange"):
+                pending.work.wait()
+        buf, runs = pending.buf, pending.placement.grad_runs
+        with timer.phase("decompress"):
+            if len(runs) == 1:
+                a, _, n = runs[0]
+                out = buf[a : a + n]
+            else:
+                if self._decoded is None or self._decoded.dtype != buf.dtype or self._decoded.device != buf.device:
+                    self._decoded = torch.empty(self.compressed_numel, dtype=buf.dtype, device=buf.device)
+                out = self._decoded
+            out.zero_()
+            self._receive(len(self.rounds) - 1, pending, out)
+            if len(runs) > 1:
+                for a, f, n in runs:
+                    buf[a : a + n].copy_(out[f : f + n])
+        if not pending.forgotten:
+            self._forget(pending, pending.acc_copy, timer)
+
+    def _receive(self, i: int, pending: SparseStep, out) -> None:
+        """Round ``i``'s result to the compressor, and the whole tensors (averaged) back into the
+        buffer where this round carried them."""
+        rb = self._buffers[i]
+        if i >= self._own:
+            self.compressor.receive(i - self._own, pending.state, rb.received(), out)
+        if i == self.whole_round:
+            buf, world = pending.buf, self.world_size
+            got = rb.whole_received()
+            if isinstance(got, list):
+                for a, _, n in pending.placement.whole_runs:
+                    buf[a : a + n].zero_()
+                for whole in got:
+                    whole = whole / world
+                    for a, w, n in pending.placement.whole_runs:
+                        buf[a : a + n].add_(whole[w : w + n])
+            else:
+                got.div_(world)
+                for a, w, n in pending.placement.whole_runs:
+                    buf[a : a + n].copy_(got[w : w + n])
+
+    def _forget(self, pending: SparseStep, acc, timer: PhaseTimer) -> None:
+        """The memory's forget, with the statistics around it where asked: the compression error
+        before (forget may change ``acc``), the memory's norm after."""
+        payload = pending.payload
+        error = None
+        if pending.want_stats:
             with timer.untimed():
                 error = compression_stats(acc, payload, self.compressor)
         with timer.phase("compress"):
-            self.keep(buf, placement, payload)
-        if want_stats:
+            self.memory.forget(payload, self.compressor)
+        pending.forgotten = True
+        if pending.want_stats:
             with timer.untimed():
-                stats = (error, self.memory.norm())
-        with timer.phase("exchange"):
-            work = self.communicate(async_op=async_op)
-        return SparseStep(buf, placement, payload, work, stats)
-
-    def finish(self, pending: SparseStep) -> None:
-        """Wait for the collective (if still in flight) and overwrite the buffer with the
-        average over ranks."""
-        if pending.work is not None:
-            pending.work.wait()
-        self.unpack(pending.buf, pending.placement, pending.payload)
-
-    # --- the three phases of a step ------------------------------------------------------------
-    def pack(self, buf: torch.Tensor, placement: Placement, seed: int):
-        """The memory's accumulate and the compression of ``buf``'s compressed tensors (read
-        where they lie) into the message. Returns ``(payload, acc)``: ``acc`` the vector that was
-        compressed (until ``keep``)."""
-        pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
-        acc = self.memory.accumulate(pieces[0][1] if len(pieces) == 1 else pieces)
-        wire = self._send_positions if self.aggregation == "allgather" else None
-        payload = self.compressor.compress(acc, seed, out=self._values[: self.compressor.num_values], wire=wire)
-        return payload, acc
-
-    def keep(self, buf: torch.Tensor, placement: Placement, payload) -> None:
-        """The memory's forget (what was not sent is kept), then ``buf``'s whole tensors into the
-        message after the values."""
-        self.memory.forget(payload, self.compressor)
-        nv = self.compressor.num_values
-        for a, w, n in placement.whole_runs:
-            self._values[nv + w : nv + w + n].copy_(buf[a : a + n])
-
-    def communicate(self, async_op: bool = False):
-        """The one collective over the packed message; its ``Work`` when ``async_op`` (None on
-        one rank, where AllGather's receive buffer is filled locally)."""
-        if self.world_size > 1:
-            if self.aggregation == "allreduce":
-                return dist.all_reduce(self._values, group=self.group, async_op=async_op)
-            return _all_gather_single(self._recv, self._send, group=self.group, async_op=async_op)
-        if self.aggregation == "allgather":
-            self._recv[: self._message_nbytes].copy_(self._send)
-        return None
-
-    def unpack(self, buf: torch.Tensor, placement: Placement, payload) -> None:
-        """Overwrite ``buf``'s two parts with the average over ranks (after ``communicate``):
-        every message decoded by the compressor's own ``decompress_add``, in rank order, into
-        the compressed tensors (where they are one run, in place; else into a buffer in the
-        compressor's layout, copied to them), the whole tensors summed beside."""
-        comp, k, world = self.compressor, self.compressor.num_values, self.world_size
-        runs = placement.grad_runs
-        if len(runs) == 1:
-            a, _, n = runs[0]
-            grad = buf[a : a + n]
-        else:
-            if self._decoded is None or self._decoded.dtype != buf.dtype or self._decoded.device != buf.device:
-                self._decoded = torch.empty(self.compressed_numel, dtype=buf.dtype, device=buf.device)
-            grad = self._decoded
-        grad.zero_()
-        if self.aggregation == "allreduce":
-            self._values.div_(world)
-            comp.decompress_add(self._values[:k], payload.positions, grad, indices=payload.indices)
-            for a, w, n in placement.whole_runs:
-                buf[a : a + n].copy_(self._values[k + w : k + w + n])
-        else:
-            for a, _, n in placement.whole_runs:
-                buf[a : a + n].zero_()
-            for r, values, wire in self.messages():
-                if r == self.rank and payload.indices is not None:  # own positions already expanded
-                    comp.decompress_add(values[:k], payload.positions, grad, indices=payload.indices)
-                else:
-                    comp.decompress_add(values[:k], wire, grad)
-                for a, w, n in placement.whole_runs:
-                    buf[a : a + n].add_(values[k + w : k + w + n])
-        if len(runs) > 1:
-            for a, f, n in runs:
-                buf[a : a + n].copy_(grad[f : f + n])
-
-    def messages(self):
-        """After an AllGather, every rank's message in rank order: ``(rank, its values section
-        divided by the ranks, its wire section)`` (views of the receive buffer; the values a new
-        tensor)."""
-        size, world = self._message_nbytes, self.world_size
-        for r in range(world):
-            msg = self._recv[r * size : (r + 1) * size]
-            yield (r, msg[: self._values_nbytes].view(self.dtype) / world,
-                   msg[self._positions_start : self._positions_end].view(self.pos_dtype))
+                pending.stats = (error, self.memory.norm())
 
     def attach(self, params, flat_grad: torch.Tensor, **buckets) -> SparseReducer:
         """Nothing to start during backward: compression needs the whole gradient."""
@@ -295,7 +392,15 @@ class SparseReducer:
         pass
 
     def state_dict(self) -> dict:
-        return {"error_feedback": self.memory.state_dict()}
+        out = {"error_feedback": self.memory.state_dict()}
+        kept = self.compressor.state_dict()
+        if kept:
+            out["compressor"] = kept
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.memory.load_state_dict(state["error_feedback"])
+        if "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
+        elif "q" in state:  # PowerSGD's checkpoints before the rounds protocol kept Q beside the memory
+            self.compressor.load_state_dict({"q": state["q"]})

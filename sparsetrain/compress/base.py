@@ -15,9 +15,18 @@ message has the same size, known at construction) in two sections:
 ``compress(acc, seed, out=values, wire=positions)`` fills both (into the exchange's message when
 given), ``decompress_add(values, positions, out)`` adds one message, decoded, to ``out``, and
 ``forget(memory, payload)`` makes the error-feedback memory ``acc - sent (as decoded)``: zeroing
-the sent entries for a sparsifier, subtracting the decoded message for a quantizer. The exchange
-(``comm.sparse``) needs nothing else: it lays one message out as ``[values | whole tensors |
-positions]`` and runs one collective.
+the sent entries for a sparsifier, subtracting the decoded message for a quantizer. A
+one-message compressor needs nothing else: the exchange (``comm.sparse``) lays its message out as
+``[values | whole tensors | positions]`` and runs one collective.
+
+A compressor whose exchange is not one message declares its communication instead: ``rounds``
+lists the collectives of one step (``Round``: ``sum``, ``max`` or ``gather`` of some floats
+and integers), ``send`` fills this rank's part of each round and ``receive`` reads every rank's
+(PowerSGD: P summed, then Q; an integer-sum quantizer: a shared scale by ``max``, then integer
+codes by ``sum``). The defaults of these three are the one-message exchange above, so the
+exchange runs every compressor through them alike. State a compressor keeps across steps
+(PowerSGD's Q) is checkpointed through ``state_dict`` and moved per tensor (``pieces`` /
+``adopt``) when DDP rebuilds its buckets.
 
 There is one route from a scheme to its class: the ``compressor`` node of
 ``conf/scheme/<name>.yaml`` (``_target_``: the class, ``_partial_: true``, the scheme's options),
@@ -34,7 +43,7 @@ docs/own_compressor.md.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -116,6 +125,67 @@ class Payload:
     values: torch.Tensor
     positions: torch.Tensor
     indices: torch.Tensor | None
+    #: the update as every rank decodes it, where the compressor's ``forget`` reads that
+    #: instead of this rank's own message (PowerSGD: P Q^T); None otherwise
+    decoded: torch.Tensor | None = None
+
+
+#: What a round's collective does with the ranks' messages: ``sum`` and ``max`` (an AllReduce:
+#: every rank receives one message), ``gather`` (an AllGather: every rank receives every rank's).
+ROUND_OPS = ("sum", "max", "gather")
+
+
+@dataclass(frozen=True)
+class Round:
+    """One collective of a compressor's step: ``floats`` entries of the exchange's dtype and
+    ``ints`` integers of ``int_dtype``. A ``sum`` or ``max`` round carries floats or integers,
+    not both (one AllReduce of one dtype); a ``gather`` round may carry both (one byte message
+    per rank). The tensors that travel whole (``scheme.uncompressed``) ride after the floats of
+    the first ``sum`` or ``gather`` round that has floats (or, where none has, in a ``sum``
+    round of their own that the exchange runs first)."""
+
+    op: str
+    floats: int = 0
+    ints: int = 0
+    int_dtype: torch.dtype = torch.int32
+
+    def __post_init__(self):
+        if self.op not in ROUND_OPS:
+            raise ValueError(f"Round op={self.op!r} is not allowed; allowed: {', '.join(ROUND_OPS)}")
+        if self.floats < 0 or self.ints < 0:
+            raise ValueError(f"a Round carries floats >= 0 and ints >= 0, not {self.floats} and {self.ints}")
+        if self.op != "gather" and self.floats and self.ints:
+            raise ValueError(f"a {self.op!r} round carries floats or integers, not both (one AllReduce, one dtype)")
+
+
+@dataclass
+class Message:
+    """One rank's part of one round, or what a ``sum`` / ``max`` round returns (views of the
+    exchange's buffers): ``floats`` (the round's floats, the whole tensors excluded) and
+    ``ints``."""
+
+    floats: torch.Tensor
+    ints: torch.Tensor
+
+
+@dataclass
+class StepState:
+    """One step of a compressor's exchange, from ``send`` of the first round to ``forget``.
+
+    ``acc``: the vector to compress (the memory's); ``seed``: this step's draws (shared by all
+    ranks with AllReduce, each rank its own with AllGather); ``run_seed``: the run's (draws made
+    once, e.g. PowerSGD's start of Q); ``world``/``rank``; ``aggregation``; ``payload``: what
+    this rank sent, for the memory's ``forget`` (set by ``send`` or ``receive``); ``scratch``:
+    the compressor's, between rounds."""
+
+    acc: torch.Tensor
+    seed: int
+    run_seed: int
+    world: int
+    rank: int
+    aggregation: str
+    payload: Payload | None = None
+    scratch: dict = field(default_factory=dict)
 
 
 class Compressor:
@@ -143,6 +213,8 @@ class Compressor:
     #: DDP bucket's tensors) would draw other numbers for them. Such a class implements
     #: ``share_draws``; the DDP hook then gives every tensor the numbers the trainer draws for it.
     draws_span_segments: ClassVar[bool] = False
+    #: True when the class needs its tensors' shapes (``shapes=`` at construction), not sizes only
+    needs_shapes: ClassVar[bool] = False
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:
@@ -193,6 +265,61 @@ class Compressor:
                 [source.ks[s] for s in segments] != list(self.ks):
             raise ValueError(f"segments {segments[:8]} of {source!r} are not the segments of {self!r}")
         self._draw_source = (source, segments)
+
+    def bucket_options(self) -> dict:
+        """Options a compressor of this class over some of these tensors (a DDP bucket's) must be
+        built with to compress them as this one does (PowerSGD: its rank, chosen over the whole
+        model). Default: none."""
+        return {}
+
+    # --- the communication: one message unless a subclass says otherwise ---------------------
+    def rounds(self, aggregation: str) -> tuple[Round, ...]:
+        """The collectives of one step, in order. Default: one message; its values summed
+        (``allreduce``, positions drawn alike on every rank) or every rank's values and wire
+        positions gathered (``allgather``)."""
+        if aggregation == "allreduce":
+            return (Round("sum", floats=self.num_values),)
+        return (Round("gather", floats=self.num_values, ints=self.num_positions, int_dtype=self.wire_dtype),)
+
+    def send(self, r: int, step: StepState, mine: Message) -> None:
+        """Fill this rank's part of round ``r`` (``mine``: views of the exchange's send buffer).
+        Default: ``compress`` into the one message (``step.payload``)."""
+        wire = mine.ints if mine.ints.numel() else None
+        step.payload = self.compress(step.acc, step.seed, out=mine.floats, wire=wire)
+
+    def receive(self, r: int, step: StepState, got, out: torch.Tensor) -> None:
+        """Read round ``r``'s result: ``got`` a ``Message`` (the ranks' sum or max) or, for a
+        ``gather`` round, every rank's ``Message`` in rank order. The last round adds the update
+        every rank applies to ``out`` (zeros; the compressed layout). Default: the one
+        message's values divided by the ranks, decoded by ``decompress_add`` (every rank's in
+        rank order, so every rank adds the same numbers in the same order)."""
+        k, world, payload = self.num_values, step.world, step.payload
+        if not isinstance(got, list):  # summed values at the positions every rank drew
+            values = got.floats.div_(world)
+            self.decompress_add(values[:k], payload.positions, out, indices=payload.indices)
+            return
+        for rank, msg in enumerate(got):
+            values = msg.floats / world
+            if rank == step.rank and payload.indices is not None:  # own positions already expanded
+                self.decompress_add(values[:k], payload.positions, out, indices=payload.indices)
+            else:
+                self.decompress_add(values[:k], msg.ints, out)
+
+    # --- state kept across steps (none by default) ---------------------------------------------
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the compressor (PowerSGD: Q). Default: nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def pieces(self) -> list[dict]:
+        """The kept state of each compressed tensor (``{name: tensor}``; empty when none), so the
+        DDP hook can move it when DDP rebuilds its buckets."""
+        return [{} for _ in range(len(self.full_layout))]
+
+    def adopt(self, pieces) -> None:
+        """Take each compressed tensor's state (what ``pieces`` gave; an empty dict: none)."""
 
     # --- shared behaviour ----------------------------------------------------------------------
     @property

@@ -146,9 +146,13 @@ class ErrorFeedback(Memory):
 def compression_stats(acc: torch.Tensor, payload: Payload, compressor: Compressor) -> float:
     """``||acc - decoded|| / ||acc||``: the relative compression error of one rank's message,
     from the message as the receivers decode it (so a compressor that scales or encodes its
-    values is measured by what it sends). Call before the memory's ``forget`` (which may change
-    ``acc`` in place). 0 for a zero ``acc``."""
-    decoded = compressor.decompress(payload.values, payload.positions, indices=payload.indices, dtype=acc.dtype)
+    values is measured by what it sends; where the payload carries the update every rank decoded,
+    ``Payload.decoded``, as PowerSGD's, that update). Call before the memory's ``forget`` (which
+    may change ``acc`` in place). 0 for a zero ``acc``."""
+    if payload.decoded is not None:
+        decoded = payload.decoded.to(acc.dtype, copy=True)
+    else:
+        decoded = compressor.decompress(payload.values, payload.positions, indices=payload.indices, dtype=acc.dtype)
     err = decoded.sub_(acc)
     acc_sq = float(torch.dot(acc, acc))
     return math.sqrt(float(torch.dot(err, err)) / acc_sq) if acc_sq > 0 else 0.0

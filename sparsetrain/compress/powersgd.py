@@ -11,9 +11,11 @@ factors of rank r = min(n, m, rank). One step, with Q kept from the step before 
     Q <- M^T P                   averaged over ranks (the second AllReduce)
     update <- P Q^T              memory <- M - update (error feedback; M = gradient + memory)
 
-The exchange (``sparsetrain.comm.powersgd``) owns the buffers, the collectives and the memory;
-this class knows the matrices, where each one's factors lie in the two factor buffers, and the
-arithmetic. It matches torch's hook (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``)
+It declares its communication as two rounds (``rounds``: P summed, then Q summed), which the
+exchange (``sparsetrain.comm.SparseReducer``, the trainer's and the DDP hook's alike) runs with
+the memory; this class knows the matrices, where each one's factors lie in the two factor
+buffers, the arithmetic, and Q, kept from step to step (checkpointed: ``state_dict``; moved per
+tensor when DDP rebuilds its buckets: ``pieces`` / ``adopt``). It matches torch's hook (``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook``)
 in every choice that changes numbers: the matrix view, the orthogonalisation (Gram-Schmidt up to
 rank 2, ``torch.linalg.qr`` above; a column of zeros stays zero here, where torch's epsilon-free
 Gram-Schmidt divides by zero), the Gaussian start (``torch.manual_seed(numpy RandomState(seed)
@@ -31,9 +33,10 @@ import math
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
+import numpy as np
 import torch
 
-from sparsetrain.compress.base import Compressor
+from sparsetrain.compress.base import Compressor, Payload, Round
 
 #: The ranks ``closest_rank`` chooses from.
 MAX_RANK = 64
@@ -105,6 +108,10 @@ class PowerSGD(Compressor):
 
     shared_positions: ClassVar[bool] = True  # nothing to share: aggregation does not apply
     deterministic: ClassVar[bool] = True
+    sends_entries: ClassVar[bool] = False
+    needs_shapes: ClassVar[bool] = True
+    #: Q's Gaussian start is one stream over every matrix: a DDP bucket takes the model's
+    draws_span_segments: ClassVar[bool] = True
     #: the scopes it allows (comm.rules refuses the others in one line)
     scopes: ClassVar[tuple[str, ...]] = ("layerwise",)
     scope_reason: ClassVar[str] = "PowerSGD compresses each tensor as a matrix of its own"
@@ -148,14 +155,99 @@ class PowerSGD(Compressor):
         self.p_numel, self.q_numel = p, q
         self.ks = [r * (n + m) for r, (n, m) in zip(self.ranks, self.matrices_shape, strict=True)]
         self.k = p + q
+        self.q: torch.Tensor | None = None  # kept from step to step (warm start); None before its start
 
     @property
     def num_positions(self) -> int:
         return 0
 
     def select(self, acc, seed):
-        raise TypeError("PowerSGD sends factors, not entries: use sparsetrain.comm.PowerSGDReducer "
-                        "(or the steps project / project_back / expand)")
+        raise TypeError("PowerSGD sends factors, not entries: its exchange is two rounds (rounds / send / "
+                        "receive, run by sparsetrain.comm.SparseReducer), or the steps project / project_back / expand")
+
+    def bucket_options(self) -> dict:
+        """A bucket's PowerSGD takes the model's rank (``rank=None`` chooses it over the model)."""
+        return {"rank": self.rank}
+
+    # --- the exchange: P summed, then Q summed ---------------------------------------------------
+    def rounds(self, aggregation: str) -> tuple[Round, ...]:
+        """Two AllReduces, whatever ``aggregation``: the P factors, then the Q factors."""
+        return (Round("sum", floats=self.p_numel), Round("sum", floats=self.q_numel))
+
+    def matrices(self, acc: torch.Tensor) -> list[torch.Tensor]:
+        """Each compressed tensor's matrix, a view of the flat ``acc``."""
+        return [acc[o : o + n * m].view(n, m)
+                for o, (n, m) in zip(self.layout.offsets, self.matrices_shape, strict=True)]
+
+    def send(self, r, step, mine) -> None:
+        """Round 0: Q orthogonalised (its Gaussian start the first time), P = M Q. Round 1:
+        the summed P orthogonalised, Q = M^T P."""
+        if r == 0:
+            mats = step.scratch["mats"] = self.matrices(step.acc)
+            if self.q is None:
+                self._start(step.run_seed, step.acc)
+            self.project(mats, self.q, mine.floats)
+        else:
+            self.project_back(step.scratch["mats"], step.scratch["p"], mine.floats)
+
+    def receive(self, r, step, got, out) -> None:
+        """Round 0: keep the summed P. Round 1: Q averaged (and kept for the next step), the
+        update ``P Q^T`` into ``out``, given to the memory as the decoded update."""
+        if r == 0:
+            step.scratch["p"] = got.floats
+            return
+        self.q.copy_(got.floats.div_(step.world))
+        outs = self.matrices(out)
+        self.expand(step.scratch["p"], self.q, outs)
+        step.payload = Payload(got.floats, got.floats.new_empty(0, dtype=torch.int64), None, decoded=out)
+
+    def forget(self, memory: torch.Tensor, payload: Payload) -> None:
+        """Error feedback's ``memory = acc - P Q^T`` (the update every rank applies)."""
+        memory.sub_(payload.decoded)
+
+    def _start(self, run_seed: int, like: torch.Tensor) -> None:
+        """Q's Gaussian start, seeded as torch's hook does: ``numpy.random.RandomState(run_seed)
+        .randint(1_000_000_000)``; a bucket's PowerSGD takes the model's start for its tensors
+        (``share_draws``)."""
+        seed = int(np.random.RandomState(run_seed).randint(1_000_000_000))
+        self.q = torch.zeros(self.q_numel, dtype=like.dtype, device=like.device)
+        if self._draw_source is None:
+            self.start_q(self.q, seed)
+            return
+        source, segments = self._draw_source
+        full = torch.zeros(source.q_numel, dtype=like.dtype, device=like.device)
+        source.start_q(full, seed)
+        theirs = source.q_views(full)
+        for mine, s in zip(self.q_views(self.q), segments, strict=True):
+            mine.copy_(theirs[s])
+
+    # --- Q, kept ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"q": None if self.q is None else self.q.detach().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        q = state.get("q")
+        if q is not None and q.numel() != self.q_numel:
+            raise ValueError(f"PowerSGD's Q has {q.numel()} entries, this model and rank {self.q_numel}")
+        self.q = None if q is None else q.detach().clone().to(self.device)
+
+    def pieces(self) -> list[dict]:
+        if self.q is None:
+            return [{} for _ in self.shapes]
+        return [{"q": q.clone()} for q in self.q_views(self.q)]
+
+    def adopt(self, pieces) -> None:
+        """Q is taken only when every tensor brings one; otherwise it starts afresh."""
+        pieces = list(pieces)
+        if not pieces or not all("q" in p for p in pieces):
+            return
+        first = pieces[0]["q"]
+        q = torch.zeros(self.q_numel, dtype=first.dtype, device=self.device)
+        for view, piece in zip(self.q_views(q), pieces, strict=True):
+            if piece["q"].numel() != view.numel():
+                raise ValueError(f"a Q of {piece['q'].numel()} entries for a matrix whose Q has {view.numel()}")
+            view.copy_(piece["q"].reshape(view.shape))
+        self.q = q
 
     # --- the factors' places -------------------------------------------------------------------
     def p_views(self, p: torch.Tensor) -> list[torch.Tensor]:

@@ -1,13 +1,12 @@
 """Training through torch DDP (``dist.ddp=true``): the model wrapped in DistributedDataParallel,
 the exchange done by a communication hook during backward. The hook by scheme:
 
-  topk, randk, blockk, ``sparsetrain.ddp.sparse_hook`` with the configured scope (global: within a
-  signsgd, qsgd        bucket), aggregation, ratio, error feedback, ``scheme.uncompressed``,
-                       warm-up and seed
+  every scheme with a    ``sparsetrain.ddp.sparse_hook`` with the configured scope (global: within a
+  compressor node      bucket), aggregation, ratio, memory, ``scheme.uncompressed``, warm-up and
+  (topk, randk, ...,   seed: the trainer's exchange per bucket, on the bucket in place (a
+  powersgd)            compressor's earlier rounds, e.g. PowerSGD's P, are waited for inside the
+                       hook: ``exchange``, not ``compress``)
   none                 DDP's own AllReduce (through the same hook, so it is timed the same way)
-  powersgd             sparsetrain's PowerSGD, ``sparsetrain.comm.powersgd_ddp.powersgd_hook``: the
-                       trainer's PowerSGD reducer per bucket, on the bucket in place (P's
-                       AllReduce waited for inside the hook: ``exchange``, not ``compress``)
   torch_powersgd       torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
                        by default, the rank whose bytes come closest to the layer-wise sparse
                        hook's at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``)
@@ -45,8 +44,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsetrain.comm import ExchangeStats
-from sparsetrain.comm.powersgd import is_powersgd
-from sparsetrain.comm.powersgd_ddp import PowerSGDHookState, powersgd_hook
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
 from sparsetrain.results import TORCH_HOOK_SCHEMES
 from sparsetrain.timing import PhaseTimer
@@ -128,8 +125,7 @@ class DDPExchange:
             kwargs["gradient_as_bucket_view"] = True
         self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
         self.state: Any = None  # the hook's state: SparseHookState, PowerSGDState or None (fp16)
-        # the state when it is sparsetrain's hook (PowerSGDHookState has the same surface)
-        self.sparse: SparseHookState | PowerSGDHookState | None = None
+        self.sparse: SparseHookState | None = None  # the state when it is sparsetrain's hook
         on_bypass = None
         if scheme.name == "torch_powersgd":
             self.powersgd_rank = scheme.get("rank") or matched_powersgd_rank(shapes, cfg.ratio)
@@ -150,22 +146,16 @@ class DDPExchange:
             self.density = 1.0  # every entry, in half the bytes
         else:
             compressor = instantiate(scheme.compressor) if scheme.get("compressor") else None
-            if is_powersgd(compressor):  # sparsetrain's PowerSGD: its own hook, two AllReduces a bucket
-                self.state = self.sparse = PowerSGDHookState(
-                    self.net, cfg.ratio, compressor=compressor, error_feedback=scheme.error_feedback,
-                    uncompressed=scheme.uncompressed, warmup_steps=scheme.warmup_steps, seed=cfg.seed)
-                hook = powersgd_hook
-            else:
-                self.state = self.sparse = SparseHookState(
-                    self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
-                    error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
-                    warmup_steps=scheme.warmup_steps, seed=cfg.seed,
-                    compressor=compressor, memory=instantiate(scheme.memory) if scheme.get("memory") else None)
-                hook = sparse_hook
+            self.state = self.sparse = SparseHookState(
+                self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
+                error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
+                warmup_steps=scheme.warmup_steps, seed=cfg.seed,
+                compressor=compressor, memory=instantiate(scheme.memory) if scheme.get("memory") else None)
+            hook = sparse_hook
             on_bypass = self.state.plan
             self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
             if scheme.name != "none":
-                self.collective = getattr(self.sparse, "collective", cfg.aggregation.name)
+                self.collective = self.sparse.collective  # until settle() plans the buckets
                 self.warmup_steps = int(scheme.warmup_steps)
         self.timed = _TimedHook(hook, self.state, on_bypass)
         self.net.register_comm_hook(self.timed, _timed_hook)
@@ -193,6 +183,7 @@ class DDPExchange:
             self.bytes_sent_per_step = sizes["bytes_sent"]
             self.uncompressed_bytes_per_step = sizes["uncompressed_bytes"]
             self.density = sizes["density"]
+            self.collective = self.sparse.collective
 
     # --- the Reducer surface the trainer uses ----------------------------------------------------
     def reduce(self, flat_grad: Any, step: int, timer: PhaseTimer, want_stats: bool = False) -> ExchangeStats:
@@ -201,8 +192,8 @@ class DDPExchange:
         hook_ms, handoff = self.timed.take()
         waited = (now - handoff) * 1e3 if handoff is not None else 0.0
         decompress = min(sum(self.sparse.decompress_ms), waited) if self.sparse is not None else 0.0
-        # sparsetrain's PowerSGD hook waits for its first AllReduce inside the hook: exchange
-        inside = min(sum(getattr(self.sparse, "exchange_ms", ())), hook_ms)
+        # the hook waits for a compressor's earlier rounds (PowerSGD's P) inside itself: exchange
+        inside = min(sum(self.sparse.exchange_ms), hook_ms) if self.sparse is not None else 0.0
         timer.move("backward", "compress", hook_ms - inside)
         timer.move("backward", "decompress", decompress)
         timer.move("backward", "exchange", waited - decompress + inside)
