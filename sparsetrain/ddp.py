@@ -175,15 +175,27 @@ class SparseHookState:
         self.exchange_ms: list[float] = []  # this iteration's waits for earlier rounds, inside the hook
 
     # --- accounting ----------------------------------------------------------------------------
+    def _planned(self, attr: str, default):
+        """``attr`` of the first planned bucket's reducer (``default`` until one is planned)."""
+        for plan in self._buckets.values():
+            if plan.reducer is not None:
+                return getattr(plan.reducer, attr)
+        return default
+
+    @property
+    def ratio_applies(self) -> bool:
+        return self._planned("ratio_applies", True)
+
+    @property
+    def aggregation_applies(self) -> bool:
+        return self._planned("aggregation_applies", True)
+
     @property
     def collective(self) -> str:
         """What carries the exchange once it compresses, as the planned buckets' reducers say
         (AllGather where a round gathers; PowerSGD's rounds are AllReduces whatever
         ``aggregation``); ``aggregation`` until a bucket is planned."""
-        for plan in self._buckets.values():
-            if plan.reducer is not None:
-                return plan.reducer.collective
-        return self.aggregation
+        return self._planned("collective", self.aggregation)
 
     @property
     def bytes_sent_per_step(self) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = (Path(__file__).resolve().parent / "_conf").resolve()  # conf/, as config.schema finds it
 # The keys every scheme has (SchemeConfig's) and a yaml's own bookkeeping: not a scheme's own keys.
 _COMMON = ("defaults", "name", "compressor", "error_feedback", "uncompressed", "warmup_steps")
 

@@ -975,3 +975,19 @@ def test_ones_own_sweep_gets_one_table_its_untrained_runs_plotted_and_a_true_war
     assert studies.returncode == 0, studies.stderr
     assert "none of the studies' folders" in studies.stderr
     assert (tmp_path / "studies" / "runs.md").read_text() == md
+
+
+def test_which_axes_apply_comes_from_the_runs_summary():
+    """A run's summary records, from its compressor, whether ratio and aggregation change what is
+    sent and which collective carried it; runs written before it did read conf/schemes.yaml."""
+    from sparsetrain.analysis.loader import NOT_APPLICABLE, collective_of, row_from_summary
+
+    cfg = {"scheme": {"name": "mine", "compressor": {"_target_": "mine.Mine"}}, "scope": {"name": "layerwise"},
+           "aggregation": {"name": "allgather"}, "ratio": 0.01}
+    plain = row_from_summary({"status": "completed", "config": cfg}, None)
+    assert (plain["aggregation"], plain["ratio"], collective_of(plain)) == ("allgather", 0.01, "allgather")
+    said = row_from_summary({"status": "completed", "config": cfg, "collective": "allreduce",
+                             "applies": {"ratio": False, "aggregation": False}}, None)
+    assert (said["aggregation"], said["ratio"], collective_of(said)) == (NOT_APPLICABLE, 1.0, "allreduce")
+    old_qsgd = row_from_summary({"status": "completed", "config": {**cfg, "scheme": {"name": "qsgd"}}}, None)
+    assert old_qsgd["ratio"] == 1.0  # conf/schemes.yaml: every_entry

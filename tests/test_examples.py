@@ -250,3 +250,13 @@ def test_thc_trains_through_the_trainer_and_ddp_alike_and_is_analysed(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "thc" in proc.stdout
+    # what the run's axes mean comes from the compressor, recorded in the summary: its rounds are
+    # the same whatever aggregation says, and it sends every entry whatever the ratio
+    assert s_flat["collective"] == s_ddp["collective"] == "allreduce"
+    assert s_flat["applies"] == s_ddp["applies"] == {"ratio": False, "aggregation": False}
+    from sparsetrain.analysis import load_runs
+    from sparsetrain.analysis.loader import NOT_APPLICABLE
+
+    runs = load_runs(tmp_path)
+    assert set(runs["aggregation"]) == {NOT_APPLICABLE} and set(runs["ratio"]) == {1.0}
+    assert set(runs["collective"]) == {"allreduce"}

@@ -26,6 +26,7 @@ class IntegerSum(Compressor):
 
     shared_positions = True  # codes on a shared grid can be summed: one AllReduce
     sends_entries = False
+    ratio_applies = False  # every entry is sent: the analysis shows ratio 1.0
     draws_span_segments = True  # per-tensor seeds: a bucket takes the model's segment numbers
 
     def __init__(self, ratio=1.0, layout=None, scope="layerwise", *, device="cpu", levels: int = 15):

@@ -220,7 +220,11 @@ def _powersgd_rank(cfg: dict, scheme: str | None):
     return MATCHED_TO_RATIO if value is None else value
 
 
-def _axes_from_config(cfg: dict) -> dict:
+def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
+    """The run's axes from its recorded config. ``applies``: which of them change what is sent,
+    as the run's summary recorded it from the compressor (``{"ratio": ..., "aggregation": ...}``);
+    None for runs written before it did, which read conf/schemes.yaml's ``every_entry`` and
+    ``allreduce`` instead."""
     scheme = recorded_scheme(cfg.get("scheme"))  # scheme=powersgd before issue 24: torch_powersgd
     row = {
         "scheme": scheme,
@@ -259,9 +263,11 @@ def _axes_from_config(cfg: dict) -> dict:
         if schemes.info(scheme).get("every_entry"):
             row["ratio"] = 1.0  # every entry, in half the bytes
         return row  # torch_powersgd keeps its ratio unless its rank is set: the rank matched to it
-    if schemes.info(scheme).get("allreduce"):  # PowerSGD: two AllReduces whatever the key says
+    if applies is None:  # a run from before the summary said: what conf/schemes.yaml says
+        applies = {"aggregation": not schemes.info(scheme).get("allreduce"), "ratio": scheme not in QUANTIZER_SCHEMES}
+    if not applies.get("aggregation", True):  # PowerSGD: two AllReduces whatever the key says
         row["aggregation"] = NOT_APPLICABLE
-    if scheme in QUANTIZER_SCHEMES:
+    if not applies.get("ratio", True):
         row["ratio"] = 1.0  # every entry, in a few bits
     if is_dense(scheme):
         # Dense SGD sends everything: its scope, aggregation and ratio knobs do nothing.
@@ -297,7 +303,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
     """One loader row from a ``summary.json`` dict and a config dict (either may be missing)."""
     summary = summary or {}
     config = summary.get("config") or config or {}
-    row = _axes_from_config(config)
+    row = _axes_from_config(config, summary.get("applies"))
     status = summary.get("status") if summary else "no summary"
     row.update(
         status=status or "unknown",
@@ -319,6 +325,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         memory_norm_max=_num(summary.get("memory_norm_max")),
         test_accuracy_running_bn=_num(summary.get("test_accuracy_running_bn")),
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
+        collective=summary.get("collective"),  # None: written before the summary said
     )
     row["bytes_mean_per_step"] = row["bytes_sent_total"] / row["steps"] if row["steps"] else math.nan
     peak = (summary.get("train_loss_peak") or {}).get(f"after_step_{STABILITY_FROM_STEP}") or {}
@@ -370,7 +377,10 @@ def collective_of(row: dict) -> str | None:
     """The collective that carries a run's exchange after warm-up: dense SGD AllReduces, a sparse
     scheme uses its aggregation (None when unknown). PowerSGD, sparsetrain's and torch's hook,
     AllReduces its P, then its Q (one AllReduce of their bytes here, one latency too few); torch's
-    fp16 and bf16 hooks AllReduce the 16-bit gradient."""
+    fp16 and bf16 hooks AllReduce the 16-bit gradient. A run's summary records it (``collective``,
+    the exchange's own word); older runs read it from the scheme and its aggregation."""
+    if row.get("collective") in ("allreduce", "allgather"):
+        return row["collective"]
     if is_dense(row.get("scheme")) or schemes.info(row.get("scheme")).get("allreduce"):
         return "allreduce"
     aggregation = row.get("aggregation")

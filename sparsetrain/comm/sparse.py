@@ -236,6 +236,11 @@ class SparseReducer:
                                        self.world_size, device, dtype) for i, r in enumerate(rounds)]
         # what carries the step: AllGather where any round gathers, else AllReduce
         self.collective = "allgather" if any(r.op == "gather" for r in rounds) else "allreduce"
+        # which of the run's axes change what is sent (the summary records them for the analysis):
+        # aggregation does not where the compressor's rounds are the same for both (PowerSGD)
+        self.ratio_applies = bool(compressor.ratio_applies)
+        self.aggregation_applies = not (compressor.shared_positions
+                                        and compressor.rounds("allreduce") == compressor.rounds("allgather"))
 
         esize = torch.empty((), dtype=dtype).element_size()
         # per step once compression runs, whole tensors included (a quantizer sends every entry)

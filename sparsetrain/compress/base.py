@@ -206,6 +206,9 @@ class Compressor:
     #: them, and ``||acc||^2 = ||memory||^2 + ||values||^2``. False for the quantizers, whose
     #: decoded message is subtracted instead.
     sends_entries: ClassVar[bool] = True
+    #: False when the message does not depend on ``ratio`` (the quantizers send every entry): the
+    #: run's summary says so, and the analysis shows the ratio as 1.0
+    ratio_applies: ClassVar[bool] = True
     #: Why ``aggregation=allreduce`` is refused when ``shared_positions`` is False (one line's end).
     allreduce_refusal: ClassVar[str] = "picks different positions on every rank"
     #: True when a layer-wise compressor draws its random numbers from one stream over all its

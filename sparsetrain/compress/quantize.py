@@ -156,6 +156,7 @@ class Quantizer(Compressor):
 
     shared_positions = False
     sends_entries = False
+    ratio_applies = False
     allreduce_refusal = "sends every rank's own codes and scales, which cannot be summed"
     #: set by each subclass (or its constructor)
     bits_per_entry: ClassVar[int] = 1

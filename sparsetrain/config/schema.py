@@ -21,7 +21,9 @@ from omegaconf import MISSING, OmegaConf
 
 from sparsetrain.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+# conf/ at the top of the checkout, reached through the link sparsetrain/_conf (which an installed
+# package carries as the folder itself: pyproject.toml's package-data)
+CONF_DIR = (Path(__file__).resolve().parent.parent / "_conf").resolve()
 GROUPS = ("scheme", "scope", "aggregation", "model", "data", "experiment", "point", "debug")
 
 

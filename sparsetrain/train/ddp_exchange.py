@@ -186,6 +186,15 @@ class DDPExchange:
             self.collective = self.sparse.collective
 
     # --- the Reducer surface the trainer uses ----------------------------------------------------
+    @property
+    def ratio_applies(self) -> bool:
+        """Whether ``ratio`` changes what is sent (the sparse hook's compressor says; True else)."""
+        return self.sparse.ratio_applies if self.sparse is not None else True
+
+    @property
+    def aggregation_applies(self) -> bool:
+        return self.sparse.aggregation_applies if self.sparse is not None else True
+
     def reduce(self, flat_grad: Any, step: int, timer: PhaseTimer, want_stats: bool = False) -> ExchangeStats:
         """Account for the exchange DDP ran inside backward at (0-based) ``step``."""
         now = time.perf_counter()

@@ -221,6 +221,11 @@ class RunRecord:
             "uncompressed_bytes_per_step": red.uncompressed_bytes_per_step,
             "uncompressed_share": red.uncompressed_bytes_per_step / red.bytes_sent_per_step,
             "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
+            # what carries the exchange once it compresses, and which of the run's axes change
+            # what is sent: the compressor's own word, so the analysis needs no list of schemes
+            "collective": red.collective,
+            "applies": {"ratio": bool(getattr(red, "ratio_applies", True)),
+                        "aggregation": bool(getattr(red, "aggregation_applies", True))},
         }
 
     def _summary_fields(self, step: int, elapsed_s: float, reduce: bool = False) -> dict:
