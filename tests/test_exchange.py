@@ -341,3 +341,26 @@ def test_all_valid_combinations_pass_check():
     for scheme, scope, agg in COMBOS:
         check_combination(scheme, scope, agg, 0.01, compressor_for(scheme, block_size=32))
     check_combination("none", "global", "allreduce", 1.0)
+
+
+def test_a_compressor_of_ones_own_that_sets_no_payload_stops_with_one_line():
+    """A compressor with rounds of its own must say what this rank sent (``step.payload``): the
+    memory's forget reads it. Forgetting it stops the step with one line naming the class."""
+    from sparsetrain.compress import RandomK
+    from sparsetrain.compress.base import Round
+    from sparsetrain.timing import NULL_TIMER
+
+    class Silent(RandomK):
+        def rounds(self, aggregation):
+            return (Round("sum", floats=self.k),)
+
+        def send(self, r, step, mine):
+            mine.floats.zero_()
+
+        def receive(self, r, step, got, out):
+            pass
+
+    red = build_reducer("silent", "layerwise", "allreduce", 0.5, Layout.from_sizes([8]), world_size=1, rank=0,
+                        seed=0, compressor=Silent)
+    with pytest.raises(RuntimeError, match=r"^Silent set no step.payload in send or receive"):
+        red.reduce(torch.randn(8), 0, NULL_TIMER)

@@ -19,8 +19,8 @@ from test_ddp_hook import Net
 from sparsetrain.comm import SparseReducer, build_exchange, build_reducer
 from sparsetrain.comm.sparse import Placement
 from sparsetrain.compress import Layout, PowerSGD, compressed_first, uncompressed_flags
-from sparsetrain.ddp import SparseHookState, sparse_hook
 from sparsetrain.compress.powersgd import closest_rank, factor_entries, matrix_shape, orthogonalise
+from sparsetrain.ddp import SparseHookState, sparse_hook
 from sparsetrain.timing import PhaseTimer
 
 F64 = torch.float64

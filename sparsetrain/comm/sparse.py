@@ -351,7 +351,7 @@ class SparseReducer:
                 for a, f, n in runs:
                     buf[a : a + n].copy_(out[f : f + n])
         if not pending.forgotten:
-            self._forget(pending, pending.acc_copy, timer)
+            self._forget(pending, pending.state.acc if pending.acc_copy is None else pending.acc_copy, timer)
 
     def _receive(self, i: int, pending: SparseStep, out) -> None:
         """Round ``i``'s result to the compressor, and the whole tensors (averaged) back into the
@@ -378,6 +378,9 @@ class SparseReducer:
         """The memory's forget, with the statistics around it where asked: the compression error
         before (forget may change ``acc``), the memory's norm after."""
         payload = pending.payload
+        if payload is None:  # a compressor of one's own that forgot to say what it sent
+            raise RuntimeError(f"{type(self.compressor).__name__} set no step.payload in send or receive: the "
+                               "memory's forget needs what this rank sent (a Payload)")
         error = None
         if pending.want_stats:
             with timer.untimed():
