@@ -28,7 +28,7 @@ data:  ## make Fashion-MNIST available offline (Debian package when apt and root
 run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 ranks, Fashion-MNIST
 	$(PY) -m sparsetrain.benchmarks.compare
 
-test: venv data  ## fast test suite (under ~10 minutes on 2 cores)
+test: venv data  ## the test suite, slow tests left out (about 30 minutes on 2 quiet cores)
 	$(PY) -m pytest -m "not slow" -q
 
 test-full: venv data  ## every test, slow ones too
