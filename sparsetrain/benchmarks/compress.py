@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -175,19 +174,16 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
     compressor node, ``scheme.uncompressed``) on one rank, its compression (error feedback, both
     projections and orthogonalisations: the matmuls of both factors) and its decompression, each
     timed against a copy of the gradient right before it."""
-    from sparsetrain.comm import build_reducer
-    from sparsetrain.compress import compressed_first, uncompressed_flags
+    from sparsetrain.comm import build_exchange
     from sparsetrain.config import compose, scheme_compressor
 
     cfg = compose(["scheme=powersgd", f"ratio={ratio}"])
-    flags = uncompressed_flags(shapes, cfg.scheme.uncompressed)
-    order = compressed_first(flags)
-    red = build_reducer("powersgd", cfg.scope.name, "allreduce", cfg.ratio,
-                        Layout.from_sizes(math.prod(shapes[i]) for i in order),
-                        uncompressed=[flags[i] for i in order], shapes=[shapes[i] for i in order],
-                        world_size=1, rank=0, seed=0, device=device, dtype=g.dtype,
-                        compressor=scheme_compressor(cfg.scheme))
-    buf, out = g.clone(), torch.empty_like(g)
+    params = [torch.empty(s, device=device, dtype=g.dtype, requires_grad=True) for s in shapes]
+    buf, _, red = build_exchange(params, "powersgd", cfg.scope.name, "allreduce", cfg.ratio,
+                                 uncompressed=cfg.scheme.uncompressed, device=device, dtype=g.dtype,
+                                 world_size=1, rank=0, seed=0, compressor=scheme_compressor(cfg.scheme))
+    buf.copy_(g)
+    out = torch.empty_like(g)
     state = {}
 
     def compress_ef():  # error feedback, P = M Q, P orthogonalised, Q = M^T P: every round's send

@@ -105,19 +105,18 @@ class _RoundBuffers:
     their view, every message aligned for both), gathered into ``world`` messages."""
 
     def __init__(self, rnd: Round, whole: int, world: int, device, dtype):
-        self.round, self.whole, self.world, self.dtype = rnd, int(whole), int(world), dtype
+        self.round, self.world, self.dtype = rnd, int(world), dtype
         esize = torch.empty((), dtype=dtype).element_size()
         isize = torch.empty((), dtype=rnd.int_dtype).element_size()
-        nf = rnd.floats + self.whole
-        self._no_ints = torch.empty(0, dtype=rnd.int_dtype, device=device)
+        nf = rnd.floats + int(whole)
         if rnd.op != "gather":
             if rnd.ints:
                 self.buffer = torch.empty(rnd.ints, dtype=rnd.int_dtype, device=device)
                 self.mine = Message(torch.empty(0, dtype=dtype, device=device), self.buffer)
             else:
                 self.buffer = torch.empty(nf, dtype=dtype, device=device)
-                self.mine = Message(self.buffer[: rnd.floats], self._no_ints)
-            self.whole_view = self.buffer[rnd.floats :] if self.whole else None
+                self.mine = Message(self.buffer[: rnd.floats], torch.empty(0, dtype=rnd.int_dtype, device=device))
+            self.whole_view = self.buffer[rnd.floats :] if whole else None
             self.nbytes = self.buffer.numel() * self.buffer.element_size()
             return
         self._floats_nbytes = nf * esize
@@ -318,10 +317,9 @@ class SparseReducer:
                 self._forget(pending, acc, timer)  # the own message: forget before it travels
             with timer.phase("exchange"):
                 work = rb.communicate(self.group, async_op=async_op and i == last)
+                if i < last and work is not None:  # an earlier round: its result is needed now
+                    work.wait()
             if i < last:
-                with timer.phase("exchange"):
-                    if work is not None:
-                        work.wait()
                 with timer.phase("compress"):
                     self._receive(i, pending, None)
             else:
