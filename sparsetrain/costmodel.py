@@ -158,6 +158,9 @@ class SchemeCost:
     #: part of decompress_ms that is per received payload (AllGather adds N payloads)
     decompress_per_payload_ms: float = 0.0
     world_ref: int = 1
+    #: the exchange runs once every ``period`` steps (local SGD, DiLoCo) with ``period x nbytes``
+    #: bytes: its time, latency included, is spread over the period
+    period: int = 1
 
 
 def scheme_costs(sent: dict[str, tuple[str, float]], measured: dict | None = None,
@@ -194,7 +197,7 @@ class CostModel:
         col = self.collectives[scheme.collective]
         if rate_bits is not None:
             col = col.at_rate(rate_bits)
-        return 1e3 * col.time(scheme.nbytes, world)
+        return 1e3 * col.time(scheme.nbytes * scheme.period, world) / scheme.period
 
     def step_ms(self, name: str, world: int, rate_bits: float | None = None) -> float:
         s = self.schemes[name]

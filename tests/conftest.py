@@ -29,6 +29,18 @@ SCHEMES = tuple(SCHEME_TARGETS)
 SCHEME_CLASSES = {name: target.rpartition(".")[2] for name, target in SCHEME_TARGETS.items() if target}
 
 
+def _sync_schemes() -> frozenset[str]:
+    import yaml
+
+    return frozenset(p.stem for p in (ROOT / "conf" / "scheme").glob("*.yaml")
+                     if (yaml.safe_load(p.read_text()) or {}).get("sync"))
+
+
+# The schemes that synchronise every `period` steps (a sync node: local SGD, DiLoCo), which run
+# through the trainer's exchange only
+SYNC_SCHEMES = _sync_schemes()
+
+
 def compressor_for(scheme: str, block_size: int | None = None):
     """What ``scheme.compressor`` instantiates to for ``scheme`` (a ``functools.partial`` of the
     class its yaml names; ``block_size`` applies to a class that takes it), for the library calls

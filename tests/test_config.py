@@ -37,7 +37,7 @@ def test_default_config_composes_and_validates():
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_scheme_composes(scheme):
-    """Every scheme in conf/scheme/ composes and validates; through DDP, which every scheme runs
+    """Every scheme in conf/scheme/ composes and validates through DDP, which every scheme runs
     with (torch's hooks only with it)."""
     cfg = make(f"scheme={scheme}", "dist.ddp=true")
     assert cfg.scheme.name == scheme
@@ -119,7 +119,7 @@ def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
 
 
 def test_unknown_group_option_is_one_line():
-    with pytest.raises(ConfigError, match=r"scheme='nope' is not allowed; choose one of: bf16, blockk, fp16, none, powersgd, qsgd, randk, signsgd, topk, torch_powersgd"):
+    with pytest.raises(ConfigError, match=rf"scheme='nope' is not allowed; choose one of: {', '.join(sorted(SCHEMES))}$"):
         check_overrides(["scheme=topk,nope"])
     check_overrides(["scheme=topk,randk", "ratio=0.1", "hydra.run.dir=x"])
 

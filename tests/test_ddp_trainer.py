@@ -6,16 +6,17 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, read_json, read_jsonl, run_cli
+from conftest import SYNC_SCHEMES, TINY, read_json, read_jsonl, run_cli
 
 from sparsetrain.config import CONF_DIR
 from sparsetrain.results import TORCH_HOOK_SCHEMES
 
-# every scheme that DDP runs through sparsetrain's sparse hook (torch's own hooks and dense SGD
-# aside) and whose exchange has no matrix products: PowerSGD's DDP path equals the trainer's
-# within rounding, not to the bit (tests/test_powersgd.py says why and checks it)
+# every scheme that DDP runs through sparsetrain's sparse hook (not torch's own hooks, dense SGD,
+# or the schemes that synchronise every `period` steps: tests/test_periodic.py) and whose
+# exchange has no matrix products: PowerSGD's DDP path equals the trainer's within rounding, not
+# to the bit (tests/test_powersgd.py says why and checks it)
 SPARSE_HOOK_SCHEMES = sorted(p.stem for p in (CONF_DIR / "scheme").glob("*.yaml")
-                             if p.stem not in (*TORCH_HOOK_SCHEMES, "none", "powersgd"))
+                             if p.stem not in (*TORCH_HOOK_SCHEMES, *SYNC_SCHEMES, "none", "powersgd"))
 
 SHORT = (*TINY, "world_size=2", "train.max_steps=6", "train.log_every=1", "train.save_model=true")
 

@@ -253,7 +253,8 @@ def test_thc_trains_through_the_trainer_and_ddp_alike_and_is_analysed(tmp_path):
     # what the run's axes mean comes from the compressor, recorded in the summary: its rounds are
     # the same whatever aggregation says, and it sends every entry whatever the ratio
     assert s_flat["collective"] == s_ddp["collective"] == "allreduce"
-    assert s_flat["applies"] == s_ddp["applies"] == {"ratio": False, "aggregation": False}
+    applies = {"ratio": False, "aggregation": False, "scope": True}
+    assert s_flat["applies"] == s_ddp["applies"] == applies
     from sparsetrain.analysis import load_runs
     from sparsetrain.analysis.loader import NOT_APPLICABLE
 

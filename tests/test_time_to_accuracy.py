@@ -319,3 +319,23 @@ def test_speed_up_pairs_matched_seeds_and_a_ranking_holds_only_at_every_target()
     split = targets_table({0.84: even("PowerSGD", "pays"), 0.85: even("fp16", "costs"), 0.86: even("fp16", "costs")})
     assert not split.data["holds"].iloc[0] and split.display["ranking"].iloc[0] == "decided by the target"
     assert "84%/85%/86%" in split.title
+
+
+def test_local_sgd_pays_the_latency_once_a_period(tmp_path):
+    """A run that synchronises every 8 steps (summary's ``sync``): one AllReduce of a
+    synchronisation's bytes, its time spread over the period; a per-step scheme with the same mean
+    bytes pays the latency every step."""
+    run = write_run(tmp_path / "local", make_config(scheme="none"))
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(bytes_sent_per_step=1_000_000 / 8, collective="allreduce",
+                   sync={"period": 8, "syncs": 1, "bytes_per_sync": 1_000_000, "time_ms_per_sync": 1.0})
+    (run / "summary.json").write_text(json.dumps(summary))
+    row = sa.load_runs(run).iloc[0].to_dict()
+    assert row["sync_period"] == 8
+    model = tta.default_model(ALPHA)
+    t = fake_times(make_config(scheme="none"))
+    local = sum(t[p] for p in ("data", "forward", "backward", "optimizer"))
+    step_ms, _ = tta.predict_step_ms(row, 4, 1e9, model)
+    assert step_ms == pytest.approx(local + 1e3 * (6 * ALPHA + 1.5 * 1_000_000 * beta(1)) / 8, rel=1e-12)
+    every_step, _ = tta.predict_step_ms({**row, "sync_period": math.nan}, 4, 1e9, model)
+    assert every_step - step_ms == pytest.approx(1e3 * 6 * ALPHA * 7 / 8, rel=1e-9)

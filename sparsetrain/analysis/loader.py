@@ -59,6 +59,7 @@ AXES = (
     "rank",
     "compressor_options",
     "memory",
+    "sync",
     "uncompressed",
     "warmup_steps",
     "exchange",
@@ -197,15 +198,19 @@ def _compressor_options(cfg: dict) -> str | None:
     return ", ".join(shown) or None
 
 
+# how often a run whose scheme named no sync node synchronised: every step (its exchange's)
+DEFAULT_SYNC = "every step"
+
 # memory of a run whose scheme named none: error feedback (or none, scheme.error_feedback=false,
 # its own axis). The column is there only when some run named one (load_runs).
 DEFAULT_MEMORY = "error feedback"
 
 
-def _memory(cfg: dict) -> str | None:
-    """The memory a run's ``scheme.memory`` node names, with its options, as one stable text
-    (``MomentumCorrection(momentum=0.9)``); None when it names none (error feedback)."""
-    node = _get(cfg, "scheme", "memory")
+def _memory(cfg: dict, key: str = "memory") -> str | None:
+    """The class a run's ``scheme.memory`` (or ``scheme.<key>``) node names, with its options, as
+    one stable text (``MomentumCorrection(momentum=0.9)``); None when it names none (error
+    feedback; every step's exchange)."""
+    node = _get(cfg, "scheme", key)
     if not isinstance(node, dict):
         return None
     name = str(node.get("_target_", "?")).rpartition(".")[2]
@@ -240,6 +245,7 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         "rank": _powersgd_rank(cfg, scheme),  # PowerSGD's own key
         "compressor_options": _compressor_options(cfg),
         "memory": _memory(cfg),
+        "sync": _memory(cfg, "sync"),
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
@@ -267,6 +273,8 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         applies = {"aggregation": not schemes.info(scheme).get("allreduce"), "ratio": scheme not in QUANTIZER_SCHEMES}
     if not applies.get("aggregation", True):  # PowerSGD: two AllReduces whatever the key says
         row["aggregation"] = NOT_APPLICABLE
+    if not applies.get("scope", True):  # local SGD / DiLoCo averaging densely
+        row["scope"] = NOT_APPLICABLE
     if not applies.get("ratio", True):
         row["ratio"] = 1.0  # every entry, in a few bits
     if is_dense(scheme):
@@ -326,6 +334,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         test_accuracy_running_bn=_num(summary.get("test_accuracy_running_bn")),
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
         collective=summary.get("collective"),  # None: written before the summary said
+        sync_period=_num((summary.get("sync") or {}).get("period")),  # NaN: synchronises every step
     )
     row["bytes_mean_per_step"] = row["bytes_sent_total"] / row["steps"] if row["steps"] else math.nan
     peak = (summary.get("train_loss_peak") or {}).get(f"after_step_{STABILITY_FROM_STEP}") or {}
@@ -607,7 +616,8 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
     if frame.empty:
         return frame
     frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
-    for column, default in (("compressor_options", CLASS_DEFAULTS), ("memory", DEFAULT_MEMORY)):
+    for column, default in (("compressor_options", CLASS_DEFAULTS), ("memory", DEFAULT_MEMORY),
+                            ("sync", DEFAULT_SYNC)):
         if column in frame:  # only where some run set one: other results keep their columns
             values = frame[column]
             frame = frame.drop(columns=column) if values.isna().all() else frame.assign(**{column: values.fillna(default)})

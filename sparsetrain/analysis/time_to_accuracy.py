@@ -9,7 +9,9 @@ For each completed run that trained (runs that did not are listed, never ranked)
   ``costmodel`` predicts for the run's payload (``bytes_sent_per_step``) through its collective
   (dense: AllReduce; sparse: its aggregation) at ``workers`` and ``bandwidth``. AllGather's
   decompress grows with the workers (one payload each: ``decompress x workers / run's workers``,
-  as ``costmodel.CostModel.step_ms`` models it). Warm-up steps (``scheme.warmup_steps``) are
+  as ``costmodel.CostModel.step_ms`` models it). Local SGD and DiLoCo exchange once a period
+  (``scheme.sync.period`` steps): one collective of a synchronisation's bytes, its time spread
+  over the period (the latency once, not every step). Warm-up steps (``scheme.warmup_steps``) are
   predicted as dense steps: compute + an AllReduce of the whole buffer.
 - **steps to target**: the first step where the accuracy (validation, else test) reaches the target, linearly
   interpolated between consecutive evaluations (the epoch records of ``metrics.jsonl``; a record
@@ -168,13 +170,24 @@ def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeMo
     decompress = _ms(row, "decompress")
     schemes = {
         "run": SchemeCost("run", collective, float(row["bytes_sent_per_step"]), _ms(row, "compress"), decompress,
-                          decompress / world_ref if collective == "allgather" else 0.0, world_ref),
+                          decompress / world_ref if collective == "allgather" else 0.0, world_ref,
+                          period=_sync_period(row)),
         "warmup": SchemeCost("warmup", "allreduce", float(row["dense_bytes_per_step"]), 0.0, 0.0, 0.0, world_ref),
     }
     if collective is None:
         return math.nan, math.nan
     cm = CostModel({c: model.collectives[c] for c in COLLECTIVES}, compute_ms=compute, schemes=schemes)
     return cm.step_ms("run", workers, rate_bits), cm.step_ms("warmup", workers, rate_bits)
+
+
+def _sync_period(row) -> int:
+    """Steps between a run's exchanges: ``scheme.sync.period`` for local SGD / DiLoCo (summary's
+    ``sync``), else 1."""
+    value = row.get("sync_period")
+    try:
+        return max(1, int(value))
+    except (TypeError, ValueError):
+        return 1
 
 
 def time_to_target_s(steps: float, warmup_steps: int, step_ms: float, warmup_step_ms: float) -> float:

@@ -58,6 +58,7 @@ from sparsetrain.config.validation import (
     compose,
     scheme_compressor,
     scheme_memory,
+    scheme_sync,
     validate,
 )
 from sparsetrain.errors import ConfigError
@@ -67,6 +68,6 @@ __all__ = [
     "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig", "NamedConfig", "OptimConfig",
     "PowerSGDConfig", "QSGDConfig", "SchemeConfig", "TrainConfig", "WandbConfig", "check_compressor_option",
     "check_overrides", "compose", "compressor_arguments", "compressor_class", "did_you_mean", "group_options",
-    "help_text", "launcher_options", "register", "schema_keys", "scheme_compressor", "scheme_memory", "scheme_options",
+    "help_text", "launcher_options", "register", "schema_keys", "scheme_compressor", "scheme_memory", "scheme_options", "scheme_sync",
     "scheme_target", "search_dirs", "tuned_value", "validate",
 ]

@@ -27,6 +27,7 @@ HELP = {
     "scheme.name": "the scheme (set it with scheme=...)",
     "scheme.compressor": "how the compressor is built (set by scheme=...)",
     "scheme.memory": "what a worker keeps of what it did not send: a Memory class node (null: error feedback)",
+    "scheme.sync": "synchronise every `period` steps (local SGD, DiLoCo): a PeriodicSync node (null: every step)",
     "scheme.error_feedback": "keep what was not sent and add it to the next gradient (false: the ablation)",
     "scheme.block_size": "scheme=blockk only, with scope=global: entries per contiguous block",
     "scheme.uncompressed": "tensors sent whole: 1d (biases, batch-norm), none, or N (tensors under N entries)",

@@ -86,7 +86,7 @@ def _search_dir(entry: str) -> Path | None:
 
 
 # Keys whose value is free-form (the scheme's class and its options): any key below them is allowed.
-FREE_FORM = ("scheme.compressor", "scheme.memory")
+FREE_FORM = ("scheme.compressor", "scheme.memory", "scheme.sync")
 
 
 def _known(key: str, keys: dict[str, Any]) -> bool:

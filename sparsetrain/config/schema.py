@@ -48,6 +48,11 @@ class SchemeConfig:
     # (tensors with fewer than N entries).
     uncompressed: str = "1d"
     warmup_steps: int = 0  # dense exchange for the first N steps, then compression (memory empty)
+    # How often the ranks synchronise: None, every step (the exchange averages gradients); or a
+    # node naming sparsetrain.comm.periodic.PeriodicSync (``_partial_: true``, period, outer_lr,
+    # outer_momentum): local SGD / DiLoCo, the model averaged every `period` steps through the
+    # compressor node's exchange (dense without one).
+    sync: Any = None
 
 
 @dataclass

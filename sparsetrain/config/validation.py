@@ -29,8 +29,12 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         if cfg.scheme.name in TORCH_HOOK_SCHEMES:  # no scope or aggregation of ours; ratio: matching
             check_combination("none", cfg.scope.name, cfg.aggregation.name, cfg.ratio)
         else:
-            check_combination(cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
-                              scheme_compressor(cfg.scheme))
+            compressor = scheme_compressor(cfg.scheme)
+            # a scheme that synchronises every `period` steps without a compressor averages densely
+            sync = scheme_sync(cfg.scheme)
+            dense_sync = compressor is None and sync is not None
+            check_combination("none" if dense_sync else cfg.scheme.name, cfg.scope.name, cfg.aggregation.name,
+                              cfg.ratio, compressor)
             scheme_memory(cfg.scheme)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -159,27 +163,50 @@ def scheme_memory(scheme: Any) -> Any:
     """What the scheme's ``memory`` node builds: a ``functools.partial`` of a ``Memory`` class
     with its options, called with the compressed entries by the exchange; None (error feedback)
     when the node is null. ``ConfigError`` (one line) when it cannot be built or is no memory."""
-    from hydra.utils import instantiate
-
     from sparsetrain.compress import memory_class
 
-    node = scheme.get("memory") if hasattr(scheme, "get") else None
+    return _class_node(scheme, "memory", memory_class, "sparsetrain.compress.Memory",
+                       "sparsetrain.compress.ErrorFeedback")
+
+
+def scheme_sync(scheme: Any) -> Any:
+    """What the scheme's ``sync`` node builds: a ``functools.partial`` of ``PeriodicSync`` (or a
+    subclass) with its options (period, outer learning rate and momentum); None (every step's
+    exchange) when the node is null. ``ConfigError`` (one line) when it cannot be built."""
+    from sparsetrain.comm.periodic import sync_class
+
+    factory = _class_node(scheme, "sync", sync_class, "sparsetrain.comm.periodic.PeriodicSync",
+                          "sparsetrain.comm.periodic.PeriodicSync")
+    if factory is not None:
+        try:
+            sync_class(factory).check_options(**factory.keywords)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return factory
+
+
+def _class_node(scheme: Any, key: str, class_of, base: str, example: str) -> Any:
+    """A scheme's node naming a class with ``_partial_: true`` and its options, built (None when
+    the node is null); ``class_of(factory)`` raises ``TypeError`` when it builds no ``base``."""
+    from hydra.utils import instantiate
+
+    node = scheme.get(key) if hasattr(scheme, "get") else None
     if not node:
         return None
     target = str(node.get("_target_")) if node.get("_target_") else None
     if target is None:
-        raise ConfigError(f"scheme.memory of scheme={scheme.name} has no _target_; it names a class, e.g. "
-                          "sparsetrain.compress.ErrorFeedback, with _partial_: true")
+        raise ConfigError(f"scheme.{key} of scheme={scheme.name} has no _target_; it names a class, e.g. "
+                          f"{example}, with _partial_: true")
     module = target.rpartition(".")[0]
     try:
         factory = instantiate(node)
-        memory_class(factory)
+        class_of(factory)
     except TypeError:
-        raise ConfigError(f"scheme.memory._target_={target} is not allowed: it is not a subclass of "
-                          "sparsetrain.compress.Memory built with _partial_: true") from None
+        raise ConfigError(f"scheme.{key}._target_={target} is not allowed: it is not a subclass of "
+                          f"{base} built with _partial_: true") from None
     except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"scheme.memory of scheme={scheme.name} cannot be built ({target}; is {module} on "
+        raise ConfigError(f"scheme.{key} of scheme={scheme.name} cannot be built ({target}; is {module} on "
                           f"PYTHONPATH?): {reason}") from None
     return factory
 

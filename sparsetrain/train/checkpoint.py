@@ -68,7 +68,9 @@ ADDED_LATER = {"dist.ddp": False, "dist.bucket_cap_mb": 25.0, "scheme.rank": Non
                # before the validation split: every training image trained on
                "data.val_size": 0,
                # before the memory was a component: error feedback (scheme.error_feedback)
-               "scheme.memory": None}
+               "scheme.memory": None,
+               # before local SGD / DiLoCo: every step's exchange
+               "scheme.sync": None}
 # A scheme's keys are those of its schema (sparsetrain/config/schema.py): scheme.block_size is block-k's,
 # scheme.rank PowerSGD's. Runs written before they were (issue 23) recorded both for every scheme;
 # a saved ``scheme.`` key that the current scheme does not have did nothing in that run (the

@@ -32,16 +32,32 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
     """The exchange for ``model``: scheme, scope, aggregation, ratio, ``scheme.uncompressed``,
     error feedback, warm-up steps, seed, the scheme's compressor node (its class and options),
     ``dist.overlap``; with ``dist.ddp`` the model in DDP with the scheme's hook."""
-    if cfg.dist.ddp:
+    if cfg.dist.ddp and not cfg.scheme.get("sync"):
         red = DDPExchange(cfg, model, device=torch.device(device))
         return Exchange(red.net, None, list(model.parameters()), red)
     params = [p for p in model.parameters() if p.requires_grad]
     compressor = instantiate(cfg.scheme.compressor) if cfg.scheme.get("compressor") else None
+    sync = instantiate(cfg.scheme.sync) if cfg.scheme.get("sync") else None
+    # local SGD / DiLoCo: the scheme's exchange (dense without a compressor) averages the model's
+    # pseudo-gradient every `period` steps, not the gradient every step (comm.periodic)
     flat, params, reducer = build_exchange(
-        params, cfg.scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
+        params, cfg.scheme.name if compressor is not None or sync is None else "none", cfg.scope.name,
+        cfg.aggregation.name, cfg.ratio,
         uncompressed=cfg.scheme.uncompressed, device=device, world_size=world_size, rank=rank,
-        seed=cfg.seed, error_feedback=cfg.scheme.error_feedback, warmup_steps=cfg.scheme.warmup_steps,
+        seed=cfg.seed, error_feedback=cfg.scheme.error_feedback,
+        warmup_steps=cfg.scheme.warmup_steps if sync is None else 0,
         compressor=compressor, memory=instantiate(cfg.scheme.memory) if cfg.scheme.get("memory") else None)
+    if sync is not None and cfg.dist.ddp:
+        # DDP averages the gradients in backward until local SGD starts (torch's post-local-SGD
+        # hook); the pseudo-gradient's exchange above keeps its own buffer, not the gradients'
+        for p in params:
+            p.grad = None
+        ddp = DDPExchange(cfg, model, device=torch.device(device))
+        reducer = sync(params, list(model.buffers()), reducer, warmup_steps=cfg.scheme.warmup_steps, gradients=ddp)
+        return Exchange(ddp.net, None, list(model.parameters()), reducer)
+    if sync is not None:
+        reducer = sync(params, list(model.buffers()), reducer, warmup_steps=cfg.scheme.warmup_steps)
+        return Exchange(model, flat, params, reducer)
     if cfg.dist.overlap:
         reducer.attach(params, flat, bucket_mb=cfg.dist.overlap_bucket_mb,
                        first_bucket_mb=cfg.dist.overlap_first_bucket_mb)

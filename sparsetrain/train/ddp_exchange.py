@@ -12,6 +12,9 @@ the exchange done by a communication hook during backward. The hook by scheme:
                        hook's at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``)
   fp16, bf16           torch's fp16 / bf16 compression hooks (every entry cast to 16 bits, AllReduced,
                        cast back)
+  localsgd, diloco     torch's post-local-SGD hook (a scheme's sync node): the gradients AllReduced
+  (a sync node)        during ``scheme.warmup_steps``, left local after; the model is synchronised
+                       after the optimizer by ``comm.periodic.PeriodicSync``, as in the trainer
 
 ``DDPExchange`` stands where the trainer keeps its reducer (the ``comm.Reducer`` surface): the
 exchange has already happened when the train step calls ``reduce``, which only accounts for it:
@@ -40,7 +43,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import (
+    default_hooks,
+    post_localSGD_hook,
+    powerSGD_hook,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsetrain.comm import ExchangeStats
@@ -106,7 +113,8 @@ class DDPExchange:
         self.density = 1.0
         self.collective = "allreduce"
         self.warmup_steps = 0
-        self.compresses = scheme.name != "none"
+        sync = bool(scheme.get("sync"))
+        self.compresses = scheme.name != "none" and not sync
         bucket_cap_mb = cfg.dist.bucket_cap_mb
         if scheme.name == "torch_powersgd" and dist.get_backend() == "gloo":
             bucket_cap_mb = ONE_BUCKET_MB
@@ -140,6 +148,13 @@ class DDPExchange:
             self.bytes_sent_per_step = sent * esize
             self.uncompressed_bytes_per_step = powersgd_numel(shapes, self.powersgd_rank, whole_only=True) * esize
             self.density = sent / self.numel
+        elif sync:
+            # the gradients averaged until local SGD starts, then kept local (no subgroup AllReduce)
+            self.state = post_localSGD_hook.PostLocalSGDState(
+                process_group=None, subgroup=None, start_localSGD_iter=int(scheme.warmup_steps),
+                post_local_gradient_allreduce=False)
+            hook = post_localSGD_hook.post_localSGD_hook
+            self.bytes_sent_per_step = self.dense_bytes_per_step
         elif scheme.name in ("fp16", "bf16"):
             hook = default_hooks.fp16_compress_hook if scheme.name == "fp16" else default_hooks.bf16_compress_hook
             self.bytes_sent_per_step = self.numel * 2
@@ -235,6 +250,8 @@ class DDPExchange:
             return {"hook": {"iter": st.iter, "error_dict": dict(st.error_dict),
                              "p_memory_dict": dict(st.p_memory_dict), "q_memory_dict": dict(st.q_memory_dict),
                              "rng": [name, torch.from_numpy(key.astype("int64")), pos, has_gauss, gauss]}}
+        if isinstance(self.state, post_localSGD_hook.PostLocalSGDState):
+            return {"hook": {"iter": self.state.iter}}
         return {}
 
     def load_state_dict(self, state: dict) -> None:
@@ -246,6 +263,8 @@ class DDPExchange:
             self.state.rng.set_state((name, key.numpy().astype("uint32"), int(pos), int(has_gauss), float(gauss)))
             for attr, value in saved.items():
                 setattr(self.state, attr, value)
+        elif isinstance(self.state, post_localSGD_hook.PostLocalSGDState):
+            self.state.iter = int(state["hook"]["iter"])
 
 
 __all__ = ["DDPExchange"]

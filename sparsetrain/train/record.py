@@ -41,6 +41,9 @@ from sparsetrain.train.tally import Tally
 
 # What differs between ranks and is saved for each: error-feedback memory, local epoch sums.
 PER_RANK_STATE = ("reducer", "epoch_stats", "recent_losses")
+# ... and, where the ranks' models part between synchronisations (local SGD, DiLoCo: the
+# reducer's ``ranks_diverge``), each rank's model and optimizer too
+DIVERGING_STATE = ("model", "optimizer")
 
 
 class RunRecord:
@@ -87,7 +90,8 @@ class RunRecord:
         """Every rank contributes its own ``PER_RANK_STATE`` of ``state``; rank 0 writes one file."""
         # On the CPU: all_gather_object pickles, and a CUDA tensor would be unpickled on rank 0
         # onto the sender's GPU (cuda:1 in rank 0's process), where it has no business being.
-        own = {key: _to_cpu(state.pop(key)) for key in PER_RANK_STATE if key in state}
+        keys = PER_RANK_STATE + (DIVERGING_STATE if getattr(self.parts.reducer, "ranks_diverge", False) else ())
+        own = {key: _to_cpu(state.pop(key)) for key in keys if key in state}
         gathered = [own]
         if self.info.world_size > 1:
             gathered = [None] * self.info.world_size
@@ -225,7 +229,8 @@ class RunRecord:
             # what is sent: the compressor's own word, so the analysis needs no list of schemes
             "collective": red.collective,
             "applies": {"ratio": bool(getattr(red, "ratio_applies", True)),
-                        "aggregation": bool(getattr(red, "aggregation_applies", True))},
+                        "aggregation": bool(getattr(red, "aggregation_applies", True)),
+                        "scope": bool(getattr(red, "scope_applies", True))},
         }
 
     def _summary_fields(self, step: int, elapsed_s: float, reduce: bool = False) -> dict:
@@ -243,7 +248,9 @@ class RunRecord:
         ev = self.last_eval
         # "did not train" reads the end of training and, where there is a split, validation
         chosen_on = ev.get("val_accuracy", ev.get("test_accuracy"))
+        sync = getattr(self.parts.reducer, "sync_summary", None)  # local SGD / DiLoCo
         return {
+            **({"sync": sync()} if sync is not None else {}),  # a synchronisation's bytes and time
             "steps": step,
             "epochs": step / len(self.parts.loader),
             "train_loss": self.last_train_loss,  # the last epoch's mean

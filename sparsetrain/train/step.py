@@ -100,4 +100,8 @@ class TrainStep:
                         for group in self.optimizer.param_groups:
                             group["lr"] = lr
                     self.optimizer.step()
+            # an exchange that synchronises the model after the optimizer (local SGD, DiLoCo)
+            after = getattr(self.reducer, "after_optimizer", None)
+            if after is not None:
+                after(step, timer)
         return StepResult(loss, logits, targets, stats, lr)

@@ -10,6 +10,7 @@ the device it set the process group up on (``launch.worker.pick_device``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import signal
@@ -25,7 +26,6 @@ from sparsetrain.errors import Preempted
 from sparsetrain.rank import RankInfo
 from sparsetrain.results import echo, logged_step, relative_run_dir
 from sparsetrain.train.build import build
-from sparsetrain.train.ddp_exchange import DDPExchange
 from sparsetrain.train.evaluate import Evaluator
 from sparsetrain.train.record import RunRecord
 from sparsetrain.train.signals import StopSignals
@@ -108,7 +108,7 @@ class Trainer:
             if self.info.is_main:
                 echo(f"resumed from step {self.step} (epoch {self.step / len(self.loader):.3g}) of "
                      f"{relative_run_dir(self.record.checkpoint_path)}")
-        if isinstance(self.reducer, DDPExchange):  # the same DDP buckets for every step, resumed or not
+        if self.cfg.dist.ddp:  # the same DDP buckets for every step, resumed or not
             inputs, _ = next(iter(self.loader.batches(self.epoch)))  # seeded order: no global RNG drawn
             self.reducer.settle(inputs.to(self.device))
         self.record.start(self.step, resumed, step_fn=lambda: self.step)
@@ -128,7 +128,8 @@ class Trainer:
             if signals is not None:
                 signals.restore()
             self.record.stop_heartbeat()
-        return self.record.complete(self.model, self.step, self.elapsed_s, self.curve_s)
+        with self._synchronised():
+            return self.record.complete(self.model, self.step, self.elapsed_s, self.curve_s)
 
     def train_step(self, batches) -> Any:
         result = self.run_step(batches, self.step)
@@ -183,18 +184,26 @@ class Trainer:
             self.batch_in_epoch = 0
         train_loss, train_accuracy = self.tally.close_epoch()
         if self._finished() or (full and self.epoch % self.cfg.train.eval_every == 0):
-            self.record.last_eval = self.evaluator.evaluate(self.epoch)
+            with self._synchronised():
+                self.record.last_eval = self.evaluator.evaluate(self.epoch)
         self.record.log_epoch(self.epoch if full else self.step / len(self.loader), self.step,
                               train_loss, train_accuracy, self.elapsed_s)
 
     def _curve_point(self) -> float:
         """Score the validation subset now (a ``curve`` record); returns the seconds it took."""
         start = time.perf_counter()
-        point = self.evaluator.curve_point(self.cfg.train.get("curve_size"))
+        with self._synchronised():
+            point = self.evaluator.curve_point(self.cfg.train.get("curve_size"))
         took = time.perf_counter() - start
         self.curve_s += took
         self.record.log_curve(self.step, self.step / len(self.loader), point, took)
         return took
+
+    def _synchronised(self):
+        """The model every rank agrees on, for evaluation and ``model.pt``: itself, except where
+        the ranks' models part between synchronisations (local SGD, DiLoCo: the last synchronised
+        one, ``comm.periodic.PeriodicSync.synchronised``)."""
+        return getattr(self.reducer, "synchronised", contextlib.nullcontext)()
 
     def _hit_max_steps(self) -> bool:
         return self.cfg.train.max_steps is not None and self.step >= self.cfg.train.max_steps
