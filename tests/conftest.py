@@ -41,6 +41,33 @@ def _sync_schemes() -> frozenset[str]:
 SYNC_SCHEMES = _sync_schemes()
 
 
+def _gloo_worker(rank: int, world: int, port: int, path: str, scenario) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.save(scenario(rank, world), f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def on_gloo_ranks(scenario, path: Path, world: int = 2) -> list:
+    """``scenario(rank, world)`` on ``world`` real gloo ranks (spawned processes, loopback); what
+    each rank returned, in rank order. ``scenario`` is a module-level function (it is pickled)."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gloo_worker, args=(world, port, str(path), scenario), nprocs=world, join=True)
+    return [torch.load(Path(path) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
 def compressor_for(scheme: str, block_size: int | None = None):
     """What ``scheme.compressor`` instantiates to for ``scheme`` (a ``functools.partial`` of the
     class its yaml names; ``block_size`` applies to a class that takes it), for the library calls

@@ -10,12 +10,11 @@ of a bucket is one run, several runs, or the bucket itself), with DDP's gradient
 buckets or not: the same gradients at every step, the same weights and the same memory.
 """
 
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from conftest import on_gloo_ranks
 from test_ddp_hook import CAP_MB, LR, batch, grads, net, state_for
 from test_exchange import COMBOS
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -94,23 +93,9 @@ def scenario(rank, world):
     return out
 
 
-def _worker(rank, world, port, path):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(scenario(rank, world), f"{path}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("inplace")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return on_gloo_ranks(scenario, tmp_path_factory.mktemp("inplace"))
 
 
 def bits(t):

@@ -5,7 +5,6 @@ the middle of a period, the analysis' axes, the one-line errors."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 from functools import partial
@@ -13,9 +12,8 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, run_cli
+from conftest import ROOT, TINY, cli_env, on_gloo_ranks, read_json, read_jsonl, run_cli
 from test_ddp_hook import Net
 from test_launch import _wait_for_steps
 
@@ -149,23 +147,9 @@ def _scenarios(rank, world):
             "evaluated": evaluated, "after": after, "mid": mid}
 
 
-def _worker(rank, world, port, path):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(_scenarios(rank, world), f"{path}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    path = tmp_path_factory.mktemp("periodic")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port, str(path)), nprocs=2, join=True)
-    return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return on_gloo_ranks(_scenarios, tmp_path_factory.mktemp("periodic"))
 
 
 def test_local_sgd_with_period_one_is_dense_sgd(two):

@@ -5,15 +5,13 @@ line."""
 
 import io
 import math
-import socket
 from functools import partial
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import TINY, read_json, read_jsonl, run_cli
+from conftest import TINY, on_gloo_ranks, read_json, read_jsonl, run_cli
 from test_ddp_hook import Net
 
 from sparsetrain.comm import SparseReducer, build_exchange, build_reducer
@@ -437,26 +435,9 @@ def _scenarios(rank, world):
     return out
 
 
-def _worker(rank, world, port, path):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(_scenarios(rank, world), f"{path}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    path = tmp_path_factory.mktemp("psgd")
-    mp.spawn(_worker, args=(2, _free_port(), str(path)), nprocs=2, join=True)
-    return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return on_gloo_ranks(_scenarios, tmp_path_factory.mktemp("psgd"))
 
 
 def test_full_rank_returns_the_average_on_two_ranks(two):
