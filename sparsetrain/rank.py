@@ -16,6 +16,8 @@ class RankInfo:
     launcher: str  # torchrun | slurm | spawn | single
     slurm_job_id: str | None = None  # the SLURM job this rank runs in, if any
     preempt_signal: str | None = None  # SLURM: the signal announcing preemption (e.g. USR2)
+    # the emulated link this rank sends through (launch.netcluster: rate, rate_bits, delay_us)
+    link: dict | None = None
 
     @property
     def is_main(self) -> bool:

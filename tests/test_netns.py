@@ -246,3 +246,27 @@ def test_cleanup_subcommand_removes_leftovers_of_a_killed_run():
     p = _run(["cleanup", "--prefix", prefix], timeout=60)
     assert p.returncode == 0, p.stderr
     assert _leftovers(prefix) == []
+
+
+@requires_netns
+def test_training_run_measures_its_time_to_a_target_on_the_emulated_link(tmp_path):
+    """A training run on 2 namespaces at 200 Mbit/s with ``train.stop_at_accuracy``: its summary
+    records the link and when the target was reached, and the end-to-end check lists it (a tiny
+    run on random data does not train, so it is listed with that status and not compared:
+    tests/test_time_to_accuracy.py checks the comparison)."""
+    run = tmp_path / "run"
+    prefix = _prefix("e")
+    p = _run(["--nproc", "2", "--rate", "200mbit", "--prefix", prefix, "--", sys.executable, "-m",
+              "sparsetrain.run", "debug=tiny", "world_size=2", "scheme=randk", "aggregation=allreduce",
+              "data.val_size=64", "train.curve_points=4", "train.curve_size=64", "train.stop_at_accuracy=0.01",
+              f"hydra.run.dir={run}"], timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    s = json.loads((run / "summary.json").read_text())
+    assert s["link"] == {"rate": "200mbit", "rate_bits": 2e8, "delay_us": 0.0}
+    assert s["target"]["reached"] and s["steps"] == s["target"]["step"] > 0
+    check = subprocess.run([sys.executable, "-m", "sparsetrain.analysis.cluster_check", "--runs", str(run)],
+                           capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert check.returncode in (0, 1), check.stderr
+    row = [line for line in check.stdout.splitlines() if "randk" in line]
+    assert len(row) == 1 and ("did not train" in row[0] or "completed" in row[0]), check.stdout
+    assert _leftovers(prefix) == []

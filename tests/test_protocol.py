@@ -224,3 +224,42 @@ def test_curve_points_score_the_validation_subset_several_times_an_epoch(tmp_pat
     assert (p["train_loss"], p["train_loss_final"], p["val_accuracy"]) == (s["train_loss"], s["train_loss_final"], s["val_accuracy"])
     refused = run_cli(*TINY, "train.curve_points=3", f"hydra.run.dir={tmp_path / 'no'}")
     assert "train.curve_points=3 is not allowed with data.val_size=0" in refused.stderr
+
+
+def test_stop_at_accuracy_stops_at_the_first_curve_point_that_reaches_it(tmp_path):
+    """``train.stop_at_accuracy``: the run stops at the first curve point whose validation
+    accuracy reaches the target, having trained exactly as a run without it did up to there;
+    summary.json's ``target`` says when and after how long. A target never reached trains the
+    whole budget and says so. Bad values stop with one line."""
+    common = (*TINY, "world_size=2", "data.val_size=64", "train.epochs=2", "train.curve_points=4",
+              "train.curve_size=64", "train.log_every=1")
+    plain = tmp_path / "plain"
+    proc = run_cli(*common, f"hydra.run.dir={plain}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    curve = [r for r in read_jsonl(plain / "metrics.jsonl") if r["kind"] == "curve"]
+    target = curve[1]["accuracy"]  # reached at the second point at the latest
+    first = next(r for r in curve if r["accuracy"] >= target)
+    run = tmp_path / "stopped"
+    proc = run_cli(*common, f"train.stop_at_accuracy={target}", f"hydra.run.dir={run}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(run / "summary.json")
+    assert s["status"] == "completed" and s["steps"] == first["step"]
+    t = s["target"]
+    assert t["reached"] and (t["accuracy"], t["step"], t["val_accuracy"]) == (target, first["step"], first["accuracy"])
+    assert 0 < t["train_s"] <= s["duration_s"] and t["curve_s"] > 0 and t["wall_s"] > t["train_s"] + t["curve_s"]
+    losses = lambda d: [r["train_loss"] for r in read_jsonl(d / "metrics.jsonl") if r["kind"] == "step"]  # noqa: E731
+    assert losses(run) == losses(plain)[: first["step"]]
+    # the target is final: the last evaluation scores the stopped model
+    assert s["val_accuracy"] is not None
+    best = max(r["accuracy"] for r in curve)
+    if best < 1.0:
+        never = tmp_path / "never"
+        proc = run_cli(*common, f"train.stop_at_accuracy={min(1.0, best + 1e-6)}", f"hydra.run.dir={never}")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        n = read_json(never / "summary.json")
+        assert n["target"]["reached"] is False and n["steps"] == read_json(plain / "summary.json")["steps"]
+    for override, message in (("train.stop_at_accuracy=1.5", "train.stop_at_accuracy=1.5 is not allowed; it must be in (0, 1]"),
+                              ("train.curve_points=1", "train.stop_at_accuracy=0.5 is not allowed with train.curve_points=1")):
+        bad = run_cli(*TINY, "data.val_size=64", "train.curve_points=4", "train.stop_at_accuracy=0.5", override,
+                      f"hydra.run.dir={tmp_path / 'bad'}")
+        assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-2000:]

@@ -339,3 +339,45 @@ def test_local_sgd_pays_the_latency_once_a_period(tmp_path):
     assert step_ms == pytest.approx(local + 1e3 * (6 * ALPHA + 1.5 * 1_000_000 * beta(1)) / 8, rel=1e-12)
     every_step, _ = tta.predict_step_ms({**row, "sync_period": math.nan}, 4, 1e9, model)
     assert every_step - step_ms == pytest.approx(1e3 * 6 * ALPHA * 7 / 8, rel=1e-9)
+
+
+def _stopped_at_target(run: Path, rate_bits: float, step: int, train_s: float, reached: bool = True) -> None:
+    """Make a fake run one that ran on an emulated link and stopped at a target."""
+    summary = json.loads((run / "summary.json").read_text())
+    summary.update(link={"rate": "x", "rate_bits": rate_bits, "delay_us": 0.0},
+                   target={"accuracy": 0.8, "reached": reached, "step": step, "epoch": step / 10,
+                           "val_accuracy": 0.81, "train_s": train_s, "curve_s": 1.0, "wall_s": train_s + 5.0}
+                   if reached else {"accuracy": 0.8, "reached": False})
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_e2e_check_sets_measured_time_to_target_against_the_prediction(tmp_path):
+    """A run stopped at its target on a 1 Gbit/s link (world size 4, random-k AllReduce, 3
+    warm-up steps): predicted = 3 dense steps + 37 random-k steps at the ring formulas' exchange
+    and the run's own phases; the ratio to the measured training time; runs that did not reach
+    the target are listed, not compared. From the command line too, with the figure."""
+    config = make_config(scheme="randk", aggregation="allreduce", world_size=4, **{"scheme.warmup_steps": 3})
+    run = write_run(tmp_path / "sweep" / "hit", config)
+    _stopped_at_target(run, 1e9, 40, 9.0)
+    missed = write_run(tmp_path / "sweep" / "missed", {**config, "seed": 1})
+    _stopped_at_target(missed, 1e9, 0, 0.0, reached=False)
+    plain = write_run(tmp_path / "sweep" / "plain", {**config, "seed": 2})  # no link, no target: not a point
+    assert plain.exists()
+    model = tta.default_model(ALPHA)
+    check = cluster_check.e2e_check(sa.load_runs(tmp_path / "sweep"), model).set_index("seed")
+    assert sorted(check.index) == [0, 1]
+    t = fake_times(config)
+    local = t["data"] + t["forward"] + t["backward"] + t["optimizer"]
+    step = local + t["compress"] + t["decompress"] + 1e3 * (6 * ALPHA + 1.5 * 10_000 * beta(1))
+    warm = local + 1e3 * (6 * ALPHA + 1.5 * 1_000_000 * beta(1))
+    hit = check.loc[0]
+    assert hit["predicted_s"] == pytest.approx((3 * warm + 37 * step) / 1e3, rel=1e-12)
+    assert hit["predicted_to_measured"] == pytest.approx(hit["predicted_s"] / 9.0) and hit["measured_wall_s"] == 14.0
+    assert hit["within"] == (abs(hit["predicted_to_measured"] - 1) <= 0.15) and hit["ratio"] == 0.01
+    assert check.loc[1, "reached"] == 0 and math.isnan(check.loc[1, "predicted_to_measured"])
+    fig = tmp_path / "fig" / "e2e"
+    proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis.cluster_check", "--runs",
+                           str(tmp_path / "sweep"), "--figure", str(fig)], capture_output=True, text=True)
+    assert proc.returncode in (0, 1), proc.stderr
+    assert "end to end" in proc.stdout and "within 15%" in proc.stdout
+    assert (fig.parent / "e2e.png").stat().st_size > 0

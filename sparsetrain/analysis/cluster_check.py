@@ -1,5 +1,10 @@
-"""The time-to-accuracy prediction checked at one measured point: the emulated cluster.
+"""The time-to-accuracy prediction checked against measurement on the emulated cluster.
 
+Two checks. **End to end** (``--runs``): training runs launched on ``launch.netcluster`` with
+``train.stop_at_accuracy`` measure their own time to the target; each is set against what
+``time_to_accuracy`` predicts for it (its own steps to the target, its own measured compute
+phases, the exchange the model predicts at its link's rate and its world size). **Per step**
+(a benchmark folder):
 ``python -m sparsetrain.analysis.cluster_check results/bench`` reads ``step.json``
 (``python -m sparsetrain.benchmarks.step``: step time by phase, 4 ranks on tc-shaped links, at several rates) and
 ``costmodel.json`` (``python -m sparsetrain.benchmarks.collectives``: the alpha-beta fit on the same cluster) and
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import pandas as pd
@@ -19,7 +25,16 @@ import pandas as pd
 from sparsetrain.costmodel import Collective
 
 from .loader import DENSE, collective_of
-from .time_to_accuracy import COLLECTIVES, COMPUTE_PHASES, ExchangeModel
+from .time_to_accuracy import (
+    COLLECTIVES,
+    COMPUTE_PHASES,
+    ExchangeModel,
+    _warmup,
+    default_model,
+    fitted_model,
+    predict_step_ms,
+    time_to_target_s,
+)
 
 # Schema 1 (the first pass) names rows by scheme only; schema 2 rows carry their config options.
 BENCH_COLLECTIVE = {"dense": "allreduce", "topk": "allgather", "randk": "allreduce", "blockk": "allreduce"}
@@ -94,15 +109,106 @@ def bench_check_files(folder: str | Path, tolerance: float = 0.2, costmodel: str
                        json.loads(Path(costmodel or folder / "costmodel.json").read_text()), tolerance)
 
 
+#: the run's axes shown beside each end-to-end point
+E2E_AXES = ("scheme", "scope", "aggregation", "ratio", "exchange", "seed")
+
+
+def e2e_check(runs: pd.DataFrame, model: ExchangeModel, tolerance: float = 0.15) -> pd.DataFrame:
+    """Measured against predicted time to the target, one row per completed run that stopped at
+    ``train.stop_at_accuracy`` on an emulated link (``link_rate_bits``). Measured: the run's
+    training time to the curve point that crossed the target (``target_train_s``: curve points
+    and start-up left out; ``target_wall_s``, from process start, beside it). Predicted: that
+    many steps (the run's own ``target_step``; warm-up steps as dense steps) at the step time
+    ``time_to_accuracy.predict_step_ms`` gives at the run's link rate and world size, from the
+    run's own compute phases. ``predicted_to_measured`` = predicted / measured; ``within``:
+    it is within ``tolerance`` of 1. Runs that did not reach the target, did not complete or did not train (loss
+    above a uniform guess: not a result) are listed with their status and not compared."""
+    rows = []
+    for _, run in runs.iterrows():
+        row = run.to_dict()
+        rate = row.get("link_rate_bits")
+        if pd.isna(rate) or pd.isna(row.get("target_accuracy")):
+            continue
+        entry = {k: row.get(k) for k in E2E_AXES if k in row}
+        entry.update(status=row["status"], rate_bits=rate, workers=int(row["world_size"]),
+                     target=row["target_accuracy"], reached=row["target_reached"], steps=row["target_step"],
+                     measured_s=row["target_train_s"], measured_wall_s=row["target_wall_s"])
+        if row["target_reached"] == 1 and row["status"] == "completed":
+            step_ms, warm_ms = predict_step_ms(row, int(row["world_size"]), float(rate), model)
+            entry.update(predicted_step_ms=step_ms,
+                         measured_step_ms=1e3 * row["target_train_s"] / row["target_step"],
+                         predicted_s=time_to_target_s(row["target_step"], _warmup(row), step_ms, warm_ms))
+        rows.append(entry)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    out["predicted_to_measured"] = out.get("predicted_s", math.nan) / out["measured_s"]
+    out["within"] = (out["predicted_to_measured"] - 1).abs() <= tolerance
+    return out
+
+
+def plot_e2e(check: pd.DataFrame, tolerance: float = 0.15):
+    """Predicted against measured time to the target, one point per run (marker by link rate),
+    the line of agreement and the ``tolerance`` band."""
+    from .figures import _new_figure, scheme_color, style
+
+    with style():
+        fig, axes = _new_figure(1, 1, 5.0, 4.6)
+        ax = axes[0, 0]
+        hit = check.dropna(subset=["predicted_s"])
+        markers = dict(zip(sorted(hit["rate_bits"].unique()), "os^Dv"))
+        for (scheme, rate), group in hit.groupby(["scheme", "rate_bits"]):
+            ax.scatter(group["measured_s"], group["predicted_s"], color=scheme_color(scheme),
+                       marker=markers[rate], label=f"{scheme}, {rate / 1e6:g} Mbit/s")
+        top = 1.1 * max(hit["measured_s"].max(), hit["predicted_s"].max()) if len(hit) else 1.0
+        line = [0, top]
+        ax.plot(line, line, color="0.3", lw=1)
+        ax.fill_between(line, [v * (1 - tolerance) for v in line], [v * (1 + tolerance) for v in line],
+                        color="0.85", alpha=0.5, lw=0, label=f"within {tolerance:.0%}")
+        ax.set(xlim=(0, top), ylim=(0, top), xlabel="measured time to target (s)",
+               ylabel="predicted time to target (s)")
+        ax.legend(fontsize=7, loc="upper left")
+        return fig
+
+
 def main(argv: list[str] | None = None) -> int:
-    """The predicted-vs-measured step check on a benchmark folder; prints one row per rate and
-    scheme and a summary line."""
+    """The predicted-vs-measured step check on a benchmark folder, or (``--runs``) the
+    end-to-end check of runs that stopped at a target; prints one row each and a summary line."""
     parser = argparse.ArgumentParser(prog="python -m sparsetrain.analysis.cluster_check")
-    parser.add_argument("folder", type=Path, metavar="DIR",
+    parser.add_argument("folder", type=Path, metavar="DIR", nargs="?",
                         help="folder with step.json (benchmarks.step) and costmodel.json (benchmarks.collectives)")
-    parser.add_argument("--costmodel", type=Path, help="the fit to use (default: DIR/costmodel.json)")
-    parser.add_argument("--tolerance", type=float, default=0.2)
+    parser.add_argument("--runs", type=Path, nargs="+", metavar="RUNS",
+                        help="run folders (or sweeps) launched on netcluster with train.stop_at_accuracy")
+    parser.add_argument("--costmodel", type=Path, help="the fit to use (default: DIR/costmodel.json; "
+                        "with --runs and no fit: the default model)")
+    parser.add_argument("--tolerance", type=float, default=None, help="default 0.2 per step, 0.15 end to end")
+    parser.add_argument("--figure", type=Path, help="with --runs: write predicted-vs-measured as FIGURE.png and .pdf")
     args = parser.parse_args(argv)
+    if args.runs:
+        from .figures import save_figure
+        from .loader import load_runs
+
+        tolerance = 0.15 if args.tolerance is None else args.tolerance
+        model = fitted_model(args.costmodel) if args.costmodel else default_model()
+        check = e2e_check(load_runs(*args.runs), model, tolerance)
+        if check.empty:
+            raise SystemExit("no run with train.stop_at_accuracy on an emulated link (launch.netcluster) under "
+                             + ", ".join(map(str, args.runs)))
+        shown = [c for c in (*E2E_AXES, "status", "rate_bits", "workers", "target", "reached", "steps", "measured_s",
+                             "measured_wall_s", "predicted_s", "predicted_to_measured", "within") if c in check]
+        print(f"end to end, exchange model: {model.source}")
+        print(check[shown].to_string(index=False, float_format=lambda v: f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"))
+        hit = check.dropna(subset=["predicted_to_measured"])
+        pm = hit["predicted_to_measured"]
+        print(f"{int(hit['within'].sum())}/{len(hit)} within {tolerance:.0%}"
+              + (f"; predicted / measured {pm.min():.3f}..{pm.max():.3f}" if len(hit) else ""))
+        if args.figure:
+            save_figure(plot_e2e(check, tolerance), args.figure.parent, args.figure.stem)
+            print(f"wrote {args.figure}")
+        return 0 if len(hit) and hit["within"].all() else 1
+    if args.folder is None:
+        parser.error("give a benchmark folder, or --runs")
+    args.tolerance = 0.2 if args.tolerance is None else args.tolerance
     check = bench_check_files(args.folder, args.tolerance, args.costmodel)
     columns = ["rate", "scheme", "measured_compute_ms", "predicted_exchange_ms", "measured_exchange_ms", "skew_ms",
                "predicted_step_ms", "measured_step_ms", "ratio", "ratio_max_rank", "within"]
@@ -112,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if check["within"].all() else 1
 
 
-__all__ = ["BENCH_COLLECTIVE", "bench_check", "bench_check_files", "main"]
+__all__ = ["BENCH_COLLECTIVE", "bench_check", "bench_check_files", "e2e_check", "main", "plot_e2e"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

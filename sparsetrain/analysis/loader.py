@@ -307,6 +307,16 @@ def _num(value):
         return math.nan
 
 
+def _target_fields(target: dict | None) -> dict:
+    """``train.stop_at_accuracy``'s record (summary's ``target``) as columns; NaN without one."""
+    target = target or {}
+    reached = target.get("reached")
+    return {"target_accuracy": _num(target.get("accuracy")),
+            "target_reached": math.nan if reached is None else float(bool(reached)),
+            "target_step": _num(target.get("step")), "target_train_s": _num(target.get("train_s")),
+            "target_curve_s": _num(target.get("curve_s")), "target_wall_s": _num(target.get("wall_s"))}
+
+
 def row_from_summary(summary: dict | None, config: dict | None) -> dict:
     """One loader row from a ``summary.json`` dict and a config dict (either may be missing)."""
     summary = summary or {}
@@ -335,6 +345,9 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
         collective=summary.get("collective"),  # None: written before the summary said
         sync_period=_num((summary.get("sync") or {}).get("period")),  # NaN: synchronises every step
+        # launch.netcluster's emulated link, and train.stop_at_accuracy's measured time to it
+        link_rate_bits=_num((summary.get("link") or {}).get("rate_bits")),
+        **_target_fields(summary.get("target")),
     )
     row["bytes_mean_per_step"] = row["bytes_sent_total"] / row["steps"] if row["steps"] else math.nan
     peak = (summary.get("train_loss_peak") or {}).get(f"after_step_{STABILITY_FROM_STEP}") or {}

@@ -12,6 +12,7 @@ its 95% interval).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -145,9 +146,11 @@ def init_worker(threads: int):
 
 
 def link() -> dict:
-    """The emulated link this rank runs on (netcluster's ST_NETNS_* variables)."""
-    return {"rate": os.environ.get("ST_NETNS_RATE"),
-            "rate_bits": float(os.environ.get("ST_NETNS_RATE_BITS", "nan"))}
+    """The emulated link this rank runs on (netcluster's ST_NETNS_* variables; NaN bits off it)."""
+    from sparsetrain.launch.env import emulated_link
+
+    found = emulated_link() or {"rate": None, "rate_bits": math.nan}
+    return {"rate": found["rate"], "rate_bits": found["rate_bits"]}
 
 
 def study_config(overrides: list[str], world: int):

@@ -52,6 +52,7 @@ HELP = {
     "train.batch_size": "examples per rank per step",
     "train.eval_every": "evaluate on the test set every N epochs, and at the end",
     "train.curve_points": "accuracy-curve points per epoch (needs data.val_size): the validation subset scored at N evenly spaced steps, for time to accuracy (1: none)",
+    "train.stop_at_accuracy": "stop at the first curve point whose validation accuracy reaches this, in (0, 1] (needs train.curve_points > 1); summary.json's target says when (null: the whole budget)",
     "train.curve_size": "validation images each curve point scores, the first N of the split (null: all)",
     "train.log_every": "log a step record every N steps; stop signals and divergence are checked then",
     "train.device": "auto, cpu or cuda (one GPU per rank)",

@@ -144,6 +144,9 @@ class TrainConfig:
     # the run's training time and reported apart)
     curve_points: int = 1
     curve_size: int | None = 2000  # validation images each curve point scores (None: the whole split)
+    # Stop at the first curve point whose validation accuracy reaches this (time to accuracy
+    # measured end to end: summary.json's ``target``); None trains the whole budget
+    stop_at_accuracy: float | None = None
     log_every: int = 10  # steps
     device: str = "auto"  # auto | cpu | cuda
     threads: int | None = None  # torch threads per rank (None: cores / local ranks)

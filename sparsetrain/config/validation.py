@@ -86,6 +86,15 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     if cfg.train.get("curve_points", 1) > 1 and not cfg.data.get("val_size"):
         raise ConfigError(f"train.curve_points={cfg.train.curve_points} is not allowed with data.val_size=0: "
                           "curve points score the validation split; hold some out, e.g. data.val_size=5000")
+    target = cfg.train.get("stop_at_accuracy")
+    if target is not None:
+        if not 0 < target <= 1:
+            raise ConfigError(f"train.stop_at_accuracy={target} is not allowed; it must be in (0, 1], "
+                              "or null (the whole budget)")
+        if cfg.train.get("curve_points", 1) < 2:
+            raise ConfigError(f"train.stop_at_accuracy={target} is not allowed with train.curve_points="
+                              f"{cfg.train.get('curve_points', 1)}: it is checked at the curve points; "
+                              "set train.curve_points >= 2 (e.g. 8) and data.val_size")
     curve_size = cfg.train.get("curve_size")
     if curve_size is not None and curve_size < 1:
         raise ConfigError(f"train.curve_size={curve_size} is not allowed; it must be >= 1, or null (the whole split)")

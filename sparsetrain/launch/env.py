@@ -52,6 +52,16 @@ def check_launch_environment(world_size: int, env: Mapping[str, str]) -> None:
         )
 
 
+def emulated_link(env: Mapping[str, str] | None = None) -> dict | None:
+    """The tc-shaped link of this rank's network namespace (``launch.netcluster`` sets
+    ``ST_NETNS_*``): its rate as given and in bit/s, and its one-way delay; None elsewhere."""
+    env = os.environ if env is None else env
+    if "ST_NETNS_RATE_BITS" not in env:
+        return None
+    return {"rate": env.get("ST_NETNS_RATE"), "rate_bits": float(env["ST_NETNS_RATE_BITS"]),
+            "delay_us": float(env.get("ST_NETNS_DELAY_US", 0) or 0)}
+
+
 def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
     """Rank and world of this process; exports MASTER_ADDR/PORT etc. for SLURM tasks."""
     env = os.environ if env is None else env
@@ -71,5 +81,6 @@ def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
             int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
             "torchrun" if kind == "torchrun" else "spawn",
             env.get("SLURM_JOB_ID"),
+            link=emulated_link(env),
         )
     return RankInfo(0, 1, 0, 1, "single", env.get("SLURM_JOB_ID"))

@@ -36,6 +36,7 @@ NOT_DEFINING = (
     "train.eval_every",
     "train.curve_points",  # evaluation only: the training steps are the same
     "train.curve_size",
+    "train.stop_at_accuracy",  # when to stop, like max_steps
     "train.progress",
     "train.device",
     "train.threads",

@@ -126,6 +126,7 @@ class RunRecord:
             run_dir=relative_run_dir(self.run_dir),
             world_size=self.info.world_size,
             launcher=self.info.launcher,
+            link=self.info.link,  # launch.netcluster's emulated link (None off it)
             device=str(self.device),
             num_parameters=red.numel,
             num_classes=self.parts.data.num_classes,
@@ -150,13 +151,16 @@ class RunRecord:
         self.writer.finish("failed", error=one_line_error(exc), **self._summary_fields(step, elapsed_s))
         self.tracker.finish(self.writer.summary, failed=True)
 
-    def complete(self, model: torch.nn.Module, step: int, elapsed_s: float, curve_s: float = 0.0) -> dict:
+    def complete(self, model: torch.nn.Module, step: int, elapsed_s: float, curve_s: float = 0.0,
+                 target: dict | None = None) -> dict:
         """``model.pt`` if asked for, ``summary.json`` completed; the checkpoint goes (a finished
-        run needs no resume point). Returns the summary (rank 0's; empty on other ranks)."""
+        run needs no resume point). ``target``: ``train.stop_at_accuracy`` and when it was reached.
+        Returns the summary (rank 0's; empty on other ranks)."""
         if self.cfg.train.save_model and self.info.is_main:
             torch.save(model.state_dict(), self.run_dir / "model.pt")
         self.writer.finish("completed", **self._summary_fields(step, elapsed_s, reduce=True),
-                           curve_s=curve_s, curve_share=curve_s / (elapsed_s + curve_s) if elapsed_s + curve_s else None)
+                           curve_s=curve_s, curve_share=curve_s / (elapsed_s + curve_s) if elapsed_s + curve_s else None,
+                           **({"target": target} if target is not None else {}))
         self.tracker.finish(self.writer.summary)
         if self.info.is_main and self.checkpoint_path.exists():
             self.checkpoint_path.unlink()

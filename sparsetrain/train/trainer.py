@@ -25,6 +25,7 @@ import torch
 from sparsetrain.errors import Preempted
 from sparsetrain.rank import RankInfo
 from sparsetrain.results import echo, logged_step, relative_run_dir
+from sparsetrain.timing import process_age_s
 from sparsetrain.train.build import build
 from sparsetrain.train.evaluate import Evaluator
 from sparsetrain.train.record import RunRecord
@@ -52,6 +53,9 @@ class Trainer:
         self.batch_in_epoch = 0
         self.elapsed_s = 0.0  # training time: curve points excluded
         self.curve_s = 0.0  # time spent scoring curve points (train.curve_points)
+        self.target = cfg.train.get("stop_at_accuracy")  # stop at the curve point reaching it
+        self.reached: dict | None = None  # when and after how long it was reached
+        self.last_curve_accuracy = -1.0
         points = cfg.train.get("curve_points", 1)
         # the steps within an epoch (1-based batch counts) that end with a curve point
         self.curve_at = ({round(j * len(self.loader) / points) for j in range(1, points + 1)} - {0}
@@ -129,7 +133,8 @@ class Trainer:
                 signals.restore()
             self.record.stop_heartbeat()
         with self._synchronised():
-            return self.record.complete(self.model, self.step, self.elapsed_s, self.curve_s)
+            return self.record.complete(self.model, self.step, self.elapsed_s, self.curve_s,
+                                        target=self._target_summary())
 
     def train_step(self, batches) -> Any:
         result = self.run_step(batches, self.step)
@@ -151,6 +156,7 @@ class Trainer:
                     bar.update(1)
                 if self.batch_in_epoch in self.curve_at:
                     t0 += self._curve_point()  # its time is not training time
+                    self._reached_target(self.elapsed_s + time.perf_counter() - t0)
                 if logged_step(self.step, cfg.train.log_every):  # the reducer's stats steps too
                     self.tally.note_logged(result.stats)
                     self.record.log_step(self.step, result.loss, result.stats, result.lr)
@@ -160,7 +166,7 @@ class Trainer:
                     if signum and not self._ends_run():
                         self.elapsed_s += time.perf_counter() - t0
                         self._preempt(signum)
-                if self._hit_max_steps():
+                if self._hit_max_steps() or self.reached is not None:
                     break
             self.elapsed_s += time.perf_counter() - t0
             # And at every epoch end (this also raises Diverged before a diverged state is
@@ -196,8 +202,24 @@ class Trainer:
             point = self.evaluator.curve_point(self.cfg.train.get("curve_size"))
         took = time.perf_counter() - start
         self.curve_s += took
+        self.last_curve_accuracy = point["accuracy"]
         self.record.log_curve(self.step, self.step / len(self.loader), point, took)
         return took
+
+    def _reached_target(self, train_s: float) -> None:
+        """Whether the curve point just taken reached ``train.stop_at_accuracy`` (every rank
+        reads the same all-reduced accuracy, so all stop together): ``reached`` notes what a
+        user timing the run would see: the step, the training time (curve points left out), the
+        curve points' time, and the wall-clock time since this process started."""
+        if self.target is not None and self.reached is None and self.last_curve_accuracy >= self.target:
+            self.reached = {"step": self.step, "epoch": self.step / len(self.loader),
+                            "val_accuracy": self.last_curve_accuracy, "train_s": train_s,
+                            "curve_s": self.curve_s, "wall_s": process_age_s()}
+
+    def _target_summary(self) -> dict | None:
+        if self.target is None:
+            return None
+        return {"accuracy": self.target, "reached": self.reached is not None, **(self.reached or {})}
 
     def _synchronised(self):
         """The model every rank agrees on, for evaluation and ``model.pt``: itself, except where
@@ -209,12 +231,12 @@ class Trainer:
         return self.cfg.train.max_steps is not None and self.step >= self.cfg.train.max_steps
 
     def _finished(self) -> bool:
-        return self._hit_max_steps() or self.epoch >= self.cfg.train.epochs
+        return self._hit_max_steps() or self.epoch >= self.cfg.train.epochs or self.reached is not None
 
     def _ends_run(self) -> bool:
         """Whether the epoch being closed is the run's last (checked before ``_end_epoch``)."""
         full = self.batch_in_epoch >= len(self.loader)
-        return self._hit_max_steps() or (full and self.epoch + 1 >= self.cfg.train.epochs)
+        return self._hit_max_steps() or self.reached is not None or (full and self.epoch + 1 >= self.cfg.train.epochs)
 
     def _preempt(self, signum: int) -> None:
         """Save the checkpoint at this step and stop every rank (the launcher says how to resume)."""
