@@ -63,11 +63,11 @@ def main(argv=None) -> int:
     print(f"base: {args.base}\nnew:  {args.new}\n{args.runs} alternated runs per side; "
           "median (range) over runs, in copies of the gradient")
     print(f"{'':<28}{'compress+EF base':>22}{'compress+EF new':>22}{'decompress base':>22}{'decompress new':>22}")
-    for key in runs["base"][0]:
+    for key in dict.fromkeys([*runs["base"][0], *runs["new"][0]]):  # rows of either side
         cells = []
         for field in ("compress_ef_copies", "decompress_copies"):
             for side in ("base", "new"):
-                vals = [r[key][field] for r in runs[side] if field in r[key]]
+                vals = [r[key][field] for r in runs[side] if key in r and field in r[key]]
                 cells.append(summary(vals) if vals else "")
         print(f"{key:<28}" + "".join(f"{c:>22}" for c in cells))
     if args.json:

@@ -273,6 +273,122 @@ def test_qsgd_bits_per_entry(levels, bits):
     assert QSGD(1.0, [100], levels=levels).bits_per_entry == bits == 1 + math.ceil(math.log2(levels + 1))
 
 
+# ---- the CPU kernels, bit for bit against straightforward references -----------------------------------
+def ref_pack(codes, bits):
+    """Entry i's code at stream bits [i bits, (i + 1) bits), LSB first, little-endian bit order."""
+    stream = ((codes.astype(np.int64)[:, None] >> np.arange(bits)) & 1).astype(np.uint8).reshape(-1)
+    return np.packbits(stream, bitorder="little")
+
+
+def ref_unpack(packed, bits, n):
+    stream = np.unpackbits(packed, bitorder="little")[: n * bits].reshape(n, bits).astype(np.int64)
+    return (stream << np.arange(bits)).sum(axis=1)
+
+
+def ref_sign_encode(a, spans):
+    scales = [np.abs(a[i:j]).sum(dtype=a.dtype) / (j - i) for i, j in spans]
+    return np.array(scales, dtype=a.dtype), ref_pack((a < 0).astype(np.int64), 1)
+
+
+def ref_sign_decode_add(scales, wire, out, spans):
+    neg = ref_unpack(wire, 1, out.size).astype(bool)
+    for (i, j), scale in zip(spans, scales, strict=True):
+        out[i:j] += np.where(neg[i:j], -scale, scale).astype(out.dtype)
+
+
+def ref_qsgd_encode(comp, a, seed):
+    """QSGD's CPU encode, step by step in float ops (torch's norms, numpy's PCG64)."""
+    s, bits = comp.levels, comp.bits_per_entry
+    norms = comp.bucket_norms(torch.from_numpy(a)).numpy()
+    u = np.random.default_rng(seed).random(a.size, dtype=a.dtype)
+    codes = np.empty(a.size, dtype=np.int64)
+    for (i, j), norm in zip(comp.bucket_spans(), norms, strict=True):
+        factor = a.dtype.type(s / np.float64(norm)) if norm > 0 else a.dtype.type(0)
+        r = np.minimum(np.floor(np.abs(a[i:j]) * factor + u[i:j]), s)
+        codes[i:j] = np.copysign(r, a[i:j]).astype(np.int64) & ((1 << bits) - 1)
+    return norms, ref_pack(codes, bits)
+
+
+def ref_qsgd_decode_add(comp, norms, wire, out):
+    bits = comp.bits_per_entry
+    codes = ref_unpack(wire, bits, out.size)
+    signed = np.where(codes >= 1 << (bits - 1), codes - (1 << bits), codes)
+    for (i, j), norm in zip(comp.bucket_spans(), norms, strict=True):
+        out[i:j] += signed[i:j].astype(out.dtype) * (norm / out.dtype.type(comp.levels))
+
+
+def awkward(n, dtype, seed=0):
+    """Random entries with exact zeros, -0.0, tiny and huge ones."""
+    x = np.random.default_rng(seed).standard_normal(n).astype(dtype)
+    x[::13], x[5::17], x[3::29], x[4::31] = 0.0, -0.0, 1e-30, -1e30 if dtype == np.float64 else -1e18
+    return x
+
+
+KERNEL_LAYOUTS = [Layout.from_sizes([7, 301, 12001]), Layout.from_sizes([9, 1, 3]), Layout.from_sizes([4096, 8])]
+
+
+@pytest.mark.parametrize("layout", KERNEL_LAYOUTS, ids=lambda lay: str(list(lay.sizes)))
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_signsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout):
+    comp = SignSGD(1.0, layout, scope)
+    a = awkward(layout.total, dtype)
+    p = comp.compress(torch.from_numpy(a))
+    scales, wire = ref_sign_encode(a, comp.spans())
+    assert np.array_equal(p.positions.numpy(), wire) and p.values.numpy().tobytes() == scales.tobytes()
+    out = awkward(layout.total, dtype, seed=1)
+    expect = out.copy()
+    ref_sign_decode_add(scales, wire, expect, comp.spans())
+    comp.decompress_add(p.values, p.positions, torch.from_numpy(out))
+    assert out.tobytes() == expect.tobytes()
+
+
+@pytest.mark.parametrize("levels, bucket_size", [(1, 512), (1, 5), (3, 100), (7, None), (15, 7), (127, 512),
+                                                 (300, 64)])
+@pytest.mark.parametrize("layout", KERNEL_LAYOUTS, ids=lambda lay: str(list(lay.sizes)))
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_qsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout, levels, bucket_size):
+    comp = QSGD(1.0, layout, scope, levels=levels, bucket_size=bucket_size)
+    a = awkward(layout.total, dtype)
+    a[:7] *= 0.0  # a bucket of zeros (norm 0) where the buckets are short
+    p = comp.compress(torch.from_numpy(a), 9)
+    norms, wire = ref_qsgd_encode(comp, a, 9)
+    assert np.array_equal(p.positions.numpy(), wire) and p.values.numpy().tobytes() == norms.tobytes()
+    out = awkward(layout.total, dtype, seed=1)
+    expect = out.copy()
+    ref_qsgd_decode_add(comp, norms, wire, expect)
+    comp.decompress_add(p.values, p.positions, torch.from_numpy(out))
+    assert out.tobytes() == expect.tobytes()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 1001])
+def test_whole_code_packing_equals_the_reference(bits, n):
+    codes = np.random.default_rng(n).integers(0, 2**bits, n).astype(np.uint8)
+    packed = pack_codes(torch.from_numpy(codes), bits)
+    assert np.array_equal(packed.numpy(), ref_pack(codes, bits))
+    assert np.array_equal(unpack_codes(packed, bits, n).numpy(), codes)
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("name", ["signsgd", "qsgd1", "qsgd3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_decompress_many_equals_the_sequential_loop(dtype, name, scope):
+    """Several ranks' messages: the same floats as ``decompress_add`` of each in rank order."""
+    comp = SignSGD(1.0, COMPRESSED, scope) if name == "signsgd" else QSGD(1.0, COMPRESSED, scope, levels=int(name[4:]))
+    msgs = []
+    for r in range(3):
+        p = comp.compress(grad_of(r, 0, NC).to(dtype), step_seed(SEED, 0, r))
+        msgs.append((p.values / 3, p.positions, None))
+    out = torch.from_numpy(awkward(NC, torch.empty((), dtype=dtype).numpy().dtype, seed=2))
+    expect = out.clone()
+    for values, positions, _ in msgs:
+        comp.decompress_add(values, positions, expect)
+    comp.decompress_many(msgs, out)
+    assert out.numpy().tobytes() == expect.numpy().tobytes()
+
+
 # ---- error feedback conserves what was not sent ----------------------------------------------------
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("name", ["signsgd", "qsgd", "qsgd_b100", "qsgd_tensor"])

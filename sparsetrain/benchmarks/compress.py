@@ -18,7 +18,9 @@ the same run: one ``out.copy_(g)`` (the unit), an EF add,
 
 ``--device``: ``cpu``, ``cuda`` (one GPU; timed with CUDA events, the device synchronised before
 each timed call) or ``auto`` (the CPU, then the GPU when there is one). Goals: compress + EF <=
-5 copies for top-k, <= 2 for random-k and block-k; top-k >= 12x ``torch.topk`` on the CPU, >= 5x
+5 copies for top-k, <= 2 for random-k and block-k; the quantizers' kernels alone (rows of scope
+"kernels", compress = encode, decompress = decode_add of one message; on the CPU): signSGD
+encode <= 2, QSGD s=1 encode <= 4, decode_add <= 2 copies; top-k >= 12x ``torch.topk`` on the CPU, >= 5x
 on a GPU.
 """
 
@@ -162,6 +164,7 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
                          "compress_ef_ms": c_ms, "compress_ef_copies": c_cp,
                          "decompress_ms": d_ms, "decompress_copies": d_cp})
     rows.append(powersgd_row(shapes, g, ratio, repeats, device))
+    rows += quantizer_rows(layout, g, repeats, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
             "references_ms": ref,
@@ -202,10 +205,43 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
             "compress_ef_ms": c_ms, "compress_ef_copies": c_cp, "decompress_ms": d_ms, "decompress_copies": d_cp}
 
 
+def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device) -> list[dict]:
+    """The quantizers' kernels alone (layer-wise, no error feedback): signSGD and QSGD at s = 1
+    (2 bits per entry, buckets of 512, as the frontier trains it): ``encode`` (scales or norms,
+    draws, packed codes) and ``decode_add`` of one message into a buffer, each against a copy."""
+    from sparsetrain.compress import QSGD, SignSGD
+
+    out, out2 = torch.zeros_like(g), torch.empty_like(g)
+    rows = []
+    for scheme, comp in (("signsgd", SignSGD(1.0, layout, device=device)),
+                         ("qsgd_s1", QSGD(1.0, layout, levels=1, device=device))):
+        values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
+        wire = torch.empty(comp.num_positions, dtype=torch.uint8, device=device)
+        step = [0]
+
+        def encode(comp=comp, values=values, wire=wire, step=step):
+            step[0] += 1
+            comp.encode(g, step_seed(0, step[0]), values, wire)
+
+        def decode(comp=comp, values=values, wire=wire):
+            comp.decode_add(values, wire, out)
+
+        def copy_once():
+            out2.copy_(g)
+
+        e_ms, e_cp = timeit_ratio(encode, copy_once, repeats, device)
+        d_ms, d_cp = timeit_ratio(decode, copy_once, repeats, device)
+        rows.append({"scheme": scheme, "scope": "kernels", "k": comp.k, "compress_ef_ms": e_ms,
+                     "compress_ef_copies": e_cp, "decompress_ms": d_ms, "decompress_copies": d_cp})
+    return rows
+
+
 GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None}  # max copies, compress + EF
 # every scheme's row: dense, the sparsifiers, the quantizers (qsgd at its default levels, without
 # error feedback, as conf/scheme/qsgd.yaml trains it)
 SCHEMES = ("none", "topk", "randk", "blockk", "signsgd", "qsgd")
+# the quantizers' kernels alone (scope "kernels": encode, decode_add of one message), max copies
+KERNEL_GOALS = {"signsgd": 2.0, "qsgd_s1": 4.0}
 SPEEDUP_GOAL = {"cpu": 12.0, "cuda": 5.0}  # top-k compress + EF vs torch.topk(g.abs(), k)
 
 
@@ -214,6 +250,11 @@ def goals(res: dict) -> dict:
     by = {(r["scheme"], r["scope"]): r for r in res["schemes"]}
     out = {}
     for (scheme, scope), r in by.items():
+        if scope == "kernels":
+            if KERNEL_GOALS.get(scheme) is not None and res["device"] == "cpu":
+                out[f"{scheme} encode <= {KERNEL_GOALS[scheme]:g} copies"] = r["compress_ef_copies"] <= KERNEL_GOALS[scheme]
+                out[f"{scheme} decode_add <= 2 copies"] = r["decompress_copies"] <= 2.0
+            continue
         lim = GOALS.get(scheme)
         if lim is not None:
             out[f"{scheme}/{scope} compress+EF <= {lim:g} copies"] = r["compress_ef_copies"] <= lim

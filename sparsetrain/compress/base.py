@@ -13,7 +13,8 @@ message has the same size, known at construction) in two sections:
   indices, in the order of ``values``); a quantizer puts its packed bits there (``uint8``).
 
 ``compress(acc, seed, out=values, wire=positions)`` fills both (into the exchange's message when
-given), ``decompress_add(values, positions, out)`` adds one message, decoded, to ``out``, and
+given), ``decompress_add(values, positions, out)`` adds one message, decoded, to ``out``
+(``decompress_many`` several, in order: every rank's after an AllGather), and
 ``forget(memory, payload)`` makes the error-feedback memory ``acc - sent (as decoded)``: zeroing
 the sent entries for a sparsifier, subtracting the decoded message for a quantizer. A
 one-message compressor needs nothing else: the exchange (``comm.sparse``) lays its message out as
@@ -301,12 +302,14 @@ class Compressor:
             values = got.floats.div_(world)
             self.decompress_add(values[:k], payload.positions, out, indices=payload.indices)
             return
+        messages = []
         for rank, msg in enumerate(got):
             values = msg.floats / world
             if rank == step.rank and payload.indices is not None:  # own positions already expanded
-                self.decompress_add(values[:k], payload.positions, out, indices=payload.indices)
+                messages.append((values[:k], payload.positions, payload.indices))
             else:
-                self.decompress_add(values[:k], msg.ints, out)
+                messages.append((values[:k], msg.ints, None))
+        self.decompress_many(messages, out)
 
     # --- state kept across steps (none by default) ---------------------------------------------
     def state_dict(self) -> dict:
@@ -379,6 +382,16 @@ class Compressor:
         Returns ``out``."""
         idx = indices if indices is not None else self.indices(positions)
         return out.index_add_(0, idx, values.to(out.dtype))
+
+    def decompress_many(self, messages, out: torch.Tensor) -> torch.Tensor:
+        """Add several messages, decoded, to ``out``: ``messages`` a sequence of ``(values,
+        positions, indices or None)``, e.g. every rank's after an AllGather, in rank order.
+        Default: ``decompress_add`` of each in turn. A subclass may decode them in one fused pass
+        only where every entry still receives ``+= m_0``, then ``+= m_1``, ... in that order (the
+        same floats, bit for bit). Returns ``out``."""
+        for values, positions, indices in messages:
+            self.decompress_add(values, positions, out, indices=indices)
+        return out
 
     def decompress(self, values, positions, *, indices=None, dtype=None) -> torch.Tensor:
         """The message as a dense vector of ``numel`` entries (zeros where nothing was sent)."""

@@ -47,11 +47,6 @@ def packed_nbytes(n: int, bits: int) -> int:
     return -(-int(n) * int(bits) // 8)
 
 
-# +-1 for each bit of a byte, lowest bit first (bit 1: negative): signSGD's decode on the CPU
-_SIGNS = {np.dtype(dt): np.array([[-1.0 if (b >> j) & 1 else 1.0 for j in range(8)] for b in range(256)], dtype=dt)
-          for dt in (np.float32, np.float64, np.float16)}
-
-
 def _code_dtype(bits: int) -> torch.dtype:
     return torch.uint8 if bits <= 8 else torch.int32
 
@@ -94,6 +89,32 @@ def _split(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return packed.reshape(-1, 1).bitwise_right_shift(shifts).bitwise_and_((1 << bits) - 1).view(-1)
 
 
+def _pack_whole_codes(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
+    """``pack_codes`` for 2 or 4 bits on the CPU: the ``8 // bits`` codes of a byte, read as one
+    little-endian word (code j at bit 8 j), times a constant that moves code j to bit
+    ``8 (per - 1) + bits j``; the word's top byte is then the packed byte. Every other product
+    term lands below the top byte without overlapping another (codes < 2**bits), so no carry
+    reaches it: the same bytes as ``_combine``."""
+    per = 8 // bits
+    word = {2: np.uint16, 4: np.uint32}[per]
+    if codes.size != out.size * per:  # the last byte's missing codes are 0
+        padded = np.zeros(out.size * per, dtype=np.uint8)
+        padded[: codes.size] = codes
+        codes = padded
+    magic = word(sum(1 << (8 * (per - 1) - (8 - bits) * j) for j in range(per)))
+    prod = np.multiply(codes.view(word), magic)  # wraps modulo the word size, as intended
+    np.copyto(out, prod.view(np.uint8)[per - 1 :: per])
+
+
+def _unpack_whole_codes(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """``_pack_whole_codes`` undone: ``n`` codes (``uint8``)."""
+    per = 8 // bits
+    codes = np.empty((packed.size, per), dtype=np.uint8)
+    for j in range(per):  # code j of every byte: (byte >> bits j) & mask
+        np.bitwise_and(np.right_shift(packed, bits * j, out=codes[:, j]), (1 << bits) - 1, out=codes[:, j])
+    return codes.reshape(-1)[:n]
+
+
 def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack ``codes`` (n unsigned integers, each below ``2**bits``; bool for one bit) tightly
     into ``out`` (``uint8``, ``packed_nbytes(n, bits)`` bytes; allocated when None).
@@ -112,6 +133,8 @@ def pack_codes(codes: torch.Tensor, bits: int, out: torch.Tensor | None = None) 
         _pack_bits(codes, out)
     elif bits == 8:
         out.copy_(codes)
+    elif 8 % bits == 0 and _numpy_ok(codes) and _numpy_ok(out):  # 2 or 4: one multiply per byte
+        _pack_whole_codes(codes.to(torch.uint8).numpy(), bits, out.numpy())
     elif 8 % bits == 0:  # 2 or 4: whole codes in each byte
         per = 8 // bits
         c = codes.to(torch.uint8)
@@ -140,6 +163,8 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if bits == 8:
         return packed
     if 8 % bits == 0:
+        if _numpy_ok(packed):
+            return torch.from_numpy(_unpack_whole_codes(packed.numpy(), bits, n))
         return _split(packed, bits)[:n]
     stream = _unpack_bits(packed, n * bits).view(n, bits)
     if bits <= 8 and _numpy_ok(stream):
@@ -270,14 +295,11 @@ class SignSGD(Quantizer):
         pack_codes(acc < 0, 1, wire)
 
     def decode_add(self, values, wire, out):
-        if _numpy_ok(wire) and _numpy_ok(out):  # +-1 per entry from a table per byte, then += scale x +-1
-            table = _SIGNS[np.dtype(torch.empty((), dtype=out.dtype).numpy().dtype)]
-            signs = self.scratch("signs", table.dtype)
-            nbytes = self.numel // 8
-            if nbytes:
-                np.take(table, wire.numpy()[:nbytes], axis=0, out=signs[: nbytes * 8].reshape(nbytes, 8))
-            if self.numel > nbytes * 8:  # the last, partial byte
-                signs[nbytes * 8 :] = table[int(wire[nbytes])][: self.numel - nbytes * 8]
+        if _numpy_ok(wire) and _numpy_ok(out):  # +-1 per entry, then += scale x +-1 per segment
+            signs = self.scratch("signs", torch.empty((), dtype=out.dtype).numpy().dtype)
+            pm = np.unpackbits(wire.numpy(), count=self.numel, bitorder="little").view(np.int8)  # 1: negative
+            np.bitwise_or(np.negative(pm, out=pm), 1, out=pm)  # 0 -> +1, 1 -> -1 (-1 | 1 = -1)
+            np.copyto(signs, pm)  # exact
             for (i, j), scale in zip(self.spans(), values.tolist(), strict=True):
                 out[i:j].add_(torch.from_numpy(signs[i:j]), alpha=scale)  # +-1 x scale: exact
             return
@@ -400,7 +422,11 @@ class QSGD(Quantizer):
             r = np.abs(a, out=self.scratch("r", a.dtype))
             self._scale_buckets(r, factors.numpy())  # |x| / ||x|| * s
             u = self.uniforms(seed, acc, numpy=True)
-            np.floor(np.add(r, u, out=r), out=r)  # floor(r + u): floor(r) + 1 with probability r - floor(r)
+            np.add(r, u, out=r)
+            if s == 1:  # 2 bits: see _encode_one_level
+                pack_codes(torch.from_numpy(self._encode_one_level(r, a)), 2, wire)
+                return
+            np.floor(r, out=r)  # floor(r + u): floor(r) + 1 with probability r - floor(r)
             np.copysign(np.minimum(r, s, out=r), a, out=r)  # the signed level
             code = self.scratch("code", self._signed)
             np.copyto(code, r, casting="unsafe")
@@ -416,6 +442,17 @@ class QSGD(Quantizer):
         level = torch.copysign(r.add_(u).floor_().clamp_(max=s), acc)
         pack_codes(level.to(torch.int32).bitwise_and_(self._mask), self.bits_per_entry, wire)
 
+    def _encode_one_level(self, t: np.ndarray, a: np.ndarray) -> np.ndarray:
+        """s = 1's codes from ``t = r + u``: the level ``min(floor(t), 1)`` is ``t >= 1`` (t >= 0;
+        +inf: 1; NaN: 0, as NaN's cast to an integer gives on the general path), and
+        ``copysign(level, a)`` in two bits is 1 (+1), 3 (-1) or 0 (level 0, whatever the sign):
+        ``level | (level & (a < 0)) << 1`` (where the level is 1, a is a nonzero number, so its
+        sign bit is ``a < 0``). The same codes as the general path, without its float passes."""
+        level = np.greater_equal(t, 1, out=self.scratch("level", bool)).view(np.uint8)
+        neg = np.less(a, 0, out=self.scratch("neg", bool)).view(np.uint8)
+        np.left_shift(np.bitwise_and(neg, level, out=neg), 1, out=neg)
+        return np.bitwise_or(level, neg, out=neg)
+
     def decode_add(self, values, wire, out):
         codes = unpack_codes(wire, self.bits_per_entry, self.numel)
         units = values.div(self.levels)  # ||x|| / s per bucket
@@ -423,6 +460,9 @@ class QSGD(Quantizer):
             c = codes.numpy()
             if self.bits_per_entry == 8:
                 signed = c.view(np.int8)
+            elif self.bits_per_entry < 8:  # sign-extend in int8: (c ^ top) - top, top <= 64
+                signed = np.bitwise_xor(c, self._top, out=self.scratch("signed", np.uint8)[: c.size]).view(np.int8)
+                np.subtract(signed, np.int8(self._top), out=signed)
             else:  # sign-extend: (c ^ top) - top
                 signed = np.subtract(np.bitwise_xor(c, self._top), self._top, dtype=np.int32)
             dec = self.scratch("decoded", torch.empty((), dtype=out.dtype).numpy().dtype)
