@@ -147,11 +147,11 @@ def test_bench_ddp_tiny_end_to_end(tmp_path):
     (res,) = json.loads((tmp_path / "ddp.json").read_text())["results"]
     assert res["meta"]["label"] == "paper" and res["meta"]["powersgd_rank"] == 3
     configs = res["configs"]
-    assert set(configs) == {"compute", "ddp", "ddp_fp16", "ddp_bf16", "ddp_powersgd", "ddp_st_powersgd", "ddp_blockk",
-                            "ddp_randk", "ddp_topk", "reducer_blockk"}
+    assert set(configs) == {"compute", "ddp", "ddp_noop", "ddp_fp16", "ddp_bf16", "ddp_powersgd", "ddp_st_powersgd",
+                            "ddp_blockk", "ddp_randk", "ddp_topk", "reducer_blockk"}
     assert all(c["step_ms"] > 0 for c in configs.values())
     sent = {k: c["bytes_sent_per_step"] for k, c in configs.items()}
-    assert sent["compute"] == 0 and sent["ddp_fp16"] * 2 == sent["ddp"] == sent["ddp_bf16"] * 2
+    assert sent["compute"] == sent["ddp_noop"] == 0 and sent["ddp_fp16"] * 2 == sent["ddp"] == sent["ddp_bf16"] * 2
     assert sent["ddp_blockk"] == sent["reducer_blockk"] < sent["ddp"] / 50  # 1% + the 1-D tensors
     assert 0.8 < sent["ddp_powersgd"] / sent["ddp_blockk"] < 1.2  # matched bytes
     assert re.search(r"^\| ddp_blockk +\|", (tmp_path / "ddp.txt").read_text(), re.M)

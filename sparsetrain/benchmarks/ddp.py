@@ -10,6 +10,9 @@ with DDP's buffers left unsynchronised and its buckets settled before step 0 as 
 
   compute         forward + backward + optimizer, no exchange (the floor)
   ddp             torch DDP, its own AllReduce (25 MB buckets, overlapped with backward)
+  ddp_noop        torch DDP with torch's noop_hook: its buckets and hook calls, nothing sent (the
+                  headroom: what DDP costs beyond compute when the network is free; the
+                  exchange a hook leaves exposed is its step minus this one's)
   ddp_fp16        DDP + torch's fp16_compress_hook
   ddp_bf16        DDP + torch's bf16_compress_hook
   ddp_powersgd    DDP + torch's PowerSGD hook (error feedback, warm start) at the rank whose
@@ -67,6 +70,7 @@ from sparsetrain.ddp import matched_powersgd_rank
 CONFIGS = {
     "compute": ["scheme=none", "dist.overlap=false"],  # the model and buffer, no exchange
     "ddp": ["scheme=none", "dist.ddp=true"],
+    "ddp_noop": ["scheme=none", "dist.ddp=true"],  # its hook replaced by torch's noop_hook (run_config)
     "ddp_fp16": ["scheme=fp16", "dist.ddp=true"],
     "ddp_bf16": ["scheme=bf16", "dist.ddp=true"],
     "ddp_powersgd": ["scheme=torch_powersgd", "dist.ddp=true"],  # torch's hook (the row's old name)
@@ -82,6 +86,7 @@ CONFIGS = {
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import debugging_hooks
 
     from sparsetrain.timing import PhaseTimer
     from sparsetrain.train.components import exchange_from_config, optimizer_from_config
@@ -106,6 +111,8 @@ def worker(a) -> None:
         model = harness.model_from_config(cfg)
         ex = exchange_from_config(cfg, model, world_size=world, rank=rank)
         net, flat, reducer = ex.net, ex.flat, ex.reducer
+        if name == "ddp_noop":  # DDP's machinery, nothing on the wire
+            reducer.timed.hook, reducer.timed.state = debugging_hooks.noop_hook, None
         if cfg.dist.ddp:  # DDP settles its buckets (and the hook plans them) before step 0
             reducer.settle(x)
         if name == "compute":
@@ -117,7 +124,7 @@ def worker(a) -> None:
         run_step = TrainStep(net, opt, reducer, flat, timer, "cpu")
         batches = ((x.clone(), y.clone()) for _ in itertools.count())
         times = harness.timed_steps(run_step, batches, a.warmup, steps)
-        sent = 0 if reducer is None else reducer.bytes_sent_per_step
+        sent = 0 if reducer is None or name == "ddp_noop" else reducer.bytes_sent_per_step
         dist.barrier()
         phases = timer.means()
         if reducer is not None:
