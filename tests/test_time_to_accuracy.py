@@ -381,3 +381,25 @@ def test_e2e_check_sets_measured_time_to_target_against_the_prediction(tmp_path)
     assert proc.returncode in (0, 1), proc.stderr
     assert "end to end" in proc.stdout and "within 15%" in proc.stdout
     assert (fig.parent / "e2e.png").stat().st_size > 0
+
+
+def test_ddp_overlap_table_reads_the_ddp_benchmark():
+    """cluster_check's DDP overlap table on a two-configuration ddp.json written here: the
+    model's exchange for each configuration's bytes (ring formulas by hand), the measured exposed
+    exchange (its `exchange` phase), what was hidden, and DDP's headroom (noop hook - compute)."""
+    def config(step, exchange, sent):
+        return {"step_ms": step, "phases_ms": {"exchange": exchange}, "bytes_sent_per_step": sent}
+
+    ddp = {"results": [{"meta": {"world_size": 4, "rate_bits": 1e9, "label": "1gbit"},
+                        "configs": {"compute": config(600.0, 0.0, 0), "ddp_noop": config(610.0, 0.0, 0),
+                                    "ddp": config(900.0, 250.0, 1_000_000),
+                                    "ddp_topk": config(650.0, 20.0, 10_000)}}]}
+    table = cluster_check.ddp_overlap(ddp, tta.default_model(ALPHA)).set_index("configuration")
+    assert set(table.index) == {"ddp", "ddp_topk"}  # compute and the noop hook are references
+    dense = 1e3 * (6 * ALPHA + 1.5 * 1_000_000 * beta(1))
+    topk = 1e3 * (3 * ALPHA + 3 * 10_000 * beta(1))
+    assert table.loc["ddp", "predicted_exchange_ms"] == pytest.approx(dense, rel=1e-12)
+    assert table.loc["ddp", "hidden_ms"] == pytest.approx(dense - 250.0)
+    assert table.loc["ddp", "hidden_share"] == pytest.approx((dense - 250.0) / dense)
+    assert table.loc["ddp_topk", "predicted_exchange_ms"] == pytest.approx(topk, rel=1e-12)
+    assert (table["headroom_ms"] == 10.0).all()

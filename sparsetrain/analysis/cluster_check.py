@@ -109,6 +109,45 @@ def bench_check_files(folder: str | Path, tolerance: float = 0.2, costmodel: str
                        json.loads(Path(costmodel or folder / "costmodel.json").read_text()), tolerance)
 
 
+#: the collective that carries each configuration of ``sparsetrain.benchmarks.ddp`` (its hooks'
+#: rounds counted as one: PowerSGD's two AllReduces share the latency term here)
+DDP_COLLECTIVE = {"ddp": "allreduce", "ddp_fp16": "allreduce", "ddp_bf16": "allreduce",
+                  "ddp_powersgd": "allreduce", "ddp_st_powersgd": "allreduce", "ddp_blockk": "allreduce",
+                  "ddp_randk": "allreduce", "ddp_topk": "allgather", "reducer_blockk": "allreduce"}
+
+
+def ddp_overlap(ddp: dict, model: ExchangeModel) -> pd.DataFrame:
+    """How much of each configuration's exchange the DDP path hides behind backward, per rate of
+    ``python -m sparsetrain.benchmarks.ddp``'s ``ddp.json``: ``predicted_exchange_ms`` (the model's
+    collective time for the configuration's bytes at that rate and world size, as time to
+    accuracy charges it, after backward), ``exposed_ms`` (measured: what backward waited after the
+    last bucket was handed to the hook, decompression left out: the ``exchange`` phase),
+    ``hidden_ms`` = predicted - exposed (negative: the exchange cost more than the model says, e.g.
+    per-bucket waits), ``hidden_share`` = hidden / predicted. ``headroom_ms``: DDP with a hook
+    that sends nothing (``ddp_noop``) minus compute alone, where the file has both: what DDP's
+    machinery costs when the network is free. ``reducer_blockk`` (the trainer's reducer after
+    backward) is the no-overlap reference."""
+    rows = []
+    for result in ddp["results"]:
+        meta, configs = result["meta"], result["configs"]
+        world, rate = int(meta["world_size"]), float(meta["rate_bits"])
+        compute = configs.get("compute", {}).get("step_ms", math.nan)
+        noop = configs.get("ddp_noop", {}).get("step_ms", math.nan)
+        for name, c in configs.items():
+            collective = DDP_COLLECTIVE.get(name)
+            if collective is None:
+                continue
+            predicted = model.time_ms(collective, float(c["bytes_sent_per_step"]), world, rate)
+            exposed = float(c["phases_ms"].get("exchange", 0.0))
+            rows.append({"rate": meta.get("label", meta.get("rate")), "rate_bits": rate, "workers": world,
+                         "configuration": name, "bytes_sent_per_step": c["bytes_sent_per_step"],
+                         "predicted_exchange_ms": predicted, "exposed_ms": exposed,
+                         "hidden_ms": predicted - exposed,
+                         "hidden_share": (predicted - exposed) / predicted if predicted > 0 else math.nan,
+                         "step_ms": c["step_ms"], "compute_ms": compute, "headroom_ms": noop - compute})
+    return pd.DataFrame(rows)
+
+
 #: the run's axes shown beside each end-to-end point
 E2E_AXES = ("scheme", "scope", "aggregation", "ratio", "exchange", "seed")
 
@@ -182,8 +221,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--costmodel", type=Path, help="the fit to use (default: DIR/costmodel.json; "
                         "with --runs and no fit: the default model)")
     parser.add_argument("--tolerance", type=float, default=None, help="default 0.2 per step, 0.15 end to end")
+    parser.add_argument("--ddp", type=Path, metavar="DDP_JSON",
+                        help="the overlap table of a DDP benchmark's ddp.json (benchmarks.ddp) instead")
     parser.add_argument("--figure", type=Path, help="with --runs: write predicted-vs-measured as FIGURE.png and .pdf")
     args = parser.parse_args(argv)
+    if args.ddp:
+        model = fitted_model(args.costmodel) if args.costmodel else default_model()
+        table = ddp_overlap(json.loads(args.ddp.read_text()), model)
+        print(f"DDP overlap, exchange model: {model.source}")
+        print(table.drop(columns=["rate_bits"]).to_string(
+            index=False, float_format=lambda v: f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"))
+        return 0
     if args.runs:
         from .figures import save_figure
         from .loader import load_runs
@@ -218,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if check["within"].all() else 1
 
 
-__all__ = ["BENCH_COLLECTIVE", "bench_check", "bench_check_files", "e2e_check", "main", "plot_e2e"]
+__all__ = ["BENCH_COLLECTIVE", "DDP_COLLECTIVE", "bench_check", "bench_check_files", "ddp_overlap", "e2e_check", "main",
+           "plot_e2e"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
