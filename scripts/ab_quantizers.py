@@ -3,8 +3,9 @@
     .venv/bin/python scripts/ab_quantizers.py --base /path/to/other/checkout --runs 4
 
 Times ``encode`` and ``decode_add`` (one message) of signSGD, QSGD at s = 1 and QSGD at s = 127
-on the ResNet-18 layout's compressed tensors (11.2M entries, one thread), and numpy's PCG64
-draw alone (what QSGD's random rounding costs before any of its own work), each in "copies":
+on the ResNet-18 layout's compressed tensors (11.2M entries, one thread), the decode of W = 2,
+4, 8 and 16 messages into one buffer (``decompress_many``, as after an AllGather of W ranks;
+signSGD and QSGD s = 1), and numpy's PCG64 draw alone (what QSGD's random rounding costs before any of its own work), each in "copies":
 the call's time over one gradient ``copy_`` timed just before it, median of --repeats. Each run
 is a fresh process with ``PYTHONPATH`` set to one checkout, base and new alternated --runs times,
 so that a load change slower than a run (~15 s) hits both sides. Prints the median and range
@@ -52,6 +53,19 @@ for name, comp in (("signSGD", SignSGD(1.0, layout)), ("QSGD s=1", QSGD(1.0, lay
         comp.encode(g, seed[0], values, wire)
     res[f"{name} encode"] = copies(encode)
     res[f"{name} decode_add"] = copies(lambda: comp.decode_add(values, wire, out))
+    if name == "QSGD s=127":
+        continue
+    # every rank's message after an AllGather: W messages (from this process) into one buffer
+    msgs = []
+    for w in range(16):
+        encode()
+        msgs.append((values.clone(), wire.clone(), None))
+    for W in (2, 4, 8, 16):
+        if hasattr(comp, "decompress_many"):  # (code from before it: the loop it replaces)
+            run = lambda W=W: comp.decompress_many(msgs[:W], out)
+        else:
+            run = lambda W=W: [comp.decompress_add(v, p, out) for v, p, _ in msgs[:W]]
+        res[f"{name} decode x{W}"] = copies(run)
 u = np.empty(layout.total, dtype=np.float32)
 res["PCG64 draw alone"] = copies(lambda: np.random.default_rng(seed[0]).random(layout.total, dtype=np.float32, out=u))
 print(json.dumps(res))
