@@ -166,3 +166,16 @@ def test_no_module_of_sparsetrain_imports_hydras_internals():
     users = [p.relative_to(root.parent).as_posix() for p in sorted(root.rglob("*.py"))
              if "hydra._internal" in p.read_text()]
     assert users == []
+
+
+def test_a_fixed_global_batch_splits_over_the_ranks():
+    """experiment=tta_workers keeps the global batch (128) and the peak lr as the ranks change;
+    a world size that does not divide the batch stops with one line that names both."""
+    for world, per_rank in ((2, 64), (4, 32), (8, 16)):
+        cfg = make("experiment=tta_workers", f"world_size={world}")
+        validate(cfg, env={})
+        assert (cfg.train.batch_size, cfg.optim.lr, cfg.optim.scale_lr) == (per_rank, 0.1, False)
+    with pytest.raises(ConfigError) as info:
+        validate(make("experiment=tta_workers", "world_size=3"), env={})
+    assert str(info.value) == ("a global batch of 128 does not split over world_size=3 ranks; "
+                               "allowed: a world_size that divides 128")

@@ -250,6 +250,15 @@ def tuned_value(scheme: str, scope: str, key: str) -> Any:
     return value
 
 
+def per_rank(total: int, world_size: int) -> int:
+    """``${st_per_rank:128,${world_size}}``: a global batch split over the ranks, for studies that
+    keep it fixed as the ranks change; one line when it does not divide."""
+    if world_size < 1 or total % world_size:
+        raise ConfigError(f"a global batch of {total} does not split over world_size={world_size} ranks; "
+                          f"allowed: a world_size that divides {total}")
+    return total // world_size
+
+
 def register() -> None:
     """Register schemas and resolvers; idempotent (tests compose configs many times)."""
     store = ConfigStore.instance()
@@ -257,7 +266,8 @@ def register() -> None:
     store.store(group="scheme", name="base_scheme", node=SchemeConfig)
     for name, cls in SCHEME_SCHEMAS.items():
         store.store(group="scheme", name=f"base_{name}", node=cls)
-    for name, fn in (("st_nodes", _nodes), ("st_tasks_per_node", _tasks_per_node), ("st_tuned", tuned_value)):
+    for name, fn in (("st_nodes", _nodes), ("st_tasks_per_node", _tasks_per_node), ("st_tuned", tuned_value),
+                     ("st_per_rank", per_rank)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 

@@ -110,12 +110,14 @@ def validate(cfg: Any, env: dict | None = None) -> None:
 
 
 def _resolve_tuned(cfg: Any) -> None:
-    """Resolve ``optim`` first, so that a scheme without tuned values (``${st_tuned:...}``) stops
-    with its own line rather than OmegaConf's wrapped one."""
+    """Resolve ``optim`` and ``train`` first, so that a scheme without tuned values
+    (``${st_tuned:...}``) or a global batch the ranks do not divide (``${st_per_rank:...}``) stops
+    with the resolver's own line rather than OmegaConf's wrapped one."""
     from omegaconf.errors import InterpolationResolutionError
 
     try:
         OmegaConf.to_container(cfg.optim, resolve=True)
+        OmegaConf.to_container(cfg.train, resolve=True)
     except InterpolationResolutionError as exc:
         first = str(exc).splitlines()[0]
         head = f"{ConfigError.__name__} raised while resolving interpolation: "
