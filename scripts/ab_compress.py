@@ -44,6 +44,22 @@ def summary(values: list[float]) -> str:
     return f"{statistics.median(values):6.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
+def alternate(args, one) -> dict[str, list[dict]]:
+    """``one(checkout, i)`` for the base and the new checkout in turn, ``args.runs`` times (A B A
+    B ...): each side's list of results."""
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    for i in range(args.runs):
+        for side in ("base", "new"):
+            runs[side].append(one(getattr(args, side).resolve(), f"{side}{i}"))
+            print(f"run {i + 1}/{args.runs} {side} done", file=sys.stderr)
+    return runs
+
+
+def write_json(args, runs: dict) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps({"base": str(args.base), "new": str(args.new), "runs": runs}, indent=1))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", required=True, type=Path, help="the checkout to compare against (e.g. main's)")
@@ -54,12 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--json", default=None, help="write every run's rows here")
     args = ap.parse_args(argv)
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.runs):
-            for side in ("base", "new"):
-                runs[side].append(one_run(getattr(args, side).resolve(), args, Path(tmp) / f"{side}{i}.json"))
-                print(f"run {i + 1}/{args.runs} {side} done", file=sys.stderr)
+        runs = alternate(args, lambda checkout, name: one_run(checkout, args, Path(tmp) / f"{name}.json"))
     print(f"base: {args.base}\nnew:  {args.new}\n{args.runs} alternated runs per side; "
           "median (range) over runs, in copies of the gradient")
     print(f"{'':<28}{'compress+EF base':>22}{'compress+EF new':>22}{'decompress base':>22}{'decompress new':>22}")
@@ -70,8 +82,7 @@ def main(argv=None) -> int:
                 vals = [r[key][field] for r in runs[side] if key in r and field in r[key]]
                 cells.append(summary(vals) if vals else "")
         print(f"{key:<28}" + "".join(f"{c:>22}" for c in cells))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"base": str(args.base), "new": str(args.new), "runs": runs}, indent=1))
+    write_json(args, runs)
     return 0
 
 

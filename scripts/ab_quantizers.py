@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from ab_compress import alternate, summary, write_json  # scripts/: the same alternation
 
 HERE = Path(__file__).resolve().parents[1]
 
@@ -87,22 +88,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--json", default=None, help="write every run's numbers here")
     args = ap.parse_args(argv)
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    for i in range(args.runs):
-        for side in ("base", "new"):
-            runs[side].append(one_run(getattr(args, side).resolve(), args.repeats))
-            print(f"run {i + 1}/{args.runs} {side} done", file=sys.stderr)
+    runs = alternate(args, lambda checkout, _: one_run(checkout, args.repeats))
     print(f"base: {args.base}\nnew:  {args.new}\n{args.runs} alternated runs per side; median (range) over "
           "runs, in copies of the gradient (11.2M float32 entries, 1 thread)")
     print(f"{'':<24}{'base':>22}{'new':>22}")
     for key in runs["new"][0]:
-        cells = []
-        for side in ("base", "new"):
-            vals = [r[key] for r in runs[side]]
-            cells.append(f"{statistics.median(vals):6.2f} ({min(vals):.2f}-{max(vals):.2f})")
-        print(f"{key:<24}" + "".join(f"{c:>22}" for c in cells))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"base": str(args.base), "new": str(args.new), "runs": runs}, indent=1))
+        print(f"{key:<24}" + "".join(f"{summary([r[key] for r in runs[side]]):>22}" for side in ("base", "new")))
+    write_json(args, runs)
     return 0
 
 
