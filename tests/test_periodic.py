@@ -132,6 +132,9 @@ def _scenarios(rank, world):
     local1, model = _run(world, rank, sync=partial(PeriodicSync, period=1))
     local4, _ = _run(world, rank, sync=partial(PeriodicSync, period=4))
     diloco, _ = _run(world, rank, sync=partial(PeriodicSync, period=4, outer_lr=0.7, outer_momentum=0.9))
+    # DiLoCo's node with outer lr 1 and no momentum (Nesterov asked for): local SGD's update
+    diloco_plain, _ = _run(world, rank, sync=partial(PeriodicSync, period=4, outer_lr=1.0, outer_momentum=0.0,
+                                                     nesterov=True))
     buffers = [b.clone() for b in model.buffers() if b.is_floating_point()]
     mid, mid_model = _run(world, rank, sync=partial(PeriodicSync, period=4), steps=6)
     with mid_model.exchange.synchronised():
@@ -143,6 +146,8 @@ def _scenarios(rank, world):
             "local4_vs_hand": _diff(local4, _by_hand_local_sgd(world, rank, 4)),
             "diloco_vs_hand": _diff(diloco, _by_hand_local_sgd(world, rank, 4, 0.7, 0.9)),
             "post_local_vs_torch": _diff(post_local, _torch_post_local_sgd(world, rank, 4, 2, 10)),
+            "diloco_plain_is_local": all(torch.equal(a, b) for sa, sb in zip(diloco_plain, local4)
+                                         for a, b in zip(sa, sb)),
             "local4": local4, "diloco": diloco, "compressed": compressed, "buffers": buffers,
             "evaluated": evaluated, "after": after, "mid": mid}
 
@@ -165,6 +170,16 @@ def test_local_sgd_and_diloco_follow_their_definitions(two):
     batch-norm statistics averaged): local SGD (outer lr 1, no momentum) and DiLoCo (0.7, 0.9)."""
     for r in range(2):
         assert two[r]["local4_vs_hand"] < 1e-12 and two[r]["diloco_vs_hand"] < 1e-12, two[r]
+
+
+def test_diloco_with_outer_lr_one_and_no_momentum_is_local_sgd(two):
+    """Bit for bit, and the two schemes' yaml differ only in those options."""
+    from sparsetrain.config import compose
+
+    assert two[0]["diloco_plain_is_local"] and two[1]["diloco_plain_is_local"]
+    local = compose(["scheme=localsgd"]).scheme.sync
+    plain = compose(["scheme=diloco", "scheme.sync.outer_lr=1.0", "scheme.sync.outer_momentum=0.0"]).scheme.sync
+    assert {k: v for k, v in plain.items() if k != "nesterov"} == dict(local)
 
 
 def test_post_local_sgd_is_torchs(two):
