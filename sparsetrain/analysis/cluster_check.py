@@ -210,6 +210,11 @@ def plot_e2e(check: pd.DataFrame, tolerance: float = 0.15):
         return fig
 
 
+def _fmt(value: float) -> str:
+    """Three decimals under 10, one above: the tables' numbers."""
+    return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """The predicted-vs-measured step check on a benchmark folder, or (``--runs``) the
     end-to-end check of runs that stopped at a target; prints one row each and a summary line."""
@@ -225,19 +230,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="the overlap table of a DDP benchmark's ddp.json (benchmarks.ddp) instead")
     parser.add_argument("--figure", type=Path, help="with --runs: write predicted-vs-measured as FIGURE.png and .pdf")
     args = parser.parse_args(argv)
-    if args.ddp:
+    if args.ddp or args.runs:  # a fit given, else the model's defaults
         model = fitted_model(args.costmodel) if args.costmodel else default_model()
+    if args.ddp:
         table = ddp_overlap(json.loads(args.ddp.read_text()), model)
         print(f"DDP overlap, exchange model: {model.source}")
-        print(table.drop(columns=["rate_bits"]).to_string(
-            index=False, float_format=lambda v: f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"))
+        print(table.drop(columns=["rate_bits"]).to_string(index=False, float_format=_fmt))
         return 0
     if args.runs:
         from .figures import save_figure
         from .loader import load_runs
 
         tolerance = 0.15 if args.tolerance is None else args.tolerance
-        model = fitted_model(args.costmodel) if args.costmodel else default_model()
         check = e2e_check(load_runs(*args.runs), model, tolerance)
         if check.empty:
             raise SystemExit("no run with train.stop_at_accuracy on an emulated link (launch.netcluster) under "
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         shown = [c for c in (*E2E_AXES, "status", "rate_bits", "workers", "target", "reached", "steps", "measured_s",
                              "measured_wall_s", "predicted_s", "predicted_to_measured", "within") if c in check]
         print(f"end to end, exchange model: {model.source}")
-        print(check[shown].to_string(index=False, float_format=lambda v: f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"))
+        print(check[shown].to_string(index=False, float_format=_fmt))
         hit = check.dropna(subset=["predicted_to_measured"])
         pm = hit["predicted_to_measured"]
         print(f"{int(hit['within'].sum())}/{len(hit)} within {tolerance:.0%}"
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     check = bench_check_files(args.folder, args.tolerance, args.costmodel)
     columns = ["rate", "scheme", "measured_compute_ms", "predicted_exchange_ms", "measured_exchange_ms", "skew_ms",
                "predicted_step_ms", "measured_step_ms", "ratio", "ratio_max_rank", "within"]
-    print(check[columns].to_string(index=False, float_format=lambda v: f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"))
+    print(check[columns].to_string(index=False, float_format=_fmt))
     print(f"{int(check['within'].sum())}/{len(check)} within {args.tolerance:.0%}; ratio "
           f"{check['ratio'].min():.3f}..{check['ratio'].max():.3f} (median {check['ratio'].median():.3f})")
     return 0 if check["within"].all() else 1

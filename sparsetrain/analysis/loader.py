@@ -206,8 +206,8 @@ DEFAULT_SYNC = "every step"
 DEFAULT_MEMORY = "error feedback"
 
 
-def _memory(cfg: dict, key: str = "memory") -> str | None:
-    """The class a run's ``scheme.memory`` (or ``scheme.<key>``) node names, with its options, as
+def _class_node(cfg: dict, key: str) -> str | None:
+    """The class a run's ``scheme.<key>`` node names (``memory``, ``sync``), with its options, as
     one stable text (``MomentumCorrection(momentum=0.9)``); None when it names none (error
     feedback; every step's exchange)."""
     node = _get(cfg, "scheme", key)
@@ -244,8 +244,8 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         "bucket_size": _bucket_size(cfg, scheme),  # scheme=qsgd's own key
         "rank": _powersgd_rank(cfg, scheme),  # PowerSGD's own key
         "compressor_options": _compressor_options(cfg),
-        "memory": _memory(cfg),
-        "sync": _memory(cfg, "sync"),
+        "memory": _class_node(cfg, "memory"),
+        "sync": _class_node(cfg, "sync"),
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.protocol import ExchangeStats
+from sparsetrain.compress import Layout
 from sparsetrain.timing import PhaseTimer
 
 
@@ -99,6 +100,10 @@ class PeriodicSync:
         self.delta = torch.zeros(self.numel, dtype=ref.dtype, device=ref.device)
         # the anchor: the model at the last synchronisation, stepped by the outer optimizer
         self.anchor = torch.zeros(self.numel, dtype=ref.dtype, device=ref.device, requires_grad=True)
+        # each parameter's slice of the anchor and of the delta, shaped like it
+        layout, shapes = Layout.from_tensors(self.params), [p.shape for p in self.params]
+        self._anchor_views = layout.views(self.anchor.detach(), shapes)
+        self._delta_views = layout.views(self.delta, shapes)
         self.anchored = False
         self.anchor_buffers = [torch.zeros_like(b) for b in self.buffers]  # the buffers as last averaged
         by_dtype: dict = {}
@@ -171,20 +176,14 @@ class PeriodicSync:
         before = self._phases_ms(timer)
         with torch.no_grad():
             with timer.phase("compress"):  # this rank's pseudo-gradient: delta_r = anchor - theta_r
-                pos = 0
-                for p in self.params:
-                    n = p.numel()
-                    torch.sub(self.anchor[pos : pos + n], p.reshape(-1), out=self.delta[pos : pos + n])
-                    pos += n
+                for a, p, d in zip(self._anchor_views, self.params, self._delta_views, strict=True):
+                    torch.sub(a, p, out=d)
             # the scheme's exchange times its own phases (exchange; compress / decompress)
             self.inner.reduce(self.delta, (step - self.warmup_steps) // self.period, timer)
             with timer.phase("optimizer"):  # the outer step, every rank's model set to the anchor
                 self.anchor.grad = self.delta
                 self.outer.step()
-                pos = 0
-                for p in self.params:
-                    p.copy_(self.anchor[pos : pos + p.numel()].view_as(p))
-                    pos += p.numel()
+                self._model_to_anchor()
             with timer.phase("exchange"):  # the buffers in one AllReduce (per dtype)
                 for group in self.buffer_groups:
                     flat = torch.cat([self.buffers[i].reshape(-1) for i in group])
@@ -212,6 +211,11 @@ class PeriodicSync:
         return {"period": self.period, "syncs": self.syncs, "bytes_per_sync": self.bytes_per_sync,
                 "time_ms_per_sync": self.sync_ms / self.syncs_timed if self.syncs_timed else None}
 
+    def _model_to_anchor(self) -> None:
+        """Every parameter takes its slice of the anchor (under ``no_grad``)."""
+        for p, a in zip(self.params, self._anchor_views, strict=True):
+            p.copy_(a)
+
     def _anchor(self) -> None:
         """The anchor takes the model as it is now (parameters and buffers)."""
         with torch.no_grad():
@@ -230,10 +234,7 @@ class PeriodicSync:
         with torch.no_grad():
             own = [p.detach().clone() for p in self.params]
             own_buffers = [b.clone() for b in self.buffers]
-            pos = 0
-            for p in self.params:
-                p.copy_(self.anchor[pos : pos + p.numel()].view_as(p))
-                pos += p.numel()
+            self._model_to_anchor()
             for b, kept in zip(self.buffers, self.anchor_buffers, strict=True):
                 b.copy_(kept)
         try:

@@ -166,7 +166,7 @@ class Trainer:
                     if signum and not self._ends_run():
                         self.elapsed_s += time.perf_counter() - t0
                         self._preempt(signum)
-                if self._hit_max_steps() or self.reached is not None:
+                if self._stops_here():
                     break
             self.elapsed_s += time.perf_counter() - t0
             # And at every epoch end (this also raises Diverged before a diverged state is
@@ -227,16 +227,19 @@ class Trainer:
         one, ``comm.periodic.PeriodicSync.synchronised``)."""
         return getattr(self.reducer, "synchronised", contextlib.nullcontext)()
 
-    def _hit_max_steps(self) -> bool:
-        return self.cfg.train.max_steps is not None and self.step >= self.cfg.train.max_steps
+    def _stops_here(self) -> bool:
+        """The run stops at this step, mid-epoch or not: ``train.max_steps`` hit, or
+        ``train.stop_at_accuracy`` reached."""
+        return (self.cfg.train.max_steps is not None and self.step >= self.cfg.train.max_steps) \
+            or self.reached is not None
 
     def _finished(self) -> bool:
-        return self._hit_max_steps() or self.epoch >= self.cfg.train.epochs or self.reached is not None
+        return self._stops_here() or self.epoch >= self.cfg.train.epochs
 
     def _ends_run(self) -> bool:
         """Whether the epoch being closed is the run's last (checked before ``_end_epoch``)."""
         full = self.batch_in_epoch >= len(self.loader)
-        return self._hit_max_steps() or self.reached is not None or (full and self.epoch + 1 >= self.cfg.train.epochs)
+        return self._stops_here() or (full and self.epoch + 1 >= self.cfg.train.epochs)
 
     def _preempt(self, signum: int) -> None:
         """Save the checkpoint at this step and stop every rank (the launcher says how to resume)."""
