@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(if $(TORCH_PINS),$(PY) -m pip install -q $(TORCH_PINS))
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,fast]'
 	@touch $@
 
 venv: $(VENV)/.installed  ## create .venv with the package and dev tools (once)

@@ -27,6 +27,7 @@ from sparsetrain.compress import (
     step_seed,
     unpack_codes,
 )
+from sparsetrain.compress import kernels
 from sparsetrain.timing import PhaseTimer
 
 # compressed tensors of odd sizes (none a multiple of 8), then two whole ones (a 1-element and a
@@ -324,13 +325,24 @@ def awkward(n, dtype, seed=0):
     return x
 
 
+NUMBA = pytest.mark.skipif(kernels.numba is None, reason="numba is not installed (the fast extra)")
+
+
+@pytest.fixture(params=["numpy", pytest.param("numba", marks=NUMBA)])
+def backend(request, monkeypatch):
+    """The quantizers' CPU path: numpy's kernels, or the compiled ones (``compress.kernels``)."""
+    monkeypatch.setenv("SPARSETRAIN_KERNELS", request.param)
+    assert kernels.available() == (request.param == "numba")
+    return request.param
+
+
 KERNEL_LAYOUTS = [Layout.from_sizes([7, 301, 12001]), Layout.from_sizes([9, 1, 3]), Layout.from_sizes([4096, 8])]
 
 
 @pytest.mark.parametrize("layout", KERNEL_LAYOUTS, ids=lambda lay: str(list(lay.sizes)))
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_signsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout):
+def test_signsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout, backend):
     comp = SignSGD(1.0, layout, scope)
     a = awkward(layout.total, dtype)
     p = comp.compress(torch.from_numpy(a))
@@ -348,7 +360,7 @@ def test_signsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout):
 @pytest.mark.parametrize("layout", KERNEL_LAYOUTS, ids=lambda lay: str(list(lay.sizes)))
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_qsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout, levels, bucket_size):
+def test_qsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout, levels, bucket_size, backend):
     comp = QSGD(1.0, layout, scope, levels=levels, bucket_size=bucket_size)
     a = awkward(layout.total, dtype)
     a[:7] *= 0.0  # a bucket of zeros (norm 0) where the buckets are short
@@ -372,10 +384,11 @@ def test_whole_code_packing_equals_the_reference(bits, n):
 
 
 @pytest.mark.parametrize("scope", SCOPES)
-@pytest.mark.parametrize("name", ["signsgd", "qsgd1", "qsgd3"])
+@pytest.mark.parametrize("name", ["signsgd", "qsgd1", "qsgd3", "qsgd7", "qsgd127"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_decompress_many_equals_the_sequential_loop(dtype, name, scope):
-    """Several ranks' messages: the same floats as ``decompress_add`` of each in rank order."""
+def test_decompress_many_equals_the_sequential_loop(dtype, name, scope, backend):
+    """Several ranks' messages: the same floats as ``decompress_add`` of each in rank order (the
+    compiled kernels decode all of them in one sweep)."""
     comp = SignSGD(1.0, COMPRESSED, scope) if name == "signsgd" else QSGD(1.0, COMPRESSED, scope, levels=int(name[4:]))
     msgs = []
     for r in range(3):
@@ -387,6 +400,69 @@ def test_decompress_many_equals_the_sequential_loop(dtype, name, scope):
         comp.decompress_add(values, positions, expect)
     comp.decompress_many(msgs, out)
     assert out.numpy().tobytes() == expect.numpy().tobytes()
+
+
+def both_paths(monkeypatch, fn):
+    """``fn()`` on numpy's kernels, then on the compiled ones."""
+    got = []
+    for path in ("numpy", "numba"):
+        monkeypatch.setenv("SPARSETRAIN_KERNELS", path)
+        got.append(fn())
+    return got
+
+
+@NUMBA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", ["signsgd", "qsgd1", "qsgd7", "qsgd127"])
+def test_compiled_kernels_equal_numpys_on_non_finite_and_long_inputs(name, dtype, monkeypatch):
+    """NaN, +-inf, zeros of both signs, a segment of a million entries (numpy's pairwise sum
+    recursing deep, blocks of the kernels crossing segments and buckets) and an odd total: the
+    same scales, norms, packed bytes and decoded floats on both paths, W = 3 messages."""
+    layout = Layout.from_sizes([1_000_003, 5, 4099])
+    x = torch.from_numpy(awkward(layout.total, torch.empty((), dtype=dtype).numpy().dtype, seed=3))
+    x[1000:1010] = float("nan")
+    x[2000:2005], x[3000:3005] = float("inf"), -float("inf")
+    x[layout.total - 4104 :][::7] = float("nan")  # in the small tensors too (their norms are NaN)
+
+    def run():
+        comp = SignSGD(1.0, layout, "layerwise") if name == "signsgd" else \
+            QSGD(1.0, layout, "layerwise", levels=int(name[4:]))
+        sent = [comp.compress(x * (r + 1), 11 + r) for r in range(3)]
+        out = torch.zeros(layout.total, dtype=dtype)
+        comp.decompress_many([(p.values / 3, p.positions, None) for p in sent], out)
+        return [p.values.numpy().tobytes() for p in sent], [p.positions.numpy().tobytes() for p in sent], \
+            out.numpy().tobytes()
+
+    numpy_path, compiled = both_paths(monkeypatch, run)
+    assert numpy_path == compiled
+
+
+@NUMBA
+def test_compiled_kernels_are_recorded_and_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPARSETRAIN_KERNELS", "numpy")
+    assert not kernels.available() and kernels.backend() == "numpy"
+    monkeypatch.setenv("SPARSETRAIN_KERNELS", "numba")
+    assert kernels.available() and kernels.backend() == f"numba {kernels.numba.__version__}"
+    monkeypatch.setenv("SPARSETRAIN_KERNELS", "cython")
+    with pytest.raises(ValueError, match=r"SPARSETRAIN_KERNELS='cython' is not allowed; use one of numba, numpy"):
+        kernels.available()
+
+
+@NUMBA
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_pcg64_draws_numpys_numbers(dtype):
+    """The kernels' PCG64 (128-bit LCG step, XSL-RR output, numpy's float conversion) against
+    ``default_rng(seed).random``: QSGD's rounding at u just below and above the threshold."""
+    from numba import njit
+
+    @njit
+    def draw(hi, lo, ihi, ilo, u):
+        kernels._draw(hi, lo, ihi, ilo, u, u.size)
+
+    for seed, n in ((0, 1), (1, 2), (123456789, 4097), (2**63 + 5, 10_000)):
+        u = np.empty(n + (n & 1), dtype=dtype)
+        draw(*kernels.pcg64_state(seed), u)
+        assert np.array_equal(u[:n], np.random.default_rng(seed).random(n, dtype=dtype))
 
 
 # ---- error feedback conserves what was not sent ----------------------------------------------------
@@ -577,6 +653,7 @@ def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = read_json(run / "summary.json")
     assert s["status"] == "completed" and s["steps"] == 4 and math.isfinite(s["train_loss"])
+    assert s["kernels"] == kernels.backend()  # which CPU kernels ran (the same numbers either way)
     from sparsetrain.models import build_model
 
     params = list(build_model("resnet20", 3, 10).parameters())  # debug=tiny: CIFAR-shaped synthetic data

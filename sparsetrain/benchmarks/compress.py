@@ -36,7 +36,7 @@ import time
 import numpy as np
 import torch
 
-from sparsetrain.compress import ErrorFeedback, Layout, NoCompression, step_seed
+from sparsetrain.compress import ErrorFeedback, Layout, NoCompression, kernels, step_seed
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
@@ -330,7 +330,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         devices.append(torch.device("cuda", torch.cuda.current_device()))
     results = {"threads": args.threads, "repeats": args.repeats, "rounds": args.rounds, "ratio": args.ratio,
-               "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+               "torch": torch.__version__, "kernels": kernels.backend(), "machine": platform.processor() or platform.machine(),
                "runs": []}
     for dev in devices:
         rounds = [bench_device(dev, args.ratio, args.repeats, args.block_size) for _ in range(args.rounds)]

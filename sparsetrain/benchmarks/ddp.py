@@ -62,6 +62,7 @@ from pathlib import Path
 from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.stats import median_interval, round_order  # noqa: F401  (re-exported)
 from sparsetrain.benchmarks.tables import grid, num
+from sparsetrain.compress import kernels
 from sparsetrain.ddp import matched_powersgd_rank
 
 # configuration -> the config overrides that build it (on top of experiment=cpu_scale,
@@ -149,7 +150,7 @@ def worker(a) -> None:
         meta = {"world_size": world, "batch_per_rank": a.batch, "threads_per_rank": a.threads,
                 "ratio": a.ratio, "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
                 "numel": numel, "powersgd_rank": psgd_rank, **harness.link(),
-                "torch": torch.__version__}
+                "torch": torch.__version__, "kernels": kernels.backend()}
         Path(a.json).write_text(json.dumps({"meta": meta, "configs": summary}, indent=2))
     dist.barrier()
     dist.destroy_process_group()

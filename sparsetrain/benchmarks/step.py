@@ -75,6 +75,7 @@ from sparsetrain.benchmarks.stats import (
     round_order,
 )
 from sparsetrain.benchmarks.tables import grid, num
+from sparsetrain.compress import kernels
 
 SCHEMA = 2
 # row -> the config overrides that make it (on top of --preset, --model, --ratio, --override)
@@ -205,7 +206,7 @@ def worker(a) -> None:
                 "numel": allr[0]["extra"][names[0]]["numel"], **harness.link(),
                 "statistic": "median over rounds of the round's median step (slowest rank per "
                              "step); interval: order statistics of the round values (sign test)",
-                "torch": torch.__version__}
+                "torch": torch.__version__, "kernels": kernels.backend()}
         Path(a.json).write_text(json.dumps({"meta": meta, "schemes": summary}, indent=2))
     dist.barrier()
     dist.destroy_process_group()

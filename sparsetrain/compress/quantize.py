@@ -39,6 +39,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from sparsetrain.compress import kernels
 from sparsetrain.compress.base import Compressor, Payload
 
 
@@ -54,6 +55,13 @@ def _code_dtype(bits: int) -> torch.dtype:
 def _numpy_ok(t: torch.Tensor) -> bool:
     """Whether the CPU's numpy path takes ``t`` (the CUDA path, and bfloat16, take torch's)."""
     return t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16
+
+
+def _kernel_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the compiled kernels (``compress.kernels``) take these CPU tensors: numba in use,
+    and every float among them float32 or float64 (float16 keeps the numpy path)."""
+    return kernels.available() and all(
+        _numpy_ok(t) and (not t.is_floating_point() or t.dtype in (torch.float32, torch.float64)) for t in tensors)
 
 
 def _pack_bits(stream: torch.Tensor, out: torch.Tensor) -> None:
@@ -190,6 +198,8 @@ class Quantizer(Compressor):
         super().__init__(1.0, layout, scope, device=device, **options)  # ratio does not apply
         self.ks = list(self.layout.sizes)
         self.k = self.numel  # every entry is sent
+        if self.fused_decode and kernels.available() and torch.device(device).type == "cpu":
+            kernels.warm(self.bits_per_entry, signs=isinstance(self, SignSGD))
 
     # --- the message's two sections ------------------------------------------------------------
     @property
@@ -268,6 +278,29 @@ class Quantizer(Compressor):
         self.decode_add(values.to(out.dtype), positions, out)
         return out
 
+    def decompress_many(self, messages, out: torch.Tensor) -> torch.Tensor:
+        """Every message added into ``out`` in one sweep on the CPU's compiled kernels (each
+        entry receives ``+= m_0``, then ``+= m_1``, ...: the sequential loop's floats); the
+        loop of ``decompress_add`` elsewhere."""
+        wires = [positions for _, positions, _ in messages]
+        if messages and self.fused_decode and _kernel_ok(out, *wires):
+            values = torch.stack([v.to(out.dtype) for v, _, _ in messages])
+            self.decode_many(values, torch.stack(wires), out)
+            return out
+        return super().decompress_many(messages, out)
+
+    #: whether ``decode_many`` (the compiled kernels) takes this compressor's messages
+    fused_decode = True
+
+    def decode_many(self, values: torch.Tensor, wires: torch.Tensor, out: torch.Tensor) -> None:
+        """``out +=`` W messages, decoded, by the compiled kernel: ``values`` [W, num_values] in
+        ``out``'s dtype, ``wires`` [W, num_positions]."""
+        raise NotImplementedError
+
+    def _bounds(self, spans) -> np.ndarray:
+        """``spans``' starts, then the last one's end (int64): a kernel's segment or bucket bounds."""
+        return np.array([i for i, _ in spans] + [spans[-1][1]], dtype=np.int64)
+
     def forget(self, memory: torch.Tensor, payload: Payload) -> None:
         """``memory = acc - decode(message)``: the decoded message of the negated scales added
         (the exact negation of the decoded message)."""
@@ -285,6 +318,13 @@ class SignSGD(Quantizer):
     bits_per_entry = 1
 
     def encode(self, acc, seed, values, wire):
+        if _kernel_ok(acc, wire):  # the CPU's compiled kernel: the numpy path's bytes, one pass each
+            a = acc.numpy()
+            scales = np.empty(len(self.layout), dtype=a.dtype)
+            kernels.sign_encode(a, self.__dict__.setdefault("_segment_bounds", self._bounds(self.spans())),
+                                scales, wire.numpy())
+            values.copy_(torch.from_numpy(scales))
+            return
         if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels, reused buffers
             a = acc.numpy()
             mag = np.abs(a, out=self.scratch("mag", a.dtype))
@@ -294,7 +334,14 @@ class SignSGD(Quantizer):
         values.copy_(self.per_segment(acc, lambda v: torch.linalg.vector_norm(v, 1) / v.numel()))
         pack_codes(acc < 0, 1, wire)
 
+    def decode_many(self, values, wires, out):  # +-1 x the segment's scale: exact
+        kernels.decode_many(values.contiguous().numpy(), kernels.decode_table(1, signs=True), wires.numpy(),
+                            self.__dict__.setdefault("_segment_bounds", self._bounds(self.spans())), 1, out.numpy())
+
     def decode_add(self, values, wire, out):
+        if _kernel_ok(wire, out):
+            self.decode_many(values.reshape(1, -1), wire.reshape(1, -1), out)
+            return
         if _numpy_ok(wire) and _numpy_ok(out):  # +-1 per entry, then += scale x +-1 per segment
             signs = self.scratch("signs", torch.empty((), dtype=out.dtype).numpy().dtype)
             pm = np.unpackbits(wire.numpy(), count=self.numel, bitorder="little").view(np.int8)  # 1: negative
@@ -332,6 +379,7 @@ class QSGD(Quantizer):
         self.levels = int(levels)
         self.bucket_size = None if bucket_size is None else int(bucket_size)
         self.bits_per_entry = 1 + math.ceil(math.log2(self.levels + 1))
+        self.fused_decode = self.bits_per_entry in (2, 4, 8)  # the kernels' whole codes per byte
         super().__init__(ratio, layout, scope, **kw)
         bits = self.bits_per_entry
         self._mask, self._top = (1 << bits) - 1, 1 << (bits - 1)  # the code's bits; its sign bit
@@ -342,6 +390,7 @@ class QSGD(Quantizer):
             size = n if self.bucket_size is None or self.bucket_size >= n else self.bucket_size
             self._cuts.append((o, n // size, size, n % size))
         self._num_buckets = sum(full + (tail > 0) for _, full, _, tail in self._cuts)
+        self._bucket_bounds = self._bounds(self.bucket_spans())
 
     @property
     def num_values(self) -> int:
@@ -417,6 +466,11 @@ class QSGD(Quantizer):
         norms = values.to(acc.dtype)  # the norms as sent: decode multiplies by them
         # s / ||x|| per bucket (0 where the norm is 0), rounded once to acc's dtype
         factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
+        if self.fused_decode and self._draw_source is None and _kernel_ok(acc, wire):
+            # the compiled kernel: the numpy path's bytes, PCG64 drawn inside its one pass
+            kernels.qsgd_encode(acc.numpy(), factors.numpy(), self._bucket_bounds, s, self.bits_per_entry,
+                                *kernels.pcg64_state(seed), wire.numpy())
+            return
         if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels and generator (PCG64)
             a = acc.numpy()
             r = np.abs(a, out=self.scratch("r", a.dtype))
@@ -453,7 +507,15 @@ class QSGD(Quantizer):
         np.left_shift(np.bitwise_and(neg, level, out=neg), 1, out=neg)
         return np.bitwise_or(level, neg, out=neg)
 
+    def decode_many(self, values, wires, out):  # the signed level x ||x|| / s of its bucket
+        bits = self.bits_per_entry
+        kernels.decode_many(values.div(self.levels).numpy(), kernels.decode_table(bits), wires.numpy(),
+                            self._bucket_bounds, bits, out.numpy())
+
     def decode_add(self, values, wire, out):
+        if self.fused_decode and _kernel_ok(wire, out):
+            self.decode_many(values.reshape(1, -1), wire.reshape(1, -1), out)
+            return
         codes = unpack_codes(wire, self.bits_per_entry, self.numel)
         units = values.div(self.levels)  # ||x|| / s per bucket
         if _numpy_ok(codes) and _numpy_ok(out):

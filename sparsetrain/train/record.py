@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from sparsetrain.compress import kernels
 from sparsetrain.errors import one_line_error
 from sparsetrain.provenance import code_version, describe
 from sparsetrain.rank import RankInfo
@@ -137,6 +138,7 @@ class RunRecord:
             resumed_from_step=step if resumed else None,
             code=self.code,
             code_commits=self.code_commits,
+            kernels=kernels.backend(),  # the quantizers' CPU kernels: numba's, or the numpy paths
             slurm_job_id=self.info.slurm_job_id,
         )
         if self.info.is_main:
