@@ -163,12 +163,34 @@ class SchemeCost:
     period: int = 1
 
 
+#: Decoding W gathered messages with the compiled kernels (``compress.kernels.decode_many``: one
+#: sweep over the output, every message added in it) costs ``a + b W`` gradient copies. Least
+#: squares over W = 1, 2, 4, 8, 16 of the quiet A/B of 1e9cb84 (results/bench/
+#: ab_quantizers_compiled.json, medians of 4 runs): signSGD a = 0.528, b = 0.338 (the sweep's
+#: memory traffic is a fixed part; a message's bits add little); QSGD s = 1 a = -0.006, b = 0.757,
+#: i.e. linear, as every other decode is.
+FUSED_DECODE_COPIES = {"signsgd": (0.528, 0.338)}
+
+
+def growing_share(scheme: str | None, world: int, kernels: str | None = None) -> float:
+    """The part of a decode measured at ``world`` ranks that grows with the ranks: 1 (linear
+    through 0, one payload after another) except where ``FUSED_DECODE_COPIES`` has the
+    scheme's fit and its compiled kernels ran (``kernels``: ``numba <version>``, as
+    ``summary.json`` records it)."""
+    fit = FUSED_DECODE_COPIES.get(scheme or "") if str(kernels or "").startswith("numba") else None
+    if fit is None or world < 1:
+        return 1.0
+    a, b = fit
+    return b * world / (a + b * world)
+
+
 def scheme_costs(sent: dict[str, tuple[str, float]], measured: dict | None = None,
-                 world_ref: int = 4) -> dict[str, SchemeCost]:
+                 world_ref: int = 4, kernels: str | None = None) -> dict[str, SchemeCost]:
     """The schemes' costs: ``sent[scheme] = (collective, bytes per worker per step)`` as the
     built reducer reports them (``bytes_sent_per_step``: the model never counts bytes itself),
     local costs from ``measured[scheme] = {"compress": ms, "decompress": ms}`` at ``world_ref``
-    workers. With AllGather the decompression is per received payload, so it grows with workers."""
+    workers. With AllGather the decompression is per received payload, so it grows with workers
+    (the part ``growing_share`` gives: all of it, but for a fused decode under ``kernels``)."""
     m = measured or {}
 
     def mc(s, key):
@@ -176,7 +198,8 @@ def scheme_costs(sent: dict[str, tuple[str, float]], measured: dict | None = Non
 
     out = {}
     for name, (collective, nbytes) in sent.items():
-        per_payload = mc(name, "decompress") / max(world_ref, 1) if collective == "allgather" else 0.0
+        share = growing_share(name, world_ref, kernels)
+        per_payload = mc(name, "decompress") * share / max(world_ref, 1) if collective == "allgather" else 0.0
         compress = 0.0 if name == "dense" else mc(name, "compress")
         out[name] = SchemeCost(name, collective, float(nbytes), compress, mc(name, "decompress"),
                                per_payload, world_ref)

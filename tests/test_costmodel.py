@@ -78,6 +78,23 @@ def test_scheme_bytes_and_step_prediction():
     assert cm.step_ms("dense", 1) == pytest.approx(100.0)
 
 
+def test_a_fused_decode_grows_by_its_measured_share():
+    """signSGD's compiled decode of W messages costs a + b W copies: at 4 ranks only the b W part
+    is per payload, so 16 ranks cost a + 16 b, not 4x the decode at 4. Every other decode (and
+    signSGD's on numpy's path, a run from before the kernels) grows linearly through 0."""
+    from sparsetrain.costmodel import FUSED_DECODE_COPIES, growing_share
+
+    a, b = FUSED_DECODE_COPIES["signsgd"]
+    assert growing_share("signsgd", 4, "numba 0.68.1") == pytest.approx(4 * b / (a + 4 * b))
+    assert growing_share("signsgd", 4, "numpy") == growing_share("signsgd", 4, None) == 1.0
+    assert growing_share("qsgd", 4, "numba 0.68.1") == growing_share("topk", 4, "numba 0.68.1") == 1.0
+    sent = {"signsgd": ("allgather", 1e6)}
+    col = {"allgather": Collective("allgather", 0.0, 0.0, 1e9)}
+    for kernels, expect in (("numba 0.68.1", 40.0 * (a + 16 * b) / (a + 4 * b)), ("numpy", 160.0)):
+        sc = scheme_costs(sent, {"signsgd": {"decompress": 40.0}}, world_ref=4, kernels=kernels)
+        assert CostModel(col, 0.0, sc).step_ms("signsgd", 16) == pytest.approx(expect)
+
+
 def test_break_even_direction():
     sc = scheme_costs({"dense": ("allreduce", 4e7), "blockk": ("allreduce", 4e5)},
                       {"blockk": {"compress": 5.0, "decompress": 3.0}})

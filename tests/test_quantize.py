@@ -22,12 +22,12 @@ from sparsetrain.compress import (
     Layout,
     SignSGD,
     compression_stats,
+    kernels,
     pack_codes,
     packed_nbytes,
     step_seed,
     unpack_codes,
 )
-from sparsetrain.compress import kernels
 from sparsetrain.timing import PhaseTimer
 
 # compressed tensors of odd sizes (none a multiple of 8), then two whole ones (a 1-element and a

@@ -403,3 +403,21 @@ def test_ddp_overlap_table_reads_the_ddp_benchmark():
     assert table.loc["ddp", "hidden_share"] == pytest.approx((dense - 250.0) / dense)
     assert table.loc["ddp_topk", "predicted_exchange_ms"] == pytest.approx(topk, rel=1e-12)
     assert (table["headroom_ms"] == 10.0).all()
+
+
+def test_a_fused_decode_is_extrapolated_by_its_share(tmp_path):
+    """A signSGD run whose compiled kernels decoded every message in one sweep: at more workers
+    its decode grows by the per-message part only (``costmodel.growing_share``); the same row
+    with numpy's kernels grows linearly through 0."""
+    from sparsetrain.costmodel import growing_share
+
+    run = write_run(tmp_path / "s", make_config(scheme="topk", aggregation="allgather"))
+    row = {**sa.load_runs(run).iloc[0].to_dict(), "scheme": "signsgd"}
+    assert row["kernels"] == "numpy"  # a summary without the key: from before the compiled kernels
+    model = tta.default_model(ALPHA)
+    numpy_ms, _ = tta.predict_step_ms(row, 16, 1e9, model)
+    fused_ms, _ = tta.predict_step_ms({**row, "kernels": "numba 0.68.1"}, 16, 1e9, model)
+    world, decompress = int(row["world_size"]), row["time_decompress_ms"]
+    share = growing_share("signsgd", world, "numba 0.68.1")
+    assert 0 < share < 1
+    assert numpy_ms - fused_ms == pytest.approx(decompress * (1 - share) / world * (16 - world))

@@ -345,6 +345,8 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
         collective=summary.get("collective"),  # None: written before the summary said
         sync_period=_num((summary.get("sync") or {}).get("period")),  # NaN: synchronises every step
+        # the quantizers' CPU kernels; runs written before the compiled ones existed ran numpy's
+        kernels=summary.get("kernels", "numpy"),
         # launch.netcluster's emulated link, and train.stop_at_accuracy's measured time to it
         link_rate_bits=_num((summary.get("link") or {}).get("rate_bits")),
         **_target_fields(summary.get("target")),

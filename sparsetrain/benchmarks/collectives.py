@@ -148,7 +148,7 @@ def check_and_map(fits, step_doc, fit_rate_bits, out: Path) -> dict:
                        "decompress": s[name]["phases_ms"].get("decompress", 0.0)} for name in s}
     # bytes as each row's built reducer sent them (step.json), never recounted here
     sent = {name: (COLLECTIVE[name], s[name]["bytes_sent_per_step"]) for name in COLLECTIVE if name in s}
-    cm = CostModel(model_from(fits, fit_rate_bits), compute, scheme_costs(sent, measured, world))
+    cm = CostModel(model_from(fits, fit_rate_bits), compute, scheme_costs(sent, measured, world, meta.get("kernels")))
     # In-situ latency: on this oversubscribed box a small collective inside a training step costs
     # more than in the idle micro-benchmark (OS scheduling of 4 ranks + background load on 2 cores).
     # Calibrate alpha per collective from the sparse schemes' exchange at the fit rate only; the
