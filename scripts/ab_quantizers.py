@@ -67,6 +67,12 @@ for name, comp in (("signSGD", SignSGD(1.0, layout)), ("QSGD s=1", QSGD(1.0, lay
         else:
             run = lambda W=W: [comp.decompress_add(v, p, out) for v, p, _ in msgs[:W]]
         res[f"{name} decode x{W}"] = copies(run)
+try:  # QSGD's counter-based generator (1e9cb84 on): the same encode without PCG64's draw
+    comp = QSGD(1.0, layout, levels=1, generator="counter")
+    values, wire = torch.empty(comp.num_values), torch.empty(comp.num_positions, dtype=torch.uint8)
+    res["QSGD s=1 encode, counter"] = copies(lambda: comp.encode(g, 1, values, wire))
+except TypeError:  # a checkout from before it
+    pass
 u = np.empty(layout.total, dtype=np.float32)
 res["PCG64 draw alone"] = copies(lambda: np.random.default_rng(seed[0]).random(layout.total, dtype=np.float32, out=u))
 print(json.dumps(res))
@@ -91,9 +97,10 @@ def main(argv=None) -> int:
     runs = alternate(args, lambda checkout, _: one_run(checkout, args.repeats))
     print(f"base: {args.base}\nnew:  {args.new}\n{args.runs} alternated runs per side; median (range) over "
           "runs, in copies of the gradient (11.2M float32 entries, 1 thread)")
-    print(f"{'':<24}{'base':>22}{'new':>22}")
-    for key in runs["new"][0]:
-        print(f"{key:<24}" + "".join(f"{summary([r[key] for r in runs[side]]):>22}" for side in ("base", "new")))
+    print(f"{'':<26}{'base':>22}{'new':>22}")
+    for key in runs["new"][0]:  # a row one side lacks (a feature the base has not): "-"
+        print(f"{key:<26}" + "".join(f"{summary([r[key] for r in runs[side]]) if key in runs[side][0] else '-':>22}"
+                                     for side in ("base", "new")))
     write_json(args, runs)
     return 0
 

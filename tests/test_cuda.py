@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -510,3 +511,21 @@ def test_quantizers_on_device(device, name, scope):
             mean += comp.decompress(m.values, m.positions) / trials
         norm = torch.cat([y[i:j].norm().expand(j - i) for i, j in comp.bucket_spans()])
         assert torch.all((mean - y).abs() <= 5 * norm / (2 * comp.levels * trials**0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("device", DEVICES)
+def test_qsgd_counter_generator_rounds_alike_on_the_cpu_and_the_device(device, dtype):
+    """QSGD with ``generator="counter"`` (SplitMix64, counter-based): the device draws the CPU's
+    uniforms and sends the CPU's message, byte for byte (with PCG64 the two draw differently)."""
+    from sparsetrain.compress import QSGD
+    from sparsetrain.compress.quantize import counter_uniforms
+
+    n = MIXED.total
+    cpu_u = counter_uniforms(77, n, dtype, "cpu", out=np.empty(n, torch.empty((), dtype=dtype).numpy().dtype))
+    assert counter_uniforms(77, n, dtype, device).cpu().numpy().tobytes() == cpu_u.tobytes()
+    x = (int_grad(n, 2, "cpu") / 7).to(dtype)
+    for levels in (1, 127):
+        cpu = QSGD(1.0, MIXED, levels=levels, generator="counter").compress(x, 77)
+        dev = QSGD(1.0, MIXED, levels=levels, generator="counter", device=device).compress(x.to(device), 77)
+        assert torch.equal(dev.positions.cpu(), cpu.positions)

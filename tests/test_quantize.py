@@ -138,11 +138,12 @@ def test_scaled_sign_is_exact(scope):
 
 
 # ---- QSGD: unbiased, within its variance bound, reproducible -------------------------------------------
+@pytest.mark.parametrize("generator", QSGD.GENERATORS)
 @pytest.mark.parametrize("path", ["numpy", "torch"])
 @pytest.mark.parametrize("levels", [1, 4, 200])
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("bucket_size", [None, 16])
-def test_qsgd_is_unbiased_within_its_variance(bucket_size, levels, scope, path, monkeypatch):
+def test_qsgd_is_unbiased_within_its_variance(bucket_size, levels, scope, path, generator, monkeypatch):
     """The mean of N decodes tends to x: each decoded entry is ||x|| sign(x_i) l_i / s with ||x||
     its bucket's norm and l_i one of two neighbouring levels, so its variance is at most
     (||x|| / s)^2 / 4 and the mean's standard deviation at most ||x|| / (2 s sqrt(N)); every entry
@@ -155,7 +156,7 @@ def test_qsgd_is_unbiased_within_its_variance(bucket_size, levels, scope, path, 
         monkeypatch.setattr(q, "_numpy_ok", lambda t: False)
     layout = Layout.from_sizes([5, 40, 203])
     x = grad_of(1, 0, layout.total)
-    comp = QSGD(1.0, layout, scope, levels=levels, bucket_size=bucket_size)
+    comp = QSGD(1.0, layout, scope, levels=levels, bucket_size=bucket_size, generator=generator)
     parts = buckets(x, layout, scope, bucket_size)
     assert comp.num_values == len(parts) == num_buckets(layout.sizes if scope == "layerwise" else [248], bucket_size)
     assert [j - i for i, j in comp.bucket_spans()] == [b.numel() for b in parts]
@@ -465,6 +466,49 @@ def test_compiled_pcg64_draws_numpys_numbers(dtype):
         assert np.array_equal(u[:n], np.random.default_rng(seed).random(n, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_counter_generator_is_splitmix64_and_the_same_on_every_path(dtype, monkeypatch):
+    """``generator="counter"``: entry i's uniform is SplitMix64's output at counter i + 1 of the
+    step's key (written out here in Python integers), and numpy's, the compiled kernels' and
+    torch's (the CUDA path's ops, run on the CPU) draws and messages are the same bytes: unlike
+    PCG64 (numpy) against torch's generator, the CPU and a GPU round alike."""
+    import sparsetrain.compress.quantize as q
+    from sparsetrain.compress.quantize import counter_uniforms
+
+    seed, n, top = step_seed(SEED, 3, 1), 9000, 24 if dtype == torch.float32 else 53
+    key = kernels.counter_key(seed)
+    by_hand = [(kernels.splitmix64((key + (i + 1) * kernels.GAMMA) & kernels.MASK64) >> (64 - top)) * 2.0**-top
+               for i in (0, 1, 2, n - 1)]
+    ndt = torch.empty((), dtype=dtype).numpy().dtype
+    via_numpy = counter_uniforms(seed, n, dtype, "cpu", out=np.empty(n, ndt))
+    via_torch = counter_uniforms(seed, n, dtype, "cpu").numpy()
+    assert via_numpy[[0, 1, 2, n - 1]].tolist() == by_hand
+    assert via_numpy.tobytes() == via_torch.tobytes() and 0 <= via_numpy.min() and via_numpy.max() < 1
+    assert counter_uniforms(seed + 1, n, dtype, "cpu").numpy().tobytes() != via_torch.tobytes()
+
+    x = grad_of(0, 1, NC).to(dtype)
+    sent = []
+    for path in ("numpy", "numba", "torch"):
+        if path == "numba" and kernels.numba is None:
+            continue
+        monkeypatch.setenv("SPARSETRAIN_KERNELS", "numpy" if path == "numpy" else "numba")
+        if path == "torch":
+            monkeypatch.setattr(q, "_numpy_ok", lambda t: False)
+        for levels in (1, 7, 127):
+            comp = QSGD(1.0, COMPRESSED, "layerwise", levels=levels, generator="counter")
+            p = comp.compress(x, seed)
+            sent.append((path, levels, p.values.numpy().tobytes(), p.positions.numpy().tobytes()))
+    for levels in (1, 7, 127):
+        messages = {(v, w) for path, lv, v, w in sent if lv == levels}
+        assert len(messages) == 1, levels
+
+
+def test_counter_generator_bad_value_one_line():
+    with pytest.raises(ValueError, match=r"^scheme.compressor.generator='philox' is not allowed; use one of "
+                                         r"pcg64, counter$"):
+        QSGD(1.0, COMPRESSED, generator="philox")
+
+
 # ---- error feedback conserves what was not sent ----------------------------------------------------
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("name", ["signsgd", "qsgd", "qsgd_b100", "qsgd_tensor"])
@@ -646,6 +690,7 @@ SHORT = (*TINY, "world_size=2", "train.max_steps=4", "train.log_every=1")
     (("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2),
     (("scheme=signsgd", "dist.ddp=true"), 1),
     (("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3),
+    (("scheme=qsgd", "scheme.levels=1", "+scheme.compressor.generator=counter"), 2),
 ])
 def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_path):
     run = tmp_path / "run"
@@ -685,6 +730,8 @@ def test_cli_bad_options_stop_with_one_line(tmp_path):
         (("scheme=qsgd", "scheme.bucket_size=0"), "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
         (("scheme=signsgd", "scheme.bucket_size=64"), "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
         (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
+        (("scheme=qsgd", "+scheme.compressor.generator=philox"),
+         "scheme.compressor.generator='philox' is not allowed; use one of pcg64, counter"),
     ):
         proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)
         assert proc.returncode != 0

@@ -39,6 +39,26 @@ except ImportError:  # pragma: no cover - exercised where numba is not installed
 
 CHOICES = ("numba", "numpy")
 
+# QSGD's counter-based generator (``generator="counter"``): SplitMix64, whose i-th output is a
+# function of (seed, i) alone: ``mix(key + (i + 1) * GAMMA)``. The same three constants in the
+# compiled, numpy and torch paths, so all three draw the same numbers.
+GAMMA = 0x9E3779B97F4A7C15
+MIX1, MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's output function on a 64-bit integer (Python ints: exact)."""
+    x = (x ^ (x >> 30)) * MIX1 & MASK64
+    x = (x ^ (x >> 27)) * MIX2 & MASK64
+    return x ^ (x >> 31)
+
+
+def counter_key(seed: int) -> int:
+    """The stream's key for ``seed`` (a step's seed, per step and rank): SplitMix64's first output
+    for it, so that nearby seeds give unrelated streams."""
+    return splitmix64((int(seed) + GAMMA) & MASK64)
+
 
 def wanted() -> str:
     """The backend ``SPARSETRAIN_KERNELS`` asks for (default ``numba``); one clear error otherwise."""
@@ -81,7 +101,7 @@ def warm(bits: int, signs: bool = False) -> None:
     if signs:
         sign_encode(a, bounds, np.zeros(1, np.float32), wire)
     else:
-        qsgd_encode(a, np.zeros(1, np.float32), bounds, 1, bits, *pcg64_state(0), wire)
+        qsgd_encode(a, np.zeros(1, np.float32), bounds, 1, bits, *pcg64_state(0), wire, np.uint64(0), False)
     decode_many(np.zeros((1, 1), np.float32), decode_table(bits, signs), wire.reshape(1, -1), bounds, bits, a)
 
 
@@ -238,6 +258,22 @@ if numba is not None:
             while g + 1 < bounds.size - 1 and bounds[g + 1] <= start + m:
                 g += 1
 
+    _GAMMA, _MIX1, _MIX2 = np.uint64(GAMMA), np.uint64(MIX1), np.uint64(MIX2)
+
+    @njit(inline="always")
+    def _draw_counter(key, first, u, m):
+        """``u[:m]``: the counter-based uniforms of entries ``first ... first + m - 1`` (float32:
+        the top 24 bits of each output; float64: the top 53), one 64-bit output per entry."""
+        for k in range(m):
+            x = key + np.uint64(first + k + 1) * _GAMMA
+            x = (x ^ (x >> np.uint64(30))) * _MIX1
+            x = (x ^ (x >> np.uint64(27))) * _MIX2
+            x = x ^ (x >> np.uint64(31))
+            if u.itemsize == 4:
+                u[k] = u.dtype.type(np.int32(x >> np.uint64(40))) * _F32_UNIT
+            else:
+                u[k] = u.dtype.type(np.float64(x >> np.uint64(11)) * _F64_UNIT)
+
     @njit(inline="always")
     def _draw(hi, lo, ihi, ilo, u, m):
         """``u[:m]`` from PCG64 at ``(hi:lo)`` as numpy's ``random(dtype=u.dtype)`` draws them
@@ -255,12 +291,13 @@ if numba is not None:
         return hi, lo
 
     @njit(cache=True)
-    def qsgd_encode(a, factors, bounds, levels, bits, hi, lo, ihi, ilo, wire):
+    def qsgd_encode(a, factors, bounds, levels, bits, hi, lo, ihi, ilo, wire, key=np.uint64(0), counter=False):
         """QSGD's codes into ``wire`` (``bits`` 2, 4 or 8, whole codes per byte, lowest first):
         per bucket b (``bounds[b]:bounds[b + 1]``) ``t = |a| x factors[b] + u`` (each product
         and sum rounded to a's dtype), level ``min(floor(t), levels)`` signed as ``a``, in two's
         complement; a NaN level is code 0 (what numpy's cast of NaN gives on x86). ``u``: PCG64
-        at state ``(hi:lo)``, increment ``(ihi:ilo)``, one uniform per entry as numpy draws them."""
+        at state ``(hi:lo)``, increment ``(ihi:ilo)``, one uniform per entry as numpy draws them;
+        with ``counter``, the counter-based stream of ``key`` (``_draw_counter``)."""
         mask = (1 << bits) - 1
         top = a.dtype.type(levels)
         one = a.dtype.type(1)
@@ -269,7 +306,10 @@ if numba is not None:
         g = 0
         for start in range(0, a.size, BLOCK):
             m = min(BLOCK, a.size - start)
-            hi, lo = _draw(hi, lo, ihi, ilo, t, m + (m & 1))
+            if counter:
+                _draw_counter(key, start, t, m)
+            else:
+                hi, lo = _draw(hi, lo, ihi, ilo, t, m + (m & 1))
             i = start
             while i < start + m:
                 while bounds[g + 1] <= i:

@@ -181,6 +181,44 @@ def unpack_codes(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return stream.to(torch.int32).mul_(weights).sum(dim=1, dtype=torch.int32).to(_code_dtype(bits))
 
 
+_SIGNIFICAND = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def _signed(x: int) -> int:
+    """A 64-bit pattern as torch's int64 holds it."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def counter_uniforms(seed: int, n: int, dtype: torch.dtype, device, out: np.ndarray | None = None):
+    """QSGD's counter-based uniforms (``generator="counter"``) of entries 0 ... n - 1 for ``seed``:
+    entry i's 64 bits are ``splitmix64(counter_key(seed) + (i + 1) GAMMA)``, the top 24 of them
+    x 2**-24 for float32, the top 53 x 2**-53 for float64 (as many as the dtype's significand
+    holds, so each is exact and below 1; ``compress.kernels`` draws the same
+    inside its pass). ``out`` given (a numpy array): numpy's uint64 arithmetic into it; otherwise
+    torch's int64 (wrapping, with the logical shifts masked), on ``device``."""
+    key = kernels.counter_key(seed)
+    top = _SIGNIFICAND[dtype]
+    if out is not None:
+        x = np.arange(1, n + 1, dtype=np.uint64)
+        x *= np.uint64(kernels.GAMMA)
+        x += np.uint64(key)
+        for shift, mult in ((30, kernels.MIX1), (27, kernels.MIX2)):
+            x ^= x >> np.uint64(shift)
+            x *= np.uint64(mult)
+        x ^= x >> np.uint64(31)
+        np.multiply((x >> np.uint64(64 - top)).astype(out.dtype), out.dtype.type(2.0 ** -top), out=out)
+        return out
+
+    def shr(v, k):  # logical right shift of int64 bit patterns
+        return v.bitwise_right_shift(k).bitwise_and_((1 << (64 - k)) - 1)
+
+    x = torch.arange(1, n + 1, dtype=torch.int64, device=device).mul_(_signed(kernels.GAMMA)).add_(_signed(key))
+    for shift, mult in ((30, kernels.MIX1), (27, kernels.MIX2)):
+        x = x.bitwise_xor_(shr(x, shift)).mul_(_signed(mult))
+    x = x.bitwise_xor_(shr(x, 31))
+    return shr(x, 64 - top).to(dtype).mul_(2.0 ** -top)
+
+
 class Quantizer(Compressor):
     """Base of the quantizers: every entry is sent (``k = numel``; ``ratio`` does not apply), in
     ``bits_per_entry`` bits, with one float per segment (per tensor, or one with
@@ -364,10 +402,15 @@ class QSGD(Quantizer):
     default); ``bucket_size=None``: one bucket per segment (one norm per tensor)."""
 
     MAX_LEVELS = 65535
+    #: ``pcg64``: numpy's PCG64 on the CPU, torch's generator on CUDA (the two draw different
+    #: numbers; every QSGD study so far). ``counter``: SplitMix64, counter-based (entry i's number
+    #: a function of the step's seed and i alone), the same numbers on the CPU and on CUDA, and
+    #: cheaper to draw than PCG64 (see docs/performance.md)
+    GENERATORS = ("pcg64", "counter")
     draws_span_segments = True  # one stream of uniforms over every entry (see uniforms)
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127,
-                 bucket_size: int | None = 512, **kw):
+                 bucket_size: int | None = 512, generator: str = "pcg64", **kw):
         if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
                 or not 1 <= levels <= self.MAX_LEVELS:
             raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
@@ -376,6 +419,10 @@ class QSGD(Quantizer):
                                         or int(bucket_size) != bucket_size or bucket_size < 1):
             raise ValueError(f"scheme.bucket_size={bucket_size!r} is not allowed; it must be an integer >= 1, "
                              "or null (one norm per tensor)")
+        if generator not in self.GENERATORS:
+            raise ValueError(f"scheme.compressor.generator={generator!r} is not allowed; use one of "
+                             f"{', '.join(self.GENERATORS)}")
+        self.generator = generator
         self.levels = int(levels)
         self.bucket_size = None if bucket_size is None else int(bucket_size)
         self.bits_per_entry = 1 + math.ceil(math.log2(self.levels + 1))
@@ -442,7 +489,10 @@ class QSGD(Quantizer):
         key = (int(seed), acc.dtype, acc.device, numpy)
         if self.__dict__.get("_drawn_key") == key:
             return self._drawn
-        if numpy:
+        if self.generator == "counter":
+            u = counter_uniforms(seed, self.numel, acc.dtype, acc.device,
+                                 out=self.scratch("u", acc.numpy().dtype) if numpy else None)
+        elif numpy:
             dtype = acc.numpy().dtype
             u = np.random.default_rng(int(seed)).random(self.numel, dtype=dtype, out=self.scratch("u", dtype))
         else:
@@ -468,8 +518,11 @@ class QSGD(Quantizer):
         factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
         if self.fused_decode and self._draw_source is None and _kernel_ok(acc, wire):
             # the compiled kernel: the numpy path's bytes, PCG64 drawn inside its one pass
+            counter = self.generator == "counter"
+            state = (np.uint64(0),) * 4 if counter else kernels.pcg64_state(seed)
+            key = np.uint64(kernels.counter_key(seed) if counter else 0)
             kernels.qsgd_encode(acc.numpy(), factors.numpy(), self._bucket_bounds, s, self.bits_per_entry,
-                                *kernels.pcg64_state(seed), wire.numpy())
+                                *state, wire.numpy(), key, counter)
             return
         if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels and generator (PCG64)
             a = acc.numpy()
@@ -539,5 +592,6 @@ class QSGD(Quantizer):
         out.add_(signed)
 
     def __repr__(self) -> str:
+        generator = "" if self.generator == "pcg64" else f", generator={self.generator!r}"
         return (f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, scope={self.scope!r}, "
-                f"bits={self.bits_per_entry}, n={self.numel})")
+                f"bits={self.bits_per_entry}, n={self.numel}{generator})")
