@@ -291,7 +291,7 @@ if numba is not None:
         return hi, lo
 
     @njit(cache=True)
-    def qsgd_encode(a, factors, bounds, levels, bits, hi, lo, ihi, ilo, wire, key=np.uint64(0), counter=False):
+    def qsgd_encode(a, factors, bounds, levels, bits, hi, lo, ihi, ilo, wire, key, counter):
         """QSGD's codes into ``wire`` (``bits`` 2, 4 or 8, whole codes per byte, lowest first):
         per bucket b (``bounds[b]:bounds[b + 1]``) ``t = |a| x factors[b] + u`` (each product
         and sum rounded to a's dtype), level ``min(floor(t), levels)`` signed as ``a``, in two's
