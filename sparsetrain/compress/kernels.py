@@ -9,12 +9,17 @@ one the numpy path gives (``tests/test_quantize.py`` checks both paths against o
 - ``sign_encode``: per segment the sum of ``|a|`` in numpy's own order (pairwise: blocks of 128
   entries summed in 8 lanes, halves split at a multiple of 8; see ``_pairwise_abs_sum``), then
   the sign bits, packed.
-- ``sign_decode_many`` / ``qsgd_decode_many``: W messages added into ``out`` in one sweep, each
-  entry receiving ``+= m_0``, then ``+= m_1``, ... (the sequential loop's floats).
-- ``qsgd_encode``: ``|a| x factor + u``, rounded, signed, packed, with u drawn in the loop from
-  PCG64 as numpy draws it (``random(dtype=...)`` of ``default_rng(seed)``): the 128-bit LCG step
-  and XSL-RR output (``_pcg_next``), float32 from the top 24 bits of each 32-bit half (low half
-  first), float64 from the top 53 bits.
+- ``decode_many`` (both quantizers): W messages added into ``out`` in one sweep, each entry
+  receiving ``+= m_0``, then ``+= m_1``, ... (the sequential loop's floats); each packed byte's
+  values come from a 256-entry table (``decode_table``).
+- ``qsgd_encode``: ``|a| x factor + u``, rounded, signed, packed, with u drawn block by block
+  from PCG64 as numpy draws it (``random(dtype=...)`` of ``default_rng(seed)``): the 128-bit LCG
+  step and XSL-RR output (``_pcg_next``), float32 from the top 24 bits of each 32-bit half (low
+  half first), float64 from the top 53 bits; or, with QSGD's ``generator="counter"``, from
+  SplitMix64 at counter i (``_draw_counter``), as ``quantize.counter_uniforms`` draws it.
+
+Loops run over blocks of ``BLOCK`` entries and, inside them, over whole array views: LLVM
+vectorizes those (a loop over a computed ``range(start, stop)`` of a larger array it did not).
 
 Which path runs: ``SPARSETRAIN_KERNELS=numba`` (the default where numba imports) or ``numpy``;
 ``available()`` says whether these kernels are in use. numba is an optional dependency (the
