@@ -184,6 +184,16 @@ def growing_share(scheme: str | None, world: int, kernels: str | None = None) ->
     return b * world / (a + b * world)
 
 
+def per_payload_ms(scheme: str | None, collective: str | None, decompress_ms: float, world_ref: int,
+                   kernels: str | None = None) -> float:
+    """``SchemeCost.decompress_per_payload_ms`` of a decode measured at ``world_ref`` ranks: with
+    AllGather its growing part (``growing_share``) per received payload; 0 otherwise (one summed
+    message, whatever the ranks)."""
+    if collective != "allgather":
+        return 0.0
+    return decompress_ms * growing_share(scheme, world_ref, kernels) / max(world_ref, 1)
+
+
 def scheme_costs(sent: dict[str, tuple[str, float]], measured: dict | None = None,
                  world_ref: int = 4, kernels: str | None = None) -> dict[str, SchemeCost]:
     """The schemes' costs: ``sent[scheme] = (collective, bytes per worker per step)`` as the
@@ -198,11 +208,9 @@ def scheme_costs(sent: dict[str, tuple[str, float]], measured: dict | None = Non
 
     out = {}
     for name, (collective, nbytes) in sent.items():
-        share = growing_share(name, world_ref, kernels)
-        per_payload = mc(name, "decompress") * share / max(world_ref, 1) if collective == "allgather" else 0.0
         compress = 0.0 if name == "dense" else mc(name, "compress")
         out[name] = SchemeCost(name, collective, float(nbytes), compress, mc(name, "decompress"),
-                               per_payload, world_ref)
+                               per_payload_ms(name, collective, mc(name, "decompress"), world_ref, kernels), world_ref)
     return out
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from sparsetrain.costmodel import Collective, CostModel, SchemeCost, growing_share
+from sparsetrain.costmodel import Collective, CostModel, SchemeCost, per_payload_ms
 
 from .figures import LINESTYLES, MARKERS, _empty, _label, _new_figure, scheme_color, style
 from .group import _constant_note, _display_axis, sort_rows, varying_axes
@@ -168,10 +168,10 @@ def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeMo
     world_ref = int(row["world_size"])
     compute = compute_ms(row) if compute is None else compute
     decompress = _ms(row, "decompress")
-    growing = decompress * growing_share(row.get("scheme"), world_ref, row.get("kernels")) / world_ref
+    growing = per_payload_ms(row.get("scheme"), collective, decompress, world_ref, row.get("kernels"))
     schemes = {
         "run": SchemeCost("run", collective, float(row["bytes_sent_per_step"]), _ms(row, "compress"), decompress,
-                          growing if collective == "allgather" else 0.0, world_ref,
+                          growing, world_ref,
                           period=_sync_period(row)),
         "warmup": SchemeCost("warmup", "allreduce", float(row["dense_bytes_per_step"]), 0.0, 0.0, 0.0, world_ref),
     }

@@ -236,7 +236,8 @@ class Quantizer(Compressor):
         super().__init__(1.0, layout, scope, device=device, **options)  # ratio does not apply
         self.ks = list(self.layout.sizes)
         self.k = self.numel  # every entry is sent
-        if self.fused_decode and kernels.available() and torch.device(device).type == "cpu":
+        self._segment_bounds = self._bounds(self.spans())  # the kernels' segments (signSGD's scales)
+        if self.fused_decode and kernels.available() and self.device.type == "cpu":
             kernels.warm(self.bits_per_entry, signs=isinstance(self, SignSGD))
 
     # --- the message's two sections ------------------------------------------------------------
@@ -359,8 +360,7 @@ class SignSGD(Quantizer):
         if _kernel_ok(acc, wire):  # the CPU's compiled kernel: the numpy path's bytes, one pass each
             a = acc.numpy()
             scales = np.empty(len(self.layout), dtype=a.dtype)
-            kernels.sign_encode(a, self.__dict__.setdefault("_segment_bounds", self._bounds(self.spans())),
-                                scales, wire.numpy())
+            kernels.sign_encode(a, self._segment_bounds, scales, wire.numpy())
             values.copy_(torch.from_numpy(scales))
             return
         if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels, reused buffers
@@ -374,7 +374,7 @@ class SignSGD(Quantizer):
 
     def decode_many(self, values, wires, out):  # +-1 x the segment's scale: exact
         kernels.decode_many(values.contiguous().numpy(), kernels.decode_table(1, signs=True), wires.numpy(),
-                            self.__dict__.setdefault("_segment_bounds", self._bounds(self.spans())), 1, out.numpy())
+                            self._segment_bounds, 1, out.numpy())
 
     def decode_add(self, values, wire, out):
         if _kernel_ok(wire, out):
