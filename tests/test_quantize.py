@@ -25,6 +25,7 @@ from sparsetrain.compress import (
     kernels,
     pack_codes,
     packed_nbytes,
+    splitmix,
     step_seed,
     unpack_codes,
 )
@@ -476,8 +477,8 @@ def test_counter_generator_is_splitmix64_and_the_same_on_every_path(dtype, monke
     from sparsetrain.compress.quantize import counter_uniforms
 
     seed, n, top = step_seed(SEED, 3, 1), 9000, 24 if dtype == torch.float32 else 53
-    key = kernels.counter_key(seed)
-    by_hand = [(kernels.splitmix64((key + (i + 1) * kernels.GAMMA) & kernels.MASK64) >> (64 - top)) * 2.0**-top
+    key = splitmix.counter_key(seed)
+    by_hand = [(splitmix.splitmix64((key + (i + 1) * splitmix.GAMMA) & splitmix.MASK64) >> (64 - top)) * 2.0**-top
                for i in (0, 1, 2, n - 1)]
     ndt = torch.empty((), dtype=dtype).numpy().dtype
     via_numpy = counter_uniforms(seed, n, dtype, "cpu", out=np.empty(n, ndt))

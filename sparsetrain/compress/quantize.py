@@ -39,7 +39,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from sparsetrain.compress import kernels
+from sparsetrain.compress import kernels, splitmix
 from sparsetrain.compress.base import Compressor, Payload
 
 
@@ -196,13 +196,13 @@ def counter_uniforms(seed: int, n: int, dtype: torch.dtype, device, out: np.ndar
     holds, so each is exact and below 1; ``compress.kernels`` draws the same
     inside its pass). ``out`` given (a numpy array): numpy's uint64 arithmetic into it; otherwise
     torch's int64 (wrapping, with the logical shifts masked), on ``device``."""
-    key = kernels.counter_key(seed)
+    key = splitmix.counter_key(seed)
     top = _SIGNIFICAND[dtype]
     if out is not None:
         x = np.arange(1, n + 1, dtype=np.uint64)
-        x *= np.uint64(kernels.GAMMA)
+        x *= np.uint64(splitmix.GAMMA)
         x += np.uint64(key)
-        for shift, mult in ((30, kernels.MIX1), (27, kernels.MIX2)):
+        for shift, mult in ((30, splitmix.MIX1), (27, splitmix.MIX2)):
             x ^= x >> np.uint64(shift)
             x *= np.uint64(mult)
         x ^= x >> np.uint64(31)
@@ -212,8 +212,8 @@ def counter_uniforms(seed: int, n: int, dtype: torch.dtype, device, out: np.ndar
     def shr(v, k):  # logical right shift of int64 bit patterns
         return v.bitwise_right_shift(k).bitwise_and_((1 << (64 - k)) - 1)
 
-    x = torch.arange(1, n + 1, dtype=torch.int64, device=device).mul_(_signed(kernels.GAMMA)).add_(_signed(key))
-    for shift, mult in ((30, kernels.MIX1), (27, kernels.MIX2)):
+    x = torch.arange(1, n + 1, dtype=torch.int64, device=device).mul_(_signed(splitmix.GAMMA)).add_(_signed(key))
+    for shift, mult in ((30, splitmix.MIX1), (27, splitmix.MIX2)):
         x = x.bitwise_xor_(shr(x, shift)).mul_(_signed(mult))
     x = x.bitwise_xor_(shr(x, 31))
     return shr(x, 64 - top).to(dtype).mul_(2.0 ** -top)
@@ -520,7 +520,7 @@ class QSGD(Quantizer):
             # the compiled kernel: the numpy path's bytes, PCG64 drawn inside its one pass
             counter = self.generator == "counter"
             state = (np.uint64(0),) * 4 if counter else kernels.pcg64_state(seed)
-            key = np.uint64(kernels.counter_key(seed) if counter else 0)
+            key = np.uint64(splitmix.counter_key(seed) if counter else 0)
             kernels.qsgd_encode(acc.numpy(), factors.numpy(), self._bucket_bounds, s, self.bits_per_entry,
                                 *state, wire.numpy(), key, counter)
             return

@@ -1,0 +1,245 @@
+"""The quantizers' compiled kernels themselves (numba): imported by ``compress.kernels`` only
+when a quantizer runs on the CPU with them, so that other runs do not pay numba's import (about
+0.2 s a process). See ``compress.kernels`` for what each kernel does and why it is exact."""
+
+from __future__ import annotations
+
+import numba  # noqa: F401  (kernels.numba: the module, for its version and tests)
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from sparsetrain.compress.splitmix import GAMMA, MIX1, MIX2
+
+_MUL_HI = np.uint64(0x2360ED051FC65DA4)  # PCG's default 128-bit multiplier, as numpy's PCG64
+_MUL_LO = np.uint64(0x4385DF649FCCF645)
+_F32_UNIT = np.float32(1.0 / 16777216.0)  # 2**-24
+_F64_UNIT = 1.0 / 9007199254740992.0  # 2**-53
+
+
+@intrinsic
+def _mul_add_128(typingctx, hi, lo, mhi, mlo, ihi, ilo):
+    """``(hi:lo) * (mhi:mlo) + (ihi:ilo)`` modulo 2**128, as ``(hi, lo)``: LLVM's 128-bit
+    integers, which numba's own types lack."""
+    u64 = types.uint64
+    sig = types.UniTuple(u64, 2)(u64, u64, u64, u64, u64, u64)
+
+    def codegen(context, builder, signature, args):
+        i128, i64 = ir.IntType(128), ir.IntType(64)
+
+        def join(h, lw):
+            return builder.or_(builder.shl(builder.zext(h, i128), ir.Constant(i128, 64)), builder.zext(lw, i128))
+
+        s = builder.add(builder.mul(join(args[0], args[1]), join(args[2], args[3])), join(args[4], args[5]))
+        high = builder.trunc(builder.lshr(s, ir.Constant(i128, 64)), i64)
+        return context.make_tuple(builder, signature.return_type, (high, builder.trunc(s, i64)))
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _pcg_next(hi, lo, ihi, ilo):
+    """One PCG64 step, then its XSL-RR output: ``(hi, lo, 64 random bits)``."""
+    hi, lo = _mul_add_128(hi, lo, _MUL_HI, _MUL_LO, ihi, ilo)
+    x = hi ^ lo
+    rot = hi >> np.uint64(58)
+    return hi, lo, (x >> rot) | (x << ((np.uint64(64) - rot) & np.uint64(63)))
+
+
+@njit(cache=True)
+def _pairwise_abs_sum(a, lo, n):
+    """``np.abs(a[lo:lo + n]).sum()`` in numpy's order (its ``pairwise_sum``): under 8 entries
+    one by one; up to 128 in 8 lanes, combined as ((0+1)+(2+3))+((4+5)+(6+7)), the rest one
+    by one; above, two halves split at a multiple of 8."""
+    if n < 8:
+        res = a.dtype.type(0)
+        for i in range(n):
+            res += abs(a[lo + i])
+        return res
+    if n <= 128:
+        r0, r1, r2, r3 = abs(a[lo]), abs(a[lo + 1]), abs(a[lo + 2]), abs(a[lo + 3])
+        r4, r5, r6, r7 = abs(a[lo + 4]), abs(a[lo + 5]), abs(a[lo + 6]), abs(a[lo + 7])
+        whole = n - n % 8
+        i = 8
+        while i < whole:
+            r0 += abs(a[lo + i])
+            r1 += abs(a[lo + i + 1])
+            r2 += abs(a[lo + i + 2])
+            r3 += abs(a[lo + i + 3])
+            r4 += abs(a[lo + i + 4])
+            r5 += abs(a[lo + i + 5])
+            r6 += abs(a[lo + i + 6])
+            r7 += abs(a[lo + i + 7])
+            i += 8
+        res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        while i < n:
+            res += abs(a[lo + i])
+            i += 1
+        return res
+    half = n // 2
+    half -= half % 8
+    return _pairwise_abs_sum(a, lo, half) + _pairwise_abs_sum(a, lo + half, n - half)
+
+
+#: entries per block: the blocked loops keep a block's temporaries in the L1 cache, and each
+#: inner loop runs over whole views (what lets LLVM vectorize it)
+BLOCK = 4096
+
+
+@njit(inline="always")
+def _pack(codes, m, bits, out):
+    """``codes[:m]`` (each below ``2**bits``; ``codes`` zero up to a whole byte) packed into
+    ``out`` as ``quantize.pack_codes`` packs them: the ``8 // bits`` codes of a byte read as
+    one little-endian word, times a constant that moves code j to bit
+    ``8 (8 // bits - 1) + bits j``; the word's top byte is then the packed byte (every other
+    product term lands below it without overlapping another: no carry reaches it)."""
+    nbytes = (m * bits + 7) // 8
+    if bits == 8:
+        for q in range(nbytes):
+            out[q] = codes[q]
+    elif bits == 4:
+        w16 = codes.view(np.uint16)
+        for q in range(nbytes):
+            out[q] = np.uint8((np.uint64(w16[q]) * np.uint64(0x110) >> np.uint64(8)) & np.uint64(0xFF))
+    elif bits == 2:
+        w32 = codes.view(np.uint32)
+        for q in range(nbytes):
+            out[q] = np.uint8((np.uint64(w32[q]) * np.uint64(0x1041040) >> np.uint64(24)) & np.uint64(0xFF))
+    else:
+        w64 = codes.view(np.uint64)
+        for q in range(nbytes):
+            out[q] = np.uint8(w64[q] * np.uint64(0x0102040810204080) >> np.uint64(56))
+
+
+@njit(cache=True)
+def sign_encode(a, bounds, scales, wire):
+    """signSGD: ``scales[s]`` = mean ``|a|`` over segment s (``bounds[s]:bounds[s + 1]``, in
+    a's dtype, the count rounded to it as numpy does), ``wire`` the bits ``a < 0``, packed
+    eight to a byte, lowest first."""
+    for s in range(bounds.size - 1):
+        n = bounds[s + 1] - bounds[s]
+        scales[s] = _pairwise_abs_sum(a, bounds[s], n) / a.dtype.type(n)
+    flags = np.zeros(BLOCK, np.uint8)
+    for start in range(0, a.size, BLOCK):
+        m = min(BLOCK, a.size - start)
+        block = a[start : start + m]
+        for k in range(m):
+            flags[k] = block[k] < 0
+        for k in range(m, min(BLOCK, (m + 7) // 8 * 8)):  # the last byte's unused bits: 0
+            flags[k] = 0
+        _pack(flags, m, 1, wire[start // 8 :])
+
+
+@njit(cache=True)
+def decode_many(units, table, wires, bounds, bits, out):
+    """``out +=`` W messages, decoded: entry i of message w is ``value(code) x units[w, g]``
+    (g the group, segment or bucket, ``bounds[g]:bounds[g + 1]`` holding i; the product
+    rounded to out's dtype, then added), messages in order for every entry. ``wires[w]``
+    the packed codes (``bits`` 1, 2, 4 or 8); ``table[byte]`` a byte's ``8 // bits`` values
+    as int8 (signSGD: +-1; QSGD: the signed level), packed in one word of ``table``'s dtype."""
+    per = 8 // bits
+    values = np.empty(BLOCK, np.int8)
+    words = values.view(table.dtype)
+    g = 0
+    for start in range(0, out.size, BLOCK):
+        m = min(BLOCK, out.size - start)
+        first = g  # the group holding entry ``start``
+        for w in range(wires.shape[0]):
+            packed = wires[w, start // per : start // per + (m + per - 1) // per]
+            for q in range(packed.size):
+                words[q] = table[packed[q]]
+            i, g = start, first
+            while i < start + m:
+                while bounds[g + 1] <= i:
+                    g += 1
+                stop = min(start + m, bounds[g + 1])
+                unit = units[w, g]
+                dst = out[i:stop]
+                src = values[i - start : stop - start]
+                for k in range(dst.size):
+                    dst[k] += out.dtype.type(src[k]) * unit
+                i = stop
+        while g + 1 < bounds.size - 1 and bounds[g + 1] <= start + m:
+            g += 1
+
+
+_GAMMA, _MIX1, _MIX2 = np.uint64(GAMMA), np.uint64(MIX1), np.uint64(MIX2)
+
+
+@njit(inline="always")
+def _draw_counter(key, first, u, m):
+    """``u[:m]``: the counter-based uniforms of entries ``first ... first + m - 1`` (float32:
+    the top 24 bits of each output; float64: the top 53), one 64-bit output per entry."""
+    for k in range(m):
+        x = key + np.uint64(first + k + 1) * _GAMMA
+        x = (x ^ (x >> np.uint64(30))) * _MIX1
+        x = (x ^ (x >> np.uint64(27))) * _MIX2
+        x = x ^ (x >> np.uint64(31))
+        if u.itemsize == 4:
+            u[k] = u.dtype.type(np.int32(x >> np.uint64(40))) * _F32_UNIT
+        else:
+            u[k] = u.dtype.type(np.float64(x >> np.uint64(11)) * _F64_UNIT)
+
+
+@njit(inline="always")
+def _draw(hi, lo, ihi, ilo, u, m):
+    """``u[:m]`` from PCG64 at ``(hi:lo)`` as numpy's ``random(dtype=u.dtype)`` draws them
+    (float32: two per 64-bit output, low half first, the top 24 bits of each; float64: the
+    top 53 bits); returns the new state. ``m`` even for float32."""
+    if u.itemsize == 4:
+        for k in range(0, m, 2):
+            hi, lo, v = _pcg_next(hi, lo, ihi, ilo)
+            u[k] = u.dtype.type(np.int32((v & np.uint64(0xFFFFFFFF)) >> np.uint64(8))) * _F32_UNIT
+            u[k + 1] = u.dtype.type(np.int32(v >> np.uint64(40))) * _F32_UNIT
+    else:
+        for k in range(m):
+            hi, lo, v = _pcg_next(hi, lo, ihi, ilo)
+            u[k] = u.dtype.type(np.float64(v >> np.uint64(11)) * _F64_UNIT)
+    return hi, lo
+
+
+@njit(cache=True)
+def qsgd_encode(a, factors, bounds, levels, bits, hi, lo, ihi, ilo, wire, key, counter):
+    """QSGD's codes into ``wire`` (``bits`` 2, 4 or 8, whole codes per byte, lowest first):
+    per bucket b (``bounds[b]:bounds[b + 1]``) ``t = |a| x factors[b] + u`` (each product
+    and sum rounded to a's dtype), level ``min(floor(t), levels)`` signed as ``a``, in two's
+    complement; a NaN level is code 0 (what numpy's cast of NaN gives on x86). ``u``: PCG64
+    at state ``(hi:lo)``, increment ``(ihi:ilo)``, one uniform per entry as numpy draws them;
+    with ``counter``, the counter-based stream of ``key`` (``_draw_counter``)."""
+    mask = (1 << bits) - 1
+    top = a.dtype.type(levels)
+    one = a.dtype.type(1)
+    t = np.empty(BLOCK + 1, a.dtype)  # the block's uniforms, then |a| x factor + u
+    codes = np.zeros(BLOCK, np.uint8)
+    g = 0
+    for start in range(0, a.size, BLOCK):
+        m = min(BLOCK, a.size - start)
+        if counter:
+            _draw_counter(key, start, t, m)
+        else:
+            hi, lo = _draw(hi, lo, ihi, ilo, t, m + (m & 1))
+        i = start
+        while i < start + m:
+            while bounds[g + 1] <= i:
+                g += 1
+            stop = min(start + m, bounds[g + 1])
+            factor = factors[g]
+            src = a[i:stop]
+            dst = t[i - start : stop - start]
+            for k in range(src.size):
+                dst[k] = abs(src[k]) * factor + dst[k]
+            i = stop
+        block = a[start : start + m]
+        if levels == 1:  # the level is t >= 1 (NaN: 0); the sign bit only where it is 1
+            for k in range(m):
+                on = np.uint8(t[k] >= one)
+                codes[k] = on | ((on & np.uint8(block[k] < 0)) << np.uint8(1))
+        else:
+            for k in range(m):
+                r = np.floor(t[k])
+                level = np.int32(0) if r != r else np.int32(min(r, top))
+                codes[k] = np.uint8((-level if np.signbit(block[k]) else level) & mask)
+        for k in range(m, min(BLOCK, m + 8)):  # the last byte's missing codes: 0
+            codes[k] = 0
+        _pack(codes, m, bits, wire[start * bits // 8 :])
