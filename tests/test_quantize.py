@@ -452,6 +452,19 @@ def test_compiled_kernels_are_recorded_and_can_be_turned_off(monkeypatch):
 
 @NUMBA
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_compiled_abs_sum_is_numpys_pairwise_sum(dtype):
+    """signSGD's scale: ``np.abs(a[lo:lo + n]).sum()`` to the bit, for every length around the
+    8-entry lanes and the 128-entry leaves (the vector leaf ``_lane_abs_sums``), at every
+    offset from an 8-aligned start, and for lengths that recurse several levels."""
+    a = awkward(200_100, dtype, seed=4) * np.random.default_rng(5).uniform(0.5, 2.0, 200_100).astype(dtype)
+    for n in [*range(0, 300), 1000, 1031, 4097, 65_543, 200_000]:
+        for lo in range(0, 9) if n < 300 else (0, 3):
+            got = kernels._pairwise_abs_sum(a, lo, n)
+            assert np.asarray(got, dtype).tobytes() == np.abs(a[lo:lo + n]).sum().tobytes(), (n, lo)
+
+
+@NUMBA
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_compiled_pcg64_draws_numpys_numbers(dtype):
     """The kernels' PCG64 (128-bit LCG step, XSL-RR output, numpy's float conversion) against
     ``default_rng(seed).random``: QSGD's rounding at u just below and above the threshold."""

@@ -8,6 +8,7 @@ import numba  # noqa: F401  (kernels.numba: the module, for its version and test
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from sparsetrain.compress.splitmix import GAMMA, MIX1, MIX2
@@ -47,35 +48,56 @@ def _pcg_next(hi, lo, ihi, ilo):
     return hi, lo, (x >> rot) | (x << ((np.uint64(64) - rot) & np.uint64(63)))
 
 
+@intrinsic
+def _lane_abs_sums(typingctx, a, lo, rows):
+    """The 8 lanes of numpy's pairwise leaf over ``rows`` rows of 8 entries from ``a[lo]``:
+    lane j = ``|a[lo + j]| + |a[lo + 8 + j]| + ...``, each lane added in order. Written as
+    one ``<8 x float>`` add a row (LLVM IR): the lanes are independent, so this is the scalar
+    loop's floats, but LLVM's vectorizers leave eight scalar chains of that loop scalar."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+            and a.dtype in (types.float32, types.float64)):
+        return None
+    sig = types.UniTuple(a.dtype, 8)(a, types.intp, types.intp)
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        lo, rows = args[1], args[2]
+        single = signature.args[0].dtype == types.float32
+        vec = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), 8)
+        fabs = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vec, [vec]), "llvm.fabs.v8f32" if single else "llvm.fabs.v8f64")
+
+        def row(k):  # |a[lo + 8k : lo + 8k + 8]|, an unaligned vector load
+            at = builder.gep(data, [builder.add(lo, builder.mul(k, ir.Constant(k.type, 8)))])
+            return builder.call(fabs, [builder.load(builder.bitcast(at, vec.as_pointer()), align=4 if single else 8)])
+
+        one = ir.Constant(rows.type, 1)
+        acc = cgutils.alloca_once_value(builder, row(ir.Constant(rows.type, 0)))
+        with cgutils.for_range_slice(builder, one, rows, one, inc=True) as (k, _):
+            builder.store(builder.fadd(builder.load(acc), row(k)), acc)
+        lanes = builder.load(acc)
+        return context.make_tuple(builder, signature.return_type,
+                                  [builder.extract_element(lanes, ir.Constant(ir.IntType(32), j)) for j in range(8)])
+
+    return sig, codegen
+
+
 @njit(cache=True)
 def _pairwise_abs_sum(a, lo, n):
     """``np.abs(a[lo:lo + n]).sum()`` in numpy's order (its ``pairwise_sum``): under 8 entries
-    one by one; up to 128 in 8 lanes, combined as ((0+1)+(2+3))+((4+5)+(6+7)), the rest one
-    by one; above, two halves split at a multiple of 8."""
+    one by one; up to 128 in 8 lanes (``_lane_abs_sums``), combined as
+    ((0+1)+(2+3))+((4+5)+(6+7)), the rest one by one; above, two halves split at a multiple
+    of 8. ``a`` C-contiguous."""
     if n < 8:
         res = a.dtype.type(0)
         for i in range(n):
             res += abs(a[lo + i])
         return res
     if n <= 128:
-        r0, r1, r2, r3 = abs(a[lo]), abs(a[lo + 1]), abs(a[lo + 2]), abs(a[lo + 3])
-        r4, r5, r6, r7 = abs(a[lo + 4]), abs(a[lo + 5]), abs(a[lo + 6]), abs(a[lo + 7])
-        whole = n - n % 8
-        i = 8
-        while i < whole:
-            r0 += abs(a[lo + i])
-            r1 += abs(a[lo + i + 1])
-            r2 += abs(a[lo + i + 2])
-            r3 += abs(a[lo + i + 3])
-            r4 += abs(a[lo + i + 4])
-            r5 += abs(a[lo + i + 5])
-            r6 += abs(a[lo + i + 6])
-            r7 += abs(a[lo + i + 7])
-            i += 8
+        r0, r1, r2, r3, r4, r5, r6, r7 = _lane_abs_sums(a, lo, n // 8)
         res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-        while i < n:
+        for i in range(n - n % 8, n):
             res += abs(a[lo + i])
-            i += 1
         return res
     half = n // 2
     half -= half % 8

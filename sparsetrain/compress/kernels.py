@@ -7,8 +7,8 @@ floating-point operations in the same order, so every packed byte, scale and dec
 one the numpy path gives (``tests/test_quantize.py`` checks both paths against one reference):
 
 - ``sign_encode``: per segment the sum of ``|a|`` in numpy's own order (pairwise: blocks of 128
-  entries summed in 8 lanes, halves split at a multiple of 8; see ``_pairwise_abs_sum``), then
-  the sign bits, packed.
+  entries summed in 8 lanes, halves split at a multiple of 8; see ``_pairwise_abs_sum``; the 8
+  lanes are one vector add a row, ``_lane_abs_sums``), then the sign bits, packed.
 - ``decode_many`` (both quantizers): W messages added into ``out`` in one sweep, each entry
   receiving ``+= m_0``, then ``+= m_1``, ... (the sequential loop's floats); each packed byte's
   values come from a 256-entry table (``decode_table``).
