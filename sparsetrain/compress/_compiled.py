@@ -48,28 +48,41 @@ def _pcg_next(hi, lo, ihi, ilo):
     return hi, lo, (x >> rot) | (x << ((np.uint64(64) - rot) & np.uint64(63)))
 
 
+def _float_rows(a):
+    """Whether the row intrinsics take ``a``: a C-contiguous 1-D float32 or float64 array."""
+    return isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype in (types.float32, types.float64)
+
+
+def _row_loader(context, builder, array_type, array):
+    """``row(i)``: the ``<8 x float>`` at ``a[i : i + 8]`` (an unaligned vector load)."""
+    data = context.make_array(array_type)(context, builder, array).data
+    single = array_type.dtype == types.float32
+    vec = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), 8)
+
+    def row(i):
+        return builder.load(builder.bitcast(builder.gep(data, [i]), vec.as_pointer()), align=4 if single else 8)
+
+    return vec, row
+
+
 @intrinsic
 def _lane_abs_sums(typingctx, a, lo, rows):
     """The 8 lanes of numpy's pairwise leaf over ``rows`` rows of 8 entries from ``a[lo]``:
     lane j = ``|a[lo + j]| + |a[lo + 8 + j]| + ...``, each lane added in order. Written as
     one ``<8 x float>`` add a row (LLVM IR): the lanes are independent, so this is the scalar
     loop's floats, but LLVM's vectorizers leave eight scalar chains of that loop scalar."""
-    if not (isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
-            and a.dtype in (types.float32, types.float64)):
+    if not _float_rows(a):
         return None
     sig = types.UniTuple(a.dtype, 8)(a, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        vec, load = _row_loader(context, builder, signature.args[0], args[0])
         lo, rows = args[1], args[2]
-        single = signature.args[0].dtype == types.float32
-        vec = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), 8)
-        fabs = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vec, [vec]), "llvm.fabs.v8f32" if single else "llvm.fabs.v8f64")
+        width = 32 if signature.args[0].dtype == types.float32 else 64
+        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v8f{width}")
 
-        def row(k):  # |a[lo + 8k : lo + 8k + 8]|, an unaligned vector load
-            at = builder.gep(data, [builder.add(lo, builder.mul(k, ir.Constant(k.type, 8)))])
-            return builder.call(fabs, [builder.load(builder.bitcast(at, vec.as_pointer()), align=4 if single else 8)])
+        def row(k):
+            return builder.call(fabs, [load(builder.add(lo, builder.mul(k, ir.Constant(k.type, 8))))])
 
         one = ir.Constant(rows.type, 1)
         acc = cgutils.alloca_once_value(builder, row(ir.Constant(rows.type, 0)))
@@ -78,6 +91,29 @@ def _lane_abs_sums(typingctx, a, lo, rows):
         lanes = builder.load(acc)
         return context.make_tuple(builder, signature.return_type,
                                   [builder.extract_element(lanes, ir.Constant(ir.IntType(32), j)) for j in range(8)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _negative_bytes(typingctx, a, wire):
+    """``wire[q]`` = the bits ``a[8q + j] < 0`` (bit j), for every whole row of 8 entries: one
+    vector compare a row, its 8 flags read as one byte (LLVM IR; x86's compare and movemask)."""
+    if not (_float_rows(a) and isinstance(wire, types.Array) and wire.dtype == types.uint8 and wire.ndim == 1):
+        return None
+    sig = types.void(a, wire)
+
+    def codegen(context, builder, signature, args):
+        vec, load = _row_loader(context, builder, signature.args[0], args[0])
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        out = context.make_array(signature.args[1])(context, builder, args[1])
+        rows = builder.udiv(builder.extract_value(ary.shape, 0), ir.Constant(ary.shape.type.element, 8))
+        zero = ir.Constant(vec, None)
+        with cgutils.for_range(builder, rows) as loop:
+            q = loop.index
+            flags = builder.fcmp_ordered("<", load(builder.mul(q, ir.Constant(q.type, 8))), zero)
+            builder.store(builder.bitcast(flags, ir.IntType(8)), builder.gep(out.data, [q]))
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -142,15 +178,13 @@ def sign_encode(a, bounds, scales, wire):
     for s in range(bounds.size - 1):
         n = bounds[s + 1] - bounds[s]
         scales[s] = _pairwise_abs_sum(a, bounds[s], n) / a.dtype.type(n)
-    flags = np.zeros(BLOCK, np.uint8)
-    for start in range(0, a.size, BLOCK):
-        m = min(BLOCK, a.size - start)
-        block = a[start : start + m]
-        for k in range(m):
-            flags[k] = block[k] < 0
-        for k in range(m, min(BLOCK, (m + 7) // 8 * 8)):  # the last byte's unused bits: 0
-            flags[k] = 0
-        _pack(flags, m, 1, wire[start // 8 :])
+    _negative_bytes(a, wire)  # the whole bytes; then the last one's entries (its unused bits 0)
+    whole = a.size - a.size % 8
+    if whole < a.size:
+        last = np.uint8(0)
+        for j in range(a.size - whole):
+            last |= np.uint8(a[whole + j] < 0) << np.uint8(j)
+        wire[whole // 8] = last
 
 
 @njit(cache=True)
