@@ -63,16 +63,18 @@ def test_each_scheme_has_only_its_own_keys():
     assert make("scheme=powersgd", "scheme.rank=2").scheme.rank == 2
     assert make("scheme=torch_powersgd", "scheme.rank=2").scheme.rank == 2
     assert make("scheme=qsgd", "scheme.levels=3").scheme.levels == 3
-    assert scheme_compressor(make("scheme=qsgd", "scheme.levels=3").scheme).keywords == {"levels": 3, "bucket_size": 512}
-    assert scheme_compressor(make("scheme=qsgd", "scheme.bucket_size=null").scheme).keywords == {
-        "levels": 127, "bucket_size": None}
+    assert scheme_compressor(make("scheme=qsgd", "scheme.levels=3").scheme).keywords == {
+        "levels": 3, "bucket_size": 512, "generator": "counter"}
+    assert scheme_compressor(make("scheme=qsgd", "scheme.bucket_size=null", "scheme.generator=pcg64").scheme).keywords == {
+        "levels": 127, "bucket_size": None, "generator": "pcg64"}
     for scheme in (s for s in SCHEMES if s not in SCHEME_SCHEMAS):  # the schemes without keys of their own
         node = make(f"scheme={scheme}").scheme
-        assert not {"block_size", "rank", "levels", "bucket_size"} & set(node), scheme
+        assert not {"block_size", "rank", "levels", "bucket_size", "generator"} & set(node), scheme
     with pytest.raises(ConfigCompositionException):  # Hydra refuses it too, where the CLI does not check
         make("scheme=topk", "scheme.block_size=64")
     assert scheme_options() == {"scheme.block_size": ("blockk",), "scheme.rank": ("powersgd", "torch_powersgd"),
-                                "scheme.levels": ("qsgd",), "scheme.bucket_size": ("qsgd",)}
+                                "scheme.levels": ("qsgd",), "scheme.bucket_size": ("qsgd",),
+                                "scheme.generator": ("qsgd",)}
     assert set(SCHEME_SCHEMAS) == {"blockk", "powersgd", "torch_powersgd", "qsgd"}
     assert "scheme=blockk" in HELP["scheme.block_size"] and "scheme=powersgd" in HELP["scheme.rank"]
 

@@ -4,6 +4,7 @@ end-to-end runs (the trainer's exchange and the DDP hook)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import socket
 from functools import partial
@@ -300,10 +301,16 @@ def ref_sign_decode_add(scales, wire, out, spans):
 
 
 def ref_qsgd_encode(comp, a, seed):
-    """QSGD's CPU encode, step by step in float ops (torch's norms, numpy's PCG64)."""
+    """QSGD's CPU encode, step by step in float ops (torch's norms; numpy's PCG64, or the counter
+    stream, which test_counter_generator_is_splitmix64_and_the_same_on_every_path checks by hand)."""
+    from sparsetrain.compress.quantize import counter_uniforms
+
     s, bits = comp.levels, comp.bits_per_entry
     norms = comp.bucket_norms(torch.from_numpy(a)).numpy()
-    u = np.random.default_rng(seed).random(a.size, dtype=a.dtype)
+    if comp.generator == "pcg64":
+        u = np.random.default_rng(seed).random(a.size, dtype=a.dtype)
+    else:
+        u = counter_uniforms(seed, a.size, torch.from_numpy(a).dtype, "cpu", out=np.empty(a.size, a.dtype))
     codes = np.empty(a.size, dtype=np.int64)
     for (i, j), norm in zip(comp.bucket_spans(), norms, strict=True):
         factor = a.dtype.type(s / np.float64(norm)) if norm > 0 else a.dtype.type(0)
@@ -362,8 +369,9 @@ def test_signsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout, b
 @pytest.mark.parametrize("layout", KERNEL_LAYOUTS, ids=lambda lay: str(list(lay.sizes)))
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_qsgd_kernels_equal_the_reference_bit_for_bit(dtype, scope, layout, levels, bucket_size, backend):
-    comp = QSGD(1.0, layout, scope, levels=levels, bucket_size=bucket_size)
+@pytest.mark.parametrize("generator", QSGD.GENERATORS)
+def test_qsgd_kernels_equal_the_reference_bit_for_bit(generator, dtype, scope, layout, levels, bucket_size, backend):
+    comp = QSGD(1.0, layout, scope, levels=levels, bucket_size=bucket_size, generator=generator)
     a = awkward(layout.total, dtype)
     a[:7] *= 0.0  # a bucket of zeros (norm 0) where the buckets are short
     p = comp.compress(torch.from_numpy(a), 9)
@@ -415,7 +423,7 @@ def both_paths(monkeypatch, fn):
 
 @NUMBA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("name", ["signsgd", "qsgd1", "qsgd7", "qsgd127"])
+@pytest.mark.parametrize("name", ["signsgd", "qsgd1", "qsgd1_pcg64", "qsgd7", "qsgd127"])
 def test_compiled_kernels_equal_numpys_on_non_finite_and_long_inputs(name, dtype, monkeypatch):
     """NaN, +-inf, zeros of both signs, a segment of a million entries (numpy's pairwise sum
     recursing deep, blocks of the kernels crossing segments and buckets) and an odd total: the
@@ -427,8 +435,9 @@ def test_compiled_kernels_equal_numpys_on_non_finite_and_long_inputs(name, dtype
     x[layout.total - 4104 :][::7] = float("nan")  # in the small tensors too (their norms are NaN)
 
     def run():
+        levels, _, generator = name[4:].partition("_")
         comp = SignSGD(1.0, layout, "layerwise") if name == "signsgd" else \
-            QSGD(1.0, layout, "layerwise", levels=int(name[4:]))
+            QSGD(1.0, layout, "layerwise", levels=int(levels), generator=generator or "counter")
         sent = [comp.compress(x * (r + 1), 11 + r) for r in range(3)]
         out = torch.zeros(layout.total, dtype=dtype)
         comp.decompress_many([(p.values / 3, p.positions, None) for p in sent], out)
@@ -517,9 +526,38 @@ def test_counter_generator_is_splitmix64_and_the_same_on_every_path(dtype, monke
         assert len(messages) == 1, levels
 
 
+def test_counter_streams_are_uniform_and_unrelated_across_entries_steps_and_ranks():
+    """What QSGD's unbiasedness and variance bound assume of its uniforms, for the counter
+    generator's streams of consecutive steps and ranks (seeds as the trainer derives them) and of
+    two consecutive seeds: each
+    is uniform (Kolmogorov-Smirnov, p > 1e-4), and no two are correlated, neither entrywise nor
+    shifted by up to 3 entries (a key derived badly, e.g. key(s + 1) = key(s) + GAMMA, makes one
+    stream another's shift: correlation 1 at lag 1), nor within a stream at lags 1-3: every
+    |r| < 6 / sqrt(n). float64 draws, n = 2**20 per stream."""
+    from scipy import stats
+
+    from sparsetrain.compress.quantize import counter_uniforms
+
+    n = 2**20
+    streams = {(step, rank): counter_uniforms(step_seed(SEED, step, rank), n, torch.float64, "cpu",
+                                              out=np.empty(n)) - 0.5
+               for step in (0, 1, 2) for rank in (0, 1)}
+    streams.update({("seed", s): counter_uniforms(s, n, torch.float64, "cpu", out=np.empty(n)) - 0.5 for s in (7, 8)})
+    bound = 6 / math.sqrt(n)
+
+    def corr(a, b, lag):
+        a, b = (a[lag:], b[: n - lag]) if lag >= 0 else (a[:lag], b[-lag:])
+        return float(np.dot(a, b) / math.sqrt(np.dot(a, a) * np.dot(b, b)))
+
+    for key, u in streams.items():
+        assert stats.kstest(u + 0.5, "uniform").pvalue > 1e-4, key
+        assert all(abs(corr(u, u, lag)) < bound for lag in (1, 2, 3)), key
+    for a, b in itertools.combinations(streams, 2):
+        assert all(abs(corr(streams[a], streams[b], lag)) < bound for lag in range(-3, 4)), (a, b)
+
+
 def test_counter_generator_bad_value_one_line():
-    with pytest.raises(ValueError, match=r"^scheme.compressor.generator='philox' is not allowed; use one of "
-                                         r"pcg64, counter$"):
+    with pytest.raises(ValueError, match=r"^scheme.generator='philox' is not allowed; use one of counter, pcg64$"):
         QSGD(1.0, COMPRESSED, generator="philox")
 
 
@@ -704,7 +742,7 @@ SHORT = (*TINY, "world_size=2", "train.max_steps=4", "train.log_every=1")
     (("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2),
     (("scheme=signsgd", "dist.ddp=true"), 1),
     (("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3),
-    (("scheme=qsgd", "scheme.levels=1", "+scheme.compressor.generator=counter"), 2),
+    (("scheme=qsgd", "scheme.levels=1", "scheme.generator=pcg64"), 2),
 ])
 def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_path):
     run = tmp_path / "run"
@@ -744,8 +782,8 @@ def test_cli_bad_options_stop_with_one_line(tmp_path):
         (("scheme=qsgd", "scheme.bucket_size=0"), "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
         (("scheme=signsgd", "scheme.bucket_size=64"), "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
         (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
-        (("scheme=qsgd", "+scheme.compressor.generator=philox"),
-         "scheme.compressor.generator='philox' is not allowed; use one of pcg64, counter"),
+        (("scheme=qsgd", "scheme.generator=philox"), "scheme.generator='philox' is not allowed; use one of counter, pcg64"),
+        (("scheme=signsgd", "scheme.generator=pcg64"), "scheme=signsgd has no key 'generator'; generator belongs to scheme=qsgd"),
     ):
         proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)
         assert proc.returncode != 0

@@ -56,6 +56,7 @@ AXES = (
     "block_size",
     "levels",
     "bucket_size",
+    "generator",
     "rank",
     "compressor_options",
     "memory",
@@ -180,6 +181,18 @@ def _bucket_size(cfg: dict, scheme: str | None):
     return PER_TENSOR if value is None else value
 
 
+# QSGD's generator of a run from before scheme.generator existed: numpy's PCG64 (torch's on CUDA)
+OLD_GENERATOR = "pcg64"
+
+
+def _generator(cfg: dict, scheme: str | None):
+    """QSGD's ``scheme.generator``; runs from before the key (every QSGD study up to the compiled
+    kernels, the frontier's among them) drew PCG64 unless ``+scheme.compressor.generator`` said."""
+    if "generator" not in schemes.own_keys(scheme):
+        return NOT_APPLICABLE
+    return _get(cfg, "scheme", "generator") or _get(cfg, "scheme", "compressor", "generator") or OLD_GENERATOR
+
+
 # compressor_options of a run that set none: its class's defaults. The column is there only when
 # some run set one (load_runs), so results without such options keep their columns.
 CLASS_DEFAULTS = "defaults"
@@ -242,6 +255,7 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         "block_size": _block_size(cfg, scheme),
         "levels": _get(cfg, "scheme", "levels", default=NOT_APPLICABLE),  # scheme=qsgd's own key
         "bucket_size": _bucket_size(cfg, scheme),  # scheme=qsgd's own key
+        "generator": _generator(cfg, scheme),  # scheme=qsgd's own key
         "rank": _powersgd_rank(cfg, scheme),  # PowerSGD's own key
         "compressor_options": _compressor_options(cfg),
         "memory": _class_node(cfg, "memory"),

@@ -19,7 +19,8 @@ summed), and every rank decodes every message. Error feedback subtracts the deco
   ``floor(r_i)`` or ``floor(r_i) + 1`` at random, the latter with probability ``r_i -
   floor(r_i)`` (as ``floor(r_i + u_i)``, u_i uniform in [0, 1)), so ``E[decoded] = x``: decoded entry ``||x|| * sign(x_i) * level_i / s``. Randomness
   seeded with the step's seed (``step_seed``: per step and rank), so runs are reproducible:
-  numpy's PCG64 on the CPU, torch's generator on CUDA (the two draw different numbers). Each
+  by default (``generator="counter"``) SplitMix64 at counter i, the same numbers on every device;
+  ``generator="pcg64"``: numpy's PCG64 on the CPU, torch's generator on CUDA (the two differ). Each
   entry's code is its signed level ``sign(x_i) * level_i`` in two's complement, ``1 +
   ceil(log2(s + 1))`` bits (the sign and the level; s = 127: one byte), packed tightly (no byte
   alignment per entry). Bytes per rank: ceil(n * bits / 8) + 4 per bucket. A bucket whose norm
@@ -402,15 +403,15 @@ class QSGD(Quantizer):
     default); ``bucket_size=None``: one bucket per segment (one norm per tensor)."""
 
     MAX_LEVELS = 65535
-    #: ``pcg64``: numpy's PCG64 on the CPU, torch's generator on CUDA (the two draw different
-    #: numbers; every QSGD study so far). ``counter``: SplitMix64, counter-based (entry i's number
-    #: a function of the step's seed and i alone), the same numbers on the CPU and on CUDA, and
-    #: cheaper to draw than PCG64 (see docs/performance.md)
-    GENERATORS = ("pcg64", "counter")
+    #: ``counter`` (the default): SplitMix64, counter-based (entry i's number a function of the
+    #: step's seed and i alone), the same numbers on the CPU and on CUDA, and cheaper to draw than
+    #: PCG64 (see docs/performance.md). ``pcg64``: numpy's PCG64 on the CPU, torch's generator on
+    #: CUDA (the two draw different numbers; every QSGD run before ``scheme.generator`` existed)
+    GENERATORS = ("counter", "pcg64")
     draws_span_segments = True  # one stream of uniforms over every entry (see uniforms)
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127,
-                 bucket_size: int | None = 512, generator: str = "pcg64", **kw):
+                 bucket_size: int | None = 512, generator: str = "counter", **kw):
         if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
                 or not 1 <= levels <= self.MAX_LEVELS:
             raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
@@ -420,7 +421,7 @@ class QSGD(Quantizer):
             raise ValueError(f"scheme.bucket_size={bucket_size!r} is not allowed; it must be an integer >= 1, "
                              "or null (one norm per tensor)")
         if generator not in self.GENERATORS:
-            raise ValueError(f"scheme.compressor.generator={generator!r} is not allowed; use one of "
+            raise ValueError(f"scheme.generator={generator!r} is not allowed; use one of "
                              f"{', '.join(self.GENERATORS)}")
         self.generator = generator
         self.levels = int(levels)
@@ -592,6 +593,5 @@ class QSGD(Quantizer):
         out.add_(signed)
 
     def __repr__(self) -> str:
-        generator = "" if self.generator == "pcg64" else f", generator={self.generator!r}"
         return (f"QSGD(levels={self.levels}, bucket_size={self.bucket_size}, scope={self.scope!r}, "
-                f"bits={self.bits_per_entry}, n={self.numel}{generator})")
+                f"bits={self.bits_per_entry}, n={self.numel}, generator={self.generator!r})")

@@ -35,6 +35,7 @@ HELP = {
     "scheme.rank": "scheme=powersgd, torch_powersgd only: the matrix rank (null: the bytes closest to the sparse schemes' at ratio)",
     "scheme.levels": "scheme=qsgd only: quantization levels s per bucket, an integer in [1, 65535] (1 + ceil(log2(s+1)) bits an entry)",
     "scheme.bucket_size": "scheme=qsgd only: entries per bucket, each with its own float32 norm, an integer >= 1 (null: one norm per tensor, or per buffer with scope=global)",
+    "scheme.generator": "scheme=qsgd only: the random rounding's uniforms, counter (SplitMix64: the same numbers on every device) | pcg64 (numpy's PCG64; torch's generator on CUDA; QSGD's runs before this key)",
     "scope.name": "the scope (set it with scope=...)",
     "aggregation.name": "the aggregation (set it with aggregation=...)",
     "model._target_": "the function that builds the model (set by model=...)",

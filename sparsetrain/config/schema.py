@@ -83,6 +83,10 @@ class QSGDConfig(SchemeConfig):
     # with scope=global) cut into consecutive buckets, the last one shorter; None: one norm per
     # tensor (per buffer). 512: the paper's d. Passed to QSGD
     bucket_size: int | None = 512
+    # the random rounding's uniforms: counter (SplitMix64 at counter i of the step's seed: the same
+    # numbers on the CPU and on CUDA, and the cheaper draw) or pcg64 (numpy's PCG64 on the CPU,
+    # torch's generator on CUDA; every QSGD run before this key existed). Passed to QSGD
+    generator: str = "counter"
 
 
 # The schemes with keys of their own, and their schema: conf/scheme/<name>.yaml names
