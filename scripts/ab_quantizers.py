@@ -3,7 +3,7 @@
     .venv/bin/python scripts/ab_quantizers.py --base /path/to/other/checkout --runs 4
 
 Times ``encode`` and ``decode_add`` (one message) of signSGD, QSGD at s = 1 and QSGD at s = 127
-on the ResNet-18 layout's compressed tensors (11.2M entries, one thread), the decode of W = 2,
+(PCG64, which every checkout has; QSGD s = 1 with the counter generator too where it exists) on the ResNet-18 layout's compressed tensors (11.2M entries, one thread), the decode of W = 2,
 4, 8 and 16 messages into one buffer (``decompress_many``, as after an AllGather of W ranks;
 signSGD and QSGD s = 1), and numpy's PCG64 draw alone (what QSGD's random rounding costs before any of its own work), each in "copies":
 the call's time over one gradient ``copy_`` timed just before it, median of --repeats. Each run
@@ -43,9 +43,13 @@ def copies(fn):
         t0 = time.perf_counter(); scratch.copy_(g); t1 = time.perf_counter(); fn(); t2 = time.perf_counter()
         ratios.append((t2 - t1) / (t1 - t0))
     return statistics.median(ratios)
+def qsgd(levels, generator="pcg64"):  # PCG64 on both sides: the generator every checkout has
+    try:
+        return QSGD(1.0, layout, levels=levels, generator=generator)
+    except TypeError:  # a checkout from before generator= (PCG64 only)
+        return QSGD(1.0, layout, levels=levels)
 res = {}
-for name, comp in (("signSGD", SignSGD(1.0, layout)), ("QSGD s=1", QSGD(1.0, layout, levels=1)),
-                   ("QSGD s=127", QSGD(1.0, layout, levels=127))):
+for name, comp in (("signSGD", SignSGD(1.0, layout)), ("QSGD s=1", qsgd(1)), ("QSGD s=127", qsgd(127))):
     values = torch.empty(comp.num_values)
     wire = torch.empty(comp.num_positions, dtype=torch.uint8)
     seed = [0]
@@ -67,12 +71,10 @@ for name, comp in (("signSGD", SignSGD(1.0, layout)), ("QSGD s=1", QSGD(1.0, lay
         else:
             run = lambda W=W: [comp.decompress_add(v, p, out) for v, p, _ in msgs[:W]]
         res[f"{name} decode x{W}"] = copies(run)
-try:  # QSGD's counter-based generator (1e9cb84 on): the same encode without PCG64's draw
-    comp = QSGD(1.0, layout, levels=1, generator="counter")
+comp = qsgd(1, "counter")  # the counter-based generator (02a0591 on; the default from e752cf0)
+if getattr(comp, "generator", "pcg64") == "counter":
     values, wire = torch.empty(comp.num_values), torch.empty(comp.num_positions, dtype=torch.uint8)
     res["QSGD s=1 encode, counter"] = copies(lambda: comp.encode(g, 1, values, wire))
-except TypeError:  # a checkout from before it
-    pass
 u = np.empty(layout.total, dtype=np.float32)
 res["PCG64 draw alone"] = copies(lambda: np.random.default_rng(seed[0]).random(layout.total, dtype=np.float32, out=u))
 print(json.dumps(res))
