@@ -789,3 +789,19 @@ def test_cli_bad_options_stop_with_one_line(tmp_path):
         assert proc.returncode != 0
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+
+
+def test_make_bench_times_the_quantizer_kernels_and_checks_their_goals():
+    """``make bench``'s quantizer rows (sparsetrain.benchmarks.compress.quantizer_rows): signSGD and
+    QSGD s = 1 with its default generator carry issue 36's goals (encode <= 2 and <= 4 copies,
+    decode <= 2); QSGD with PCG64 is timed beside them without one. Only the rows' shape and the
+    goals' wiring are checked here: timings are the benchmark's, on a quiet machine."""
+    from sparsetrain.benchmarks.compress import goals, quantizer_rows
+
+    layout = Layout.from_sizes([4096, 300, 7])
+    rows = quantizer_rows(layout, torch.randn(layout.total), 2, torch.device("cpu"))
+    assert [r["scheme"] for r in rows] == ["signsgd", "qsgd_s1", "qsgd_s1_pcg64"]
+    assert all(r["compress_ef_copies"] > 0 and r["decompress_copies"] > 0 for r in rows)
+    res = {"schemes": rows, "device": "cpu", "references_copies": {}}
+    assert sorted(goals(res)) == ["qsgd_s1 decode_add <= 2 copies", "qsgd_s1 encode <= 4 copies",
+                                  "signsgd decode_add <= 2 copies", "signsgd encode <= 2 copies"]

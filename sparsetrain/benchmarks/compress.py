@@ -207,14 +207,16 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
 
 def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device) -> list[dict]:
     """The quantizers' kernels alone (layer-wise, no error feedback): signSGD and QSGD at s = 1
-    (2 bits per entry, buckets of 512, as the frontier trains it): ``encode`` (scales or norms,
-    draws, packed codes) and ``decode_add`` of one message into a buffer, each against a copy."""
+    (2 bits per entry, buckets of 512, as the frontier trains it), with its default generator
+    (counter) and with PCG64 (the frontier's runs; no goal): ``encode`` (scales or norms, draws,
+    packed codes) and ``decode_add`` of one message into a buffer, each against a copy."""
     from sparsetrain.compress import QSGD, SignSGD
 
     out, out2 = torch.zeros_like(g), torch.empty_like(g)
     rows = []
     for scheme, comp in (("signsgd", SignSGD(1.0, layout, device=device)),
-                         ("qsgd_s1", QSGD(1.0, layout, levels=1, device=device))):
+                         ("qsgd_s1", QSGD(1.0, layout, levels=1, device=device)),  # the default: counter
+                         ("qsgd_s1_pcg64", QSGD(1.0, layout, levels=1, generator="pcg64", device=device))):
         values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
         wire = torch.empty(comp.num_positions, dtype=torch.uint8, device=device)
         step = [0]
