@@ -54,15 +54,16 @@ def _float_rows(a):
 
 
 def _row_loader(context, builder, array_type, array):
-    """``row(i)``: the ``<8 x float>`` at ``a[i : i + 8]`` (an unaligned vector load)."""
-    data = context.make_array(array_type)(context, builder, array).data
+    """The array's struct, the ``<8 x float>`` type, and ``row(i)``: the vector at ``a[i : i + 8]``
+    (an unaligned load)."""
+    ary = context.make_array(array_type)(context, builder, array)
     single = array_type.dtype == types.float32
     vec = ir.VectorType(ir.FloatType() if single else ir.DoubleType(), 8)
 
     def row(i):
-        return builder.load(builder.bitcast(builder.gep(data, [i]), vec.as_pointer()), align=4 if single else 8)
+        return builder.load(builder.bitcast(builder.gep(ary.data, [i]), vec.as_pointer()), align=4 if single else 8)
 
-    return vec, row
+    return ary, vec, row
 
 
 @intrinsic
@@ -76,7 +77,7 @@ def _lane_abs_sums(typingctx, a, lo, rows):
     sig = types.UniTuple(a.dtype, 8)(a, types.intp, types.intp)
 
     def codegen(context, builder, signature, args):
-        vec, load = _row_loader(context, builder, signature.args[0], args[0])
+        _, vec, load = _row_loader(context, builder, signature.args[0], args[0])
         lo, rows = args[1], args[2]
         width = 32 if signature.args[0].dtype == types.float32 else 64
         fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vec, [vec]), f"llvm.fabs.v8f{width}")
@@ -98,14 +99,14 @@ def _lane_abs_sums(typingctx, a, lo, rows):
 @intrinsic
 def _negative_bytes(typingctx, a, wire):
     """``wire[q]`` = the bits ``a[8q + j] < 0`` (bit j), for every whole row of 8 entries: one
-    vector compare a row, its 8 flags read as one byte (LLVM IR; x86's compare and movemask)."""
+    vector compare a row, its 8 flags read as one byte (LLVM IR; x86's compare and movemask).
+    ``wire`` must hold ``a.size // 8`` bytes (unchecked here: ``sign_encode`` checks it)."""
     if not (_float_rows(a) and isinstance(wire, types.Array) and wire.dtype == types.uint8 and wire.ndim == 1):
         return None
     sig = types.void(a, wire)
 
     def codegen(context, builder, signature, args):
-        vec, load = _row_loader(context, builder, signature.args[0], args[0])
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ary, vec, load = _row_loader(context, builder, signature.args[0], args[0])
         out = context.make_array(signature.args[1])(context, builder, args[1])
         rows = builder.udiv(builder.extract_value(ary.shape, 0), ir.Constant(ary.shape.type.element, 8))
         zero = ir.Constant(vec, None)
@@ -178,6 +179,8 @@ def sign_encode(a, bounds, scales, wire):
     for s in range(bounds.size - 1):
         n = bounds[s + 1] - bounds[s]
         scales[s] = _pairwise_abs_sum(a, bounds[s], n) / a.dtype.type(n)
+    if wire.size < (a.size + 7) // 8:
+        raise ValueError("sign_encode: wire holds fewer bytes than a's bits")
     _negative_bytes(a, wire)  # the whole bytes; then the last one's entries (its unused bits 0)
     whole = a.size - a.size % 8
     if whole < a.size:
