@@ -12,11 +12,12 @@ one the numpy path gives (``tests/test_quantize.py`` checks both paths against o
 - ``decode_many`` (both quantizers): W messages added into ``out`` in one sweep, each entry
   receiving ``+= m_0``, then ``+= m_1``, ... (the sequential loop's floats); each packed byte's
   values come from a 256-entry table (``decode_table``).
-- ``qsgd_encode``: ``|a| x factor + u``, rounded, signed, packed, with u drawn block by block
-  from PCG64 as numpy draws it (``random(dtype=...)`` of ``default_rng(seed)``): the 128-bit LCG
-  step and XSL-RR output (``_pcg_next``), float32 from the top 24 bits of each 32-bit half (low
-  half first), float64 from the top 53 bits; or, with QSGD's ``generator="counter"``, from
-  SplitMix64 at counter i (``_draw_counter``), as ``quantize.counter_uniforms`` draws it.
+- ``qsgd_encode``: ``|a| x factor + u``, rounded, signed, packed, with u drawn block by block:
+  with QSGD's ``generator="counter"`` (the default) from SplitMix64 at counter i
+  (``_draw_counter``), as ``quantize.counter_uniforms`` draws it; with ``"pcg64"`` from PCG64 as
+  numpy draws it (``random(dtype=...)`` of ``default_rng(seed)``): the 128-bit LCG step and
+  XSL-RR output (``_pcg_next``), float32 from the top 24 bits of each 32-bit half (low half
+  first), float64 from the top 53 bits.
 
 Loops run over blocks of ``BLOCK`` entries and, inside them, over whole array views: LLVM
 vectorizes those (a loop over a computed ``range(start, stop)`` of a larger array it did not).
