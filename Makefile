@@ -38,6 +38,7 @@ lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
 TTA_TARGET ?= 0.75
+TUNE_SWEEPS = $(wildcard $(RESULTS)/tune $(RESULTS)/tune_dense $(RESULTS)/tune_edge $(RESULTS)/tune_dense_edge)
 TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
 # (The frontier's time to 85% across the compression families is one of its study figures:
 # sparsetrain.analysis.report.TIME_TO_ACCURACY, written by --studies.)
@@ -49,8 +50,8 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	$(ANALYSE) --studies $(RESULTS) --out $(FIGURES)
 	@# The tuned verdicts, as declared before their runs (pending until results/verdict_e4 exists).
 	$(ANALYSE) $(RESULTS) --declared conf/declared/verdicts.yaml --out $(FIGURES)/verdicts_tuned
-	@# The tuning study's trials and choices, once its sweeps are there.
-	$(if $(wildcard $(RESULTS)/tune $(RESULTS)/tune_dense),$(ANALYSE) $(wildcard $(RESULTS)/tune $(RESULTS)/tune_dense) --tuning --out $(FIGURES)/tune,@echo "figures: no $(RESULTS)/tune yet: tuning tables skipped")
+	@# The tuning study's trials and choices, once its sweeps are there (the edge rule's runs with them).
+	$(if $(TUNE_SWEEPS),$(ANALYSE) $(TUNE_SWEEPS) --tuning --out $(FIGURES)/tune,@echo "figures: no $(RESULTS)/tune yet: tuning tables skipped")
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),
 	@# from the second pass's 2-rank runs (dense baseline, RQ1's schemes and scopes).
 	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")
