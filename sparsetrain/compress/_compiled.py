@@ -148,8 +148,9 @@ BLOCK = 4096
 
 @njit(inline="always")
 def _pack(codes, m, bits, out):
-    """``codes[:m]`` (each below ``2**bits``; ``codes`` zero up to a whole byte) packed into
-    ``out`` as ``quantize.pack_codes`` packs them: the ``8 // bits`` codes of a byte read as
+    """``codes[:m]`` (each below ``2**bits``, ``bits`` 2, 4 or 8: QSGD's whole codes per byte;
+    ``codes`` zero up to a whole byte) packed into ``out`` as ``quantize.pack_codes`` packs them
+    (signSGD's single bits: ``_negative_bytes``): the ``8 // bits`` codes of a byte read as
     one little-endian word, times a constant that moves code j to bit
     ``8 (8 // bits - 1) + bits j``; the word's top byte is then the packed byte (every other
     product term lands below it without overlapping another: no carry reaches it)."""
@@ -161,14 +162,10 @@ def _pack(codes, m, bits, out):
         w16 = codes.view(np.uint16)
         for q in range(nbytes):
             out[q] = np.uint8((np.uint64(w16[q]) * np.uint64(0x110) >> np.uint64(8)) & np.uint64(0xFF))
-    elif bits == 2:
+    else:
         w32 = codes.view(np.uint32)
         for q in range(nbytes):
             out[q] = np.uint8((np.uint64(w32[q]) * np.uint64(0x1041040) >> np.uint64(24)) & np.uint64(0xFF))
-    else:
-        w64 = codes.view(np.uint64)
-        for q in range(nbytes):
-            out[q] = np.uint8(w64[q] * np.uint64(0x0102040810204080) >> np.uint64(56))
 
 
 @njit(cache=True)

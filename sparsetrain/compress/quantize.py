@@ -518,14 +518,14 @@ class QSGD(Quantizer):
         # s / ||x|| per bucket (0 where the norm is 0), rounded once to acc's dtype
         factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
         if self.fused_decode and self._draw_source is None and _kernel_ok(acc, wire):
-            # the compiled kernel: the numpy path's bytes, PCG64 drawn inside its one pass
+            # the compiled kernel: the numpy path's bytes, the uniforms (counter or PCG64) drawn in its one pass
             counter = self.generator == "counter"
             state = (np.uint64(0),) * 4 if counter else kernels.pcg64_state(seed)
             key = np.uint64(splitmix.counter_key(seed) if counter else 0)
             kernels.qsgd_encode(acc.numpy(), factors.numpy(), self._bucket_bounds, s, self.bits_per_entry,
                                 *state, wire.numpy(), key, counter)
             return
-        if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels and generator (PCG64)
+        if _numpy_ok(acc) and _numpy_ok(wire):  # the CPU: numpy's kernels (uniforms: self.uniforms)
             a = acc.numpy()
             r = np.abs(a, out=self.scratch("r", a.dtype))
             self._scale_buckets(r, factors.numpy())  # |x| / ||x|| * s
