@@ -38,7 +38,7 @@ lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
 TTA_TARGET ?= 0.75
-TUNE_SWEEPS = $(wildcard $(RESULTS)/tune $(RESULTS)/tune_dense $(RESULTS)/tune_edge $(RESULTS)/tune_dense_edge)
+TUNE_SWEEPS = $(patsubst %/,%,$(wildcard $(RESULTS)/tune/ $(RESULTS)/tune_dense/ $(RESULTS)/tune_edge*/ $(RESULTS)/tune_dense_edge*/))
 TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
 # (The frontier's time to 85% across the compression families is one of its study figures:
 # sparsetrain.analysis.report.TIME_TO_ACCURACY, written by --studies.)
