@@ -10,7 +10,10 @@
 #                                                   # copy results to DEST and commit them there
 #   RESUME=1 bash scripts/reproduce.sh rq1_scope    # rerun into the existing folder: completed jobs
 #                                                   # are skipped, interrupted ones resume from
-#                                                   # their checkpoint (a study spread over sessions)
+#                                                   # their checkpoint (a study spread over sessions;
+#                                                   # with DEST, the jobs completed there are skipped
+#                                                   # too, so a fresh worktree on the same commit
+#                                                   # goes on where the last one stopped)
 #   PARTIAL=1 DEST=... bash scripts/reproduce.sh rq1_scope  # copy the completed jobs of a study
 #                                                   # still running to DEST and commit them there
 set -uo pipefail
@@ -48,6 +51,16 @@ for preset in "${STUDIES[@]}"; do
   start=$(date +%s)
   echo "== $study: started $(date -u +%FT%TZ)"
   [ "${RESUME:-0}" = 1 ] || rm -rf "results/$study"
+  if [ "${RESUME:-0}" = 1 ] && [ -n "${DEST:-}" ] && [ "$(cd "$DEST" && pwd -P)" != "$(pwd -P)" ]; then
+    # A fresh worktree (a new machine, a new session) lacks the jobs that completed before and
+    # were copied to DEST: bring them back, so that they are skipped rather than run again.
+    for job in $(grep -l '"status": "completed"' "$DEST/results/$study"/*/summary.json 2>/dev/null |
+                 xargs -r -n1 dirname); do
+      grep -qs '"status": "completed"' "results/$study/$(basename "$job")/summary.json" && continue
+      mkdir -p "results/$study" && rm -rf "results/$study/$(basename "$job")" && cp -r "$job" "results/$study/"
+      echo "== $study: $(basename "$job") completed in $DEST: not run again"
+    done
+  fi
   # shellcheck disable=SC2086  # EXTRA holds several overrides
   $PY -m sparsetrain.run -m "experiment=$preset" wandb.mode=disabled ${EXTRA:-} \
     "hydra.sweep.dir=results/$study" > "results/$study.log" 2>&1
