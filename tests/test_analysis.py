@@ -241,6 +241,17 @@ def test_load_runs_one_row_per_run_with_axes_and_status(results):
     assert (dense["time_compress_ms"] == 0).all() and (dense["time_decompress_ms"] == 0).all()
 
 
+def test_an_absent_job_has_the_values_the_command_line_fixed(tmp_path):
+    # reproduce.sh's EXTRA="optim.lr=0.4" beside the swept grid: the job that left no folder was
+    # promised that rate too (the tuning table showed it as nan).
+    sweep = write_sweep(tmp_path / "tune_edge2", {"scheme": "topk,randk"}, "tune", absent=(1,))
+    multirun = yaml.safe_load((sweep / "multirun.yaml").read_text())
+    multirun["hydra"]["overrides"]["task"].append("optim.lr=0.4")
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump(multirun))
+    absent = sa.load_runs(sweep).set_index("status").loc["absent"]
+    assert (absent["scheme"], absent["lr"]) == ("randk", 0.4)
+
+
 def test_load_runs_accepts_single_run_and_many_sweeps(results, tmp_path):
     single = write_run(tmp_path / "single", make_config(scheme="blockk"))
     one = sa.load_runs(single)

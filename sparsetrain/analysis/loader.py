@@ -577,12 +577,20 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
         seen.add(tuple(given.get(key) for key in keys))
     multirun = _read_yaml(sweep / "multirun.yaml")
     experiment = _get(multirun, "hydra", "runtime", "choices", "experiment") or sweep.name
+    # A value the command line fixed for every job (optim.lr=0.2 beside a swept grid) is the
+    # promised job's value too.
+    fixed = []
+    for override in _get(multirun, "hydra", "overrides", "task", default=[]) or []:
+        key, sep, value = str(override).partition("=")
+        key = _strip_override_key(key)
+        if sep and key not in keys and len(_split_sweep_value(value) or ()) == 1:
+            fixed.append((key, value))
     rows = []
     for combo in combos:
         if combo in seen:
             continue
         config: dict = {}
-        for key, value in zip(keys, combo, strict=False):
+        for key, value in [*fixed, *zip(keys, combo, strict=False)]:
             target = config
             *parents, leaf = key.split(".")
             for parent in parents:  # a group given by name (scheme=randk) and one of its keys
