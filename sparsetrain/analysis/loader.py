@@ -543,11 +543,8 @@ def expected_grid(sweep: Path) -> tuple[list[str], list[tuple[str, ...]]] | None
     sweep uses syntax this reader does not expand (``range(...)``, ``choice(...)``, ...).
     """
     multirun = _read_yaml(sweep / "multirun.yaml")
-    params = dict(_get(multirun, "hydra", "sweeper", "params", default={}) or {})
-    for override in _get(multirun, "hydra", "overrides", "task", default=[]) or []:
-        key, sep, value = str(override).partition("=")
-        if sep:
-            params[_strip_override_key(key)] = value
+    params = {**(_get(multirun, "hydra", "sweeper", "params", default={}) or {}),
+              **_task_overrides(multirun)}
     keys, values = [], []
     for key, value in params.items():
         parts = _split_sweep_value(value)
@@ -557,6 +554,16 @@ def expected_grid(sweep: Path) -> tuple[list[str], list[tuple[str, ...]]] | None
             keys.append(key)
             values.append(parts)
     return keys, list(itertools.product(*values))
+
+
+def _task_overrides(multirun: dict) -> dict[str, str]:
+    """The sweep's command-line overrides (``hydra.overrides.task``), key -> value as given."""
+    out = {}
+    for override in _get(multirun, "hydra", "overrides", "task", default=[]) or []:
+        key, sep, value = str(override).partition("=")
+        if sep:
+            out[_strip_override_key(key)] = value
+    return out
 
 
 def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
@@ -579,12 +586,8 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
     experiment = _get(multirun, "hydra", "runtime", "choices", "experiment") or sweep.name
     # A value the command line fixed for every job (optim.lr=0.2 beside a swept grid) is the
     # promised job's value too.
-    fixed = []
-    for override in _get(multirun, "hydra", "overrides", "task", default=[]) or []:
-        key, sep, value = str(override).partition("=")
-        key = _strip_override_key(key)
-        if sep and key not in keys and len(_split_sweep_value(value) or ()) == 1:
-            fixed.append((key, value))
+    fixed = [(key, value) for key, value in _task_overrides(multirun).items()
+             if key not in keys and len(_split_sweep_value(value) or ()) == 1]
     rows = []
     for combo in combos:
         if combo in seen:
