@@ -25,11 +25,13 @@ STUDIES=("$@")
 [ ${#STUDIES[@]} -gt 0 ] || STUDIES=(baseline rq1_scope ablation rq2_scheme rq3_aggregation rq4_global rq2_low budget
   rq4_workers rq4_steps headline_dense headline headline_bytes ddp_fair rq5_speed)
 mkdir -p results
+# The job folders under $1 whose run completed.
+completed_jobs() { grep -l '"status": "completed"' "$1"/*/summary.json 2>/dev/null | xargs -r -n1 dirname; }
 if [ "${PARTIAL:-0}" = 1 ]; then
   for study in "${STUDIES[@]}"; do
     study=$study${SUFFIX:-}
     repo=${DEST:-.}
-    done_jobs=$(grep -l '"status": "completed"' results/"$study"/*/summary.json 2>/dev/null | xargs -r -n1 dirname)
+    done_jobs=$(completed_jobs "results/$study")
     [ -n "$done_jobs" ] || { echo "== $study: no completed job yet"; continue; }
     mkdir -p "$repo/results/$study"
     cp results/"$study"/multirun.yaml "$repo/results/$study/"
@@ -54,11 +56,12 @@ for preset in "${STUDIES[@]}"; do
   if [ "${RESUME:-0}" = 1 ] && [ -n "${DEST:-}" ] && [ "$(cd "$DEST" && pwd -P)" != "$(pwd -P)" ]; then
     # A fresh worktree (a new machine, a new session) lacks the jobs that completed before and
     # were copied to DEST: bring them back, so that they are skipped rather than run again.
-    for job in $(grep -l '"status": "completed"' "$DEST/results/$study"/*/summary.json 2>/dev/null |
-                 xargs -r -n1 dirname); do
-      grep -qs '"status": "completed"' "results/$study/$(basename "$job")/summary.json" && continue
-      mkdir -p "results/$study" && rm -rf "results/$study/$(basename "$job")" && cp -r "$job" "results/$study/"
-      echo "== $study: $(basename "$job") completed in $DEST: not run again"
+    here=$(completed_jobs "results/$study" | xargs -r -n1 basename)
+    for job in $(completed_jobs "$DEST/results/$study"); do
+      name=$(basename "$job")
+      grep -qFx "$name" <<<"$here" && continue
+      mkdir -p "results/$study" && rm -rf "results/$study/$name" && cp -r "$job" "results/$study/"
+      echo "== $study: $name completed in $DEST: not run again"
     done
   fi
   # shellcheck disable=SC2086  # EXTRA holds several overrides
