@@ -119,3 +119,37 @@ def test_the_declaration_must_come_before_the_runs(tmp_path):
     uncommitted = tmp_path / "loose.yaml"
     uncommitted.write_text(DECLARATION.read_text())
     assert "not committed" in declared.provenance(declared.load(uncommitted), after)
+
+
+def test_the_untuned_verdicts_stand_beside_the_declared_ones(tmp_path):
+    # the headline study's runs (one lr for every scheme, 4 epochs): top-k global 1.1 points above
+    # layer-wise, as measured there; random-k and block-k layer-wise 2 points apart
+    root = _study(tmp_path)
+    untuned = {"tuned_topk_layerwise": 91.0, "tuned_topk_global": 92.1, "tuned_randk_layerwise": 86.8,
+               "tuned_blockk_layerwise": 84.8}
+    for seed in range(5):
+        for i, (point, acc) in enumerate(untuned.items()):
+            scheme, scope, ratio = POINTS[point]
+            config = make_config(scheme=scheme, scope=scope, ratio=ratio, seed=seed, train__epochs=4,
+                                 train__batch_size=64, scheme__uncompressed="1d", optim__lr=0.05,
+                                 data__train_size=None)
+            run = write_run(root / "headline" / f"{seed * 4 + i}", config, experiment="headline")
+            summary = json.loads((run / "summary.json").read_text())
+            summary["test_accuracy"] = (acc + 0.3 * seed + (0.05, -0.04, 0.02, -0.03, 0.01)[(seed + i) % 5]) / 100
+            (run / "summary.json").write_text(json.dumps(summary))
+    decl = declared.load(DECLARATION)
+    before = declared.untuned_runs(root)
+    assert len(before) == 20
+    verdicts, comparisons, _ = declared.tables(decl, declared.runs_of(decl, root), before)
+    v = verdicts.data.set_index("finding")
+    assert v.loc["rq1_scope", "untuned, 4 epochs"].startswith("pending (1 of 3")
+    rows = comparisons.data.set_index(["comparison (A vs B)", "budget (epochs)"])
+    scope = rows.loc[("topk_layerwise vs topk_global", 4)]
+    assert scope["untuned, 4 epochs: A − B (95%)"].startswith("-1.10 [")
+    assert scope["untuned, 4 epochs: outcome"] == "reversed"
+    assert scope["outcome"] == "agrees"  # the declared runs: layer-wise 3 points above global
+    # the same untuned cell beside each budget's row; the rule says what the column is
+    assert rows.loc[("topk_layerwise vs topk_global", 8), "untuned, 4 epochs: outcome"] == "reversed"
+    assert "headline study's runs" in verdicts.notes[1]
+    # without the headline runs the columns are left out, not shown empty
+    assert "untuned, 4 epochs" not in declared.tables(decl, declared.runs_of(decl, root))[0].data.columns

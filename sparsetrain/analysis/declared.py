@@ -13,6 +13,11 @@ taken; an ``=`` claim by TOST at the margin). A verdict that is the same at ever
 verdict; one that differs is **budget-dependent**, never a finding (requiring it at both budgets
 is an intersection of tests: it needs no further correction). Each point's change from the first
 budget to the last, paired by seed, replaces any "plateau" claim.
+
+Beside each verdict stands the untuned one: the same comparisons, families and test applied to
+the headline study's runs (``findings.HEADLINE``: one learning rate for every scheme, 4 epochs,
+the same seeds) where the results tree holds them, so that what tuning and the longer budget
+changed is read off one table.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ import pandas as pd
 import yaml
 
 from .findings import (
+    HEADLINE,
+    HEADLINE_SWEEPS,
+    SECOND_PASS,
     Comparison,
     Finding,
     _equivalence_cell,
@@ -117,15 +125,41 @@ def runs_of(decl: Declaration, results: str | Path) -> pd.DataFrame:
     return load_runs(*folders) if folders else pd.DataFrame()
 
 
-def tables(decl: Declaration, runs: pd.DataFrame) -> tuple[Table, Table, Table]:
-    """``(verdicts, comparisons, budget change)``."""
+def untuned_runs(results: str | Path) -> pd.DataFrame:
+    """The headline study's runs under ``results`` (an empty frame where it holds none)."""
+    folders = [Path(results) / s for s in HEADLINE_SWEEPS if (Path(results) / s).exists()]
+    return load_runs(*folders) if folders else pd.DataFrame()
+
+
+# The label of the untuned counterpart's columns: the headline protocol's setting (lr 0.05 per
+# worker for every scheme, 0.3 epochs of warm-up, 4 epochs) with the declaration's axes and seeds.
+UNTUNED = "untuned, 4 epochs"
+
+
+def _untuned(decl: Declaration, before: pd.DataFrame) -> dict[str, list[dict]]:
+    """Each finding's comparisons measured on the headline runs, judged as the declaration judges
+    (its families, margin and looks); {} where there are none."""
+    if before.empty:
+        return {}
+    base = {**SECOND_PASS, **HEADLINE, **decl.setting, "seed": list(decl.seeds)}
+    return {f.key: measure(before, f, base, decl.margin, decl.looks) for f in decl.findings}
+
+
+def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = None) -> tuple[Table, Table, Table]:
+    """``(verdicts, comparisons, budget change)``; ``before``: the headline study's runs
+    (``untuned_runs``), whose verdicts stand beside the declared ones."""
     note = provenance(decl, runs)
+    untuned = _untuned(decl, pd.DataFrame() if before is None else before)
     rule = (f"A − B in points of final test accuracy, its 95% interval unadjusted; paired t over the "
             f"declared seeds ({', '.join(map(str, decl.seeds))}); p two-sided, Holm-adjusted within each "
             f"finding at each budget, times the {decl.looks} look(s) taken (capped at 1); outside the noise: "
             f"adjusted p < 0.05. An A = B claim agrees only when TOST shows equivalence within "
             f"±{decl.margin:g} point (90% interval inside the margin), else it is 'not told apart'. A verdict "
             f"that differs between the budgets ({', '.join(map(str, decl.budgets))} epochs) is budget-dependent.")
+    if untuned:
+        rule += (f" '{UNTUNED}': the same comparisons, families and test on the headline study's runs (lr 0.05 "
+                 "per worker and 0.3 epochs of warm-up for every scheme, 4 epochs, the same seeds, no validation "
+                 "split).")
     rows, verdict_rows = [], []
     base_seeds = {"seed": list(decl.seeds), "experiment": list(decl.sweeps), **decl.setting}
     empty = runs.empty
@@ -135,7 +169,7 @@ def tables(decl: Declaration, runs: pd.DataFrame) -> tuple[Table, Table, Table]:
             base = {**base_seeds, "epochs_planned": budget}
             measured = measure(runs if not empty else _no_runs(), finding, base, decl.margin, decl.looks)
             by_budget[budget] = [m["outcome"] for m in measured]
-            for m in measured:
+            for i, m in enumerate(measured):
                 d, eq = m["d"], m["equivalence"]
                 rows.append({
                     "finding": finding.key, "budget (epochs)": budget,
@@ -149,6 +183,7 @@ def tables(decl: Declaration, runs: pd.DataFrame) -> tuple[Table, Table, Table]:
                     "p": _p(d.p), f"p (Holm, x{decl.looks} looks)": _p(m["p_holm"]),
                     f"equivalence (TOST, ±{decl.margin:g} pt)": _equivalence_cell(eq, m["p_equivalent"]),
                     "outcome": m["outcome"],
+                    **_untuned_cells(untuned, finding.key, i),
                 })
         claimed = any(c.expect != "?" for c in finding.comparisons)
         each = {b: verdict(o, claimed) for b, o in by_budget.items()}
@@ -157,6 +192,8 @@ def tables(decl: Declaration, runs: pd.DataFrame) -> tuple[Table, Table, Table]:
         overall = (each[decl.budgets[0]] if steady else
                    "budget-dependent: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items()))
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
+                             **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed)}
+                                if untuned else {}),
                              **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": overall})
     title = f"{decl.study}: declared comparisons"
     verdicts = pd.DataFrame(verdict_rows)
@@ -167,6 +204,16 @@ def tables(decl: Declaration, runs: pd.DataFrame) -> tuple[Table, Table, Table]:
             Table("budget_change", f"{decl.study}: each point from {decl.budgets[0]} to {decl.budgets[-1]} epochs",
                   change, change, notes=[note, "Test accuracy at the last budget minus the first, paired by seed "
                                          "(paired t, 95% interval unadjusted, Holm over the points)."]))
+
+
+def _untuned_cells(untuned: dict[str, list[dict]], key: str, index: int) -> dict:
+    """The comparisons table's untuned columns for the ``index``-th comparison of finding ``key``."""
+    if not untuned:
+        return {}
+    m = untuned[key][index]
+    d = m["d"]
+    shown = "—" if math.isnan(d.diff) else f"{d.diff:+.2f} [{d.low:+.2f}, {d.high:+.2f}]"
+    return {f"{UNTUNED}: A − B (95%)": shown, f"{UNTUNED}: outcome": m["outcome"]}
 
 
 def _no_runs() -> pd.DataFrame:
@@ -201,7 +248,7 @@ def write(decl_path: str | Path, results: str | Path, out: str | Path, echo=None
     decl = load(decl_path)
     runs = runs_of(decl, results)
     written: list[Path] = []
-    for table in tables(decl, runs):
+    for table in tables(decl, runs, untuned_runs(results)):
         written += write_table(table, out).values()
         if echo is not None:
             echo(table.to_markdown())
