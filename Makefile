@@ -50,6 +50,8 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	$(ANALYSE) --studies $(RESULTS) --out $(FIGURES)
 	@# The tuned verdicts, as declared before their runs (pending until results/verdict_e4 exists).
 	$(ANALYSE) $(RESULTS) --declared conf/declared/verdicts.yaml --out $(FIGURES)/verdicts_tuned
+	@# Local SGD and DiLoCo against the frontier's runs, as declared before their runs (pending until results/local exists).
+	$(ANALYSE) $(RESULTS) --declared conf/declared/local.yaml --out $(FIGURES)/local
 	@# The tuning study's trials and choices, once its sweeps are there (the edge rule's runs with them).
 	$(if $(TUNE_SWEEPS),$(ANALYSE) $(TUNE_SWEEPS) --tuning --out $(FIGURES)/tune,@echo "figures: no $(RESULTS)/tune yet: tuning tables skipped")
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),

@@ -153,3 +153,61 @@ def test_the_untuned_verdicts_stand_beside_the_declared_ones(tmp_path):
     assert "headline study's runs" in verdicts.notes[1]
     # without the headline runs the columns are left out, not shown empty
     assert "untuned, 4 epochs" not in declared.tables(decl, declared.runs_of(decl, root))[0].data.columns
+
+
+LOCAL = ROOT / "conf" / "declared" / "local.yaml"
+_PERIODIC = {"_target_": "sparsetrain.comm.periodic.PeriodicSync", "_partial_": True}
+
+
+def test_a_study_judged_against_earlier_runs(tmp_path):
+    """Issue 38's declaration: new points (local SGD, DiLoCo) against the frontier's runs, which
+    ran earlier (reference_sweeps); one budget, so no budget-change table."""
+    import yaml
+    decl = declared.load(LOCAL)
+    assert decl.references == ("frontier", "frontier_s34", "headline", "headline_dense") and decl.budgets == (4,)
+    protocol = {"seed": 0, "train__epochs": 4, "train__batch_size": 64, "scheme__uncompressed": "1d",
+                "optim__lr": 0.05, "optim__warmup_epochs": 0.3, "data__train_size": None}
+    sides = {  # sweep, scheme, its sync node (None: every step), ratio, test accuracy (%)
+        "topk_low": ("frontier", "topk", None, 0.00504, 91.0),
+        "localsgd_low": ("local", "localsgd", {"period": 66, "outer_lr": 1.0, "outer_momentum": 0.0}, 0.01, 89.0),
+        "diloco_low": ("local", "diloco", {"period": 66, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                           "nesterov": True}, 0.01, 90.5),
+    }
+    for i, (sweep, scheme, sync, ratio, acc) in enumerate(sides.values()):
+        for seed in range(5):
+            # written as top-k (the fake runs' formulas know the per-step schemes), then named
+            config = make_config(**{**protocol, "seed": seed}, scheme="topk", ratio=ratio)
+            run = write_run(tmp_path / sweep / f"{i}_{seed}", config, experiment=sweep)
+            config["scheme"] = {**config["scheme"], "name": scheme, **({"sync": {**_PERIODIC, **sync}} if sync else {})}
+            (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+            summary = json.loads((run / "summary.json").read_text())
+            summary["config"] = config
+            summary["test_accuracy"] = (acc + 0.3 * seed + (0.05, -0.04, 0.02, -0.03, 0.01)[(seed + i) % 5]) / 100
+            (run / "summary.json").write_text(json.dumps(summary))
+    runs = declared.runs_of(decl, tmp_path)
+    assert len(runs) == 15
+    judged = declared.tables(decl, runs, declared.untuned_runs(tmp_path))
+    assert [t.name for t in judged] == ["verdicts", "comparisons"]  # one budget: no budget change
+    rows = judged[1].data.set_index("comparison (A vs B)")
+    # the sync axis tells local SGD from DiLoCo at the same period; the reference side is the frontier's
+    outer = rows.loc["diloco_low vs localsgd_low"]
+    assert (outer["A − B (points)"], outer["test"], outer["outcome"]) == ("+1.50", "paired t (n=5)", "A higher")
+    assert rows.loc["localsgd_low vs topk_low", "outcome"] == "B higher"
+    assert rows.loc["diloco_topk_low vs topk_low", "outcome"] == "pending"  # no run yet
+    assert "untuned, 4 epochs" not in judged[0].data.columns  # the headline study never ran these points
+    # provenance: the study's own runs are checked; the references are named as earlier
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "code.py").write_text("x = 1\n")
+    _git(repo, "add", "code.py")
+    _git(repo, "commit", "-qm", "the frontier's code")
+    early = _git(repo, "rev-parse", "HEAD")[:12]
+    (repo / "local.yaml").write_text(LOCAL.read_text())
+    _git(repo, "add", "local.yaml")
+    _git(repo, "commit", "-qm", "declare")
+    late = _git(repo, "rev-parse", "HEAD")[:12]
+    frame = pd.DataFrame({"experiment": ["local", "frontier", "frontier"], "code_commits": [late, early, early]})
+    text = declared.provenance(declared.load(repo / "local.yaml"), frame)
+    assert f"before every run (1 runs on {late})" in text and "NOT before" not in text
+    assert f"judged against 2 earlier runs of frontier, frontier_s34, headline, headline_dense (on {early})" in text

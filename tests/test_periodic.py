@@ -324,6 +324,12 @@ def test_the_analysis_tells_synchronisation_settings_apart():
     row = row_from_summary({"status": "completed", "config": cfg,
                             "applies": {"ratio": False, "aggregation": False, "scope": False}}, None)
     assert row["sync"] == "PeriodicSync(outer_lr=1.0, outer_momentum=0.0, period=8)"
+    assert row["delta"] == "dense"
+    # what compresses the delta is an axis of its own: top-k and random-k deltas are told apart
+    for cls in ("TopK", "RandomK"):
+        compressed = {**cfg, "scheme": {**cfg["scheme"], "compressor": {"_target_": f"sparsetrain.compress.{cls}"}}}
+        assert row_from_summary({"status": "completed", "config": compressed}, None)["delta"] == cls
     assert (row["scope"], row["aggregation"], row["ratio"]) == (NOT_APPLICABLE, NOT_APPLICABLE, 1.0)
     plain = row_from_summary({"status": "completed", "config": {**cfg, "scheme": {"name": "topk"}}}, None)
     assert plain["sync"] is None  # load_runs shows it as "every step" where some run synchronised less
+    assert plain["delta"] is None  # and "-" for its delta

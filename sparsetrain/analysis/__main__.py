@@ -14,9 +14,10 @@ every trial, the choice per scheme and scope by validation accuracy (``trials.md
 the tuned protocol reads (``conf/tuned``).
 
 With ``--declared DECLARATION`` the one path is a results tree: the study declared in that file
-(``conf/declared/verdicts.yaml``) judged from its sweeps there, each comparison at each budget,
-with the check that the declaration's commit precedes every run's (``verdicts``, ``comparisons``,
-``budget_change``; ``sparsetrain.analysis.declared``).
+(``conf/declared/verdicts.yaml``, ``local.yaml``) judged from its sweeps there (and the earlier
+sweeps it is judged against), each comparison at each budget, with the check that the
+declaration's commit precedes every run's (``verdicts``, ``comparisons``, and ``budget_change``
+for two budgets or more; ``sparsetrain.analysis.declared``).
 
 With ``--time-to-accuracy TARGET`` it makes the time-to-accuracy table and figure instead
 (``time_to_accuracy.{md,csv,tex,png,pdf}``; see ``sparsetrain.analysis.time_to_accuracy``):

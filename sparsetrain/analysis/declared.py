@@ -3,9 +3,11 @@
 A declaration names the study's sweeps, its budgets (epochs), seeds, the equivalence margin of its
 ``=`` claims, how many looks at the data have been taken, its points (a name for a set of axis
 values) and its findings: each a Holm family of comparisons between two points, with what the
-paper claims (``>``, ``=``, ``?`` for no claim). It is committed before the study's first run; the
-analysis checks that with git (the commit that added the file must be an ancestor of every run's
-commit) and says so above the verdicts, with every later change to the file.
+paper claims (``>``, ``=``, ``?`` for no claim); optionally ``reference_sweeps``, earlier sweeps
+whose runs the new points are judged against, taken as they are. It is committed before the
+study's first run; the analysis checks that with git (the commit that added the file must be an
+ancestor of every run's commit) and says so above the verdicts, with every later change to the
+file.
 
 Every comparison is judged at each budget on its own (``findings.measure``: the difference with
 its 95 % interval and paired t, Holm within the finding at that budget, each p times the looks
@@ -61,6 +63,14 @@ class Declaration:
     setting: dict
     points: dict
     findings: tuple[Finding, ...]
+    # Earlier sweeps whose runs the study is judged against (``reference_sweeps``): they ran before
+    # the declaration, on their own commits, and are taken as they are.
+    references: tuple[str, ...] = ()
+
+    @property
+    def experiments(self) -> list[str]:
+        """What a run's ``experiment`` may be: the study's sweeps and its references."""
+        return [*self.sweeps, *self.references]
 
 
 def load(path: str | Path) -> Declaration:
@@ -84,7 +94,8 @@ def load(path: str | Path) -> Declaration:
         findings.append(Finding(f["key"], f.get("claim", ""), tuple(comparisons)))
     return Declaration(path, doc["study"], tuple(doc["sweeps"]), tuple(int(b) for b in doc["budgets"]),
                        tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
-                       dict(doc.get("setting") or {}), points, tuple(findings))
+                       dict(doc.get("setting") or {}), points, tuple(findings),
+                       tuple(doc.get("reference_sweeps") or ()))
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -92,7 +103,8 @@ def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 def provenance(decl: Declaration, runs: pd.DataFrame) -> str:
-    """One line: the commit that declared the study, whether it precedes every run's commit, and
+    """One line: the commit that declared the study, whether it precedes every run's commit (the
+    study's own: its reference sweeps' runs came earlier by design, and are named as such), and
     each later change to the declaration."""
     where = decl.path.resolve().parent
     try:
@@ -104,8 +116,9 @@ def provenance(decl: Declaration, runs: pd.DataFrame) -> str:
         return f"Declared: {decl.path.name} is not committed: the runs cannot be shown to come after it."
     first, first_date = history[-1]
     text = f"Declared in {first[:12]} ({first_date[:10]})"
-    commits = sorted({c for cell in runs.get("code_commits", pd.Series(dtype=str)).dropna()
-                      for c in str(cell).split(";") if c and c != "unrecorded"})
+    references = runs[~runs["experiment"].isin(decl.sweeps)] if decl.references and "experiment" in runs else runs.iloc[:0]
+    runs = runs.drop(index=references.index)
+    commits = _commits(runs)
     if commits:
         after = [c for c in commits if _git(["merge-base", "--is-ancestor", first, c.split("-")[0]], where).returncode == 0]
         late = sorted(set(commits) - set(after))
@@ -113,15 +126,24 @@ def provenance(decl: Declaration, runs: pd.DataFrame) -> str:
                  f"; NOT before the runs on {', '.join(late)}: those runs are not covered by the declaration")
     else:
         text += "; no runs yet"
+    if not references.empty:
+        text += (f"; judged against {len(references)} earlier runs of {', '.join(decl.references)} (on "
+                 f"{', '.join(_commits(references)) or 'unrecorded commits'}), taken as they are")
     amendments = [f"{c[:12]} ({d[:10]})" for c, d in history[:-1]]
     if amendments:
         text += f"; changed since in {', '.join(amendments)} (git log -p {decl.path.name})"
     return text + "."
 
 
+def _commits(runs: pd.DataFrame) -> list[str]:
+    return sorted({c for cell in runs.get("code_commits", pd.Series(dtype=str)).dropna()
+                   for c in str(cell).split(";") if c and c != "unrecorded"})
+
+
 def runs_of(decl: Declaration, results: str | Path) -> pd.DataFrame:
-    """The runs of the declared sweeps under ``results`` (an empty frame before any exists)."""
-    folders = [Path(results) / s for s in decl.sweeps if (Path(results) / s).exists()]
+    """The runs of the declared sweeps and references under ``results`` (an empty frame before
+    any exists)."""
+    folders = [Path(results) / s for s in (*decl.sweeps, *decl.references) if (Path(results) / s).exists()]
     return load_runs(*folders) if folders else pd.DataFrame()
 
 
@@ -138,16 +160,22 @@ UNTUNED = "untuned, 4 epochs"
 
 def _untuned(decl: Declaration, before: pd.DataFrame) -> dict[str, list[dict]]:
     """Each finding's comparisons measured on the headline runs, judged as the declaration judges
-    (its families, margin and looks); {} where there are none."""
+    (its families, margin and looks); {} where the headline study measured none of them (a
+    study of points it never ran)."""
     if before.empty:
         return {}
     base = {**SECOND_PASS, **HEADLINE, **decl.setting, "seed": list(decl.seeds)}
-    return {f.key: measure(before, f, base, decl.margin, decl.looks) for f in decl.findings}
+    before = _every_axis(before)
+    measured = {f.key: measure(before, f, base, decl.margin, decl.looks) for f in decl.findings}
+    if all(m["outcome"] == "pending" for ms in measured.values() for m in ms):
+        return {}
+    return measured
 
 
-def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = None) -> tuple[Table, Table, Table]:
-    """``(verdicts, comparisons, budget change)``; ``before``: the headline study's runs
-    (``untuned_runs``), whose verdicts stand beside the declared ones."""
+def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = None) -> tuple[Table, ...]:
+    """``(verdicts, comparisons, budget change)``, the last only for a study of two budgets or
+    more; ``before``: the headline study's runs (``untuned_runs``), whose verdicts stand beside
+    the declared ones."""
     note = provenance(decl, runs)
     untuned = _untuned(decl, pd.DataFrame() if before is None else before)
     rule = (f"A − B in points of final test accuracy, its 95% interval unadjusted; paired t over the "
@@ -155,19 +183,21 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
             f"finding at each budget, times the {decl.looks} look(s) taken (capped at 1); outside the noise: "
             f"adjusted p < 0.05. An A = B claim agrees only when TOST shows equivalence within "
             f"±{decl.margin:g} point (90% interval inside the margin), else it is 'not told apart'. A verdict "
-            f"that differs between the budgets ({', '.join(map(str, decl.budgets))} epochs) is budget-dependent.")
+            f"that differs between the budgets ({', '.join(map(str, decl.budgets))} epochs) is budget-dependent."
+            if len(decl.budgets) > 1 else
+            f"Final test accuracy at {decl.budgets[0]} epochs.")
     if untuned:
         rule += (f" '{UNTUNED}': the same comparisons, families and test on the headline study's runs (lr 0.05 "
                  "per worker and 0.3 epochs of warm-up for every scheme, 4 epochs, the same seeds, no validation "
                  "split).")
     rows, verdict_rows = [], []
-    base_seeds = {"seed": list(decl.seeds), "experiment": list(decl.sweeps), **decl.setting}
-    empty = runs.empty
+    base_seeds = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
+    runs = _every_axis(runs)
     for finding in decl.findings:
         by_budget = {}
         for budget in decl.budgets:
             base = {**base_seeds, "epochs_planned": budget}
-            measured = measure(runs if not empty else _no_runs(), finding, base, decl.margin, decl.looks)
+            measured = measure(runs, finding, base, decl.margin, decl.looks)
             by_budget[budget] = [m["outcome"] for m in measured]
             for i, m in enumerate(measured):
                 d, eq = m["d"], m["equivalence"]
@@ -198,9 +228,12 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
     title = f"{decl.study}: declared comparisons"
     verdicts = pd.DataFrame(verdict_rows)
     comparisons = pd.DataFrame(rows)
+    judged = (Table("verdicts", f"{title}, verdicts", verdicts, verdicts, notes=[note, rule]),
+              Table("comparisons", f"{title}, every comparison", comparisons, comparisons, notes=[note, rule]))
+    if len(decl.budgets) == 1:
+        return judged
     change = _budget_change(decl, runs)
-    return (Table("verdicts", f"{title}, verdicts", verdicts, verdicts, notes=[note, rule]),
-            Table("comparisons", f"{title}, every comparison", comparisons, comparisons, notes=[note, rule]),
+    return (*judged,
             Table("budget_change", f"{decl.study}: each point from {decl.budgets[0]} to {decl.budgets[-1]} epochs",
                   change, change, notes=[note, "Test accuracy at the last budget minus the first, paired by seed "
                                          "(paired t, 95% interval unadjusted, Holm over the points)."]))
@@ -216,17 +249,21 @@ def _untuned_cells(untuned: dict[str, list[dict]], key: str, index: int) -> dict
     return {f"{UNTUNED}: A − B (95%)": shown, f"{UNTUNED}: outcome": m["outcome"]}
 
 
-def _no_runs() -> pd.DataFrame:
-    """A frame with every column a side selects on and none of its rows: before any run exists."""
-    return pd.DataFrame(columns=list(dict.fromkeys([*COLUMNS_FIRST, *AXES, "test_accuracy", "stability"])))
+def _every_axis(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with every column a side selects on: an axis no run has (``sync`` before the first
+    local SGD run) is empty, so a point that names it selects nothing yet. Before any run exists:
+    those columns and no rows."""
+    if runs.empty:
+        return pd.DataFrame(columns=list(dict.fromkeys([*COLUMNS_FIRST, *AXES, "test_accuracy", "stability"])))
+    return runs.assign(**{axis: None for axis in AXES if axis not in runs})
 
 
 def _budget_change(decl: Declaration, runs: pd.DataFrame) -> pd.DataFrame:
     from .findings import _side
 
     first, last = decl.budgets[0], decl.budgets[-1]
-    source = runs if not runs.empty else _no_runs()
-    base = {"seed": list(decl.seeds), "experiment": list(decl.sweeps), **decl.setting}
+    source = _every_axis(runs)
+    base = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
     measured = []
     for name, axes in decl.points.items():
         at = {b: _side(source, axes, {**base, "epochs_planned": b}) for b in (first, last)}
@@ -244,7 +281,7 @@ def _budget_change(decl: Declaration, runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def write(decl_path: str | Path, results: str | Path, out: str | Path, echo=None) -> list[Path]:
-    """The declared study's three tables into ``out`` (Markdown, CSV, LaTeX)."""
+    """The declared study's tables into ``out`` (Markdown, CSV, LaTeX)."""
     decl = load(decl_path)
     runs = runs_of(decl, results)
     written: list[Path] = []

@@ -61,6 +61,7 @@ AXES = (
     "compressor_options",
     "memory",
     "sync",
+    "delta",
     "uncompressed",
     "warmup_steps",
     "exchange",
@@ -214,6 +215,16 @@ def _compressor_options(cfg: dict) -> str | None:
 # how often a run whose scheme named no sync node synchronised: every step (its exchange's)
 DEFAULT_SYNC = "every step"
 
+
+def _delta(cfg: dict) -> str | None:
+    """What sends a synchronising scheme's pseudo-gradient: its compressor's class (``TopK``, given
+    as ``+scheme.compressor._target_``) or ``dense``; None for a scheme that exchanges every step
+    (its compressor is its scheme)."""
+    if not isinstance(_get(cfg, "scheme", "sync"), dict):
+        return None
+    node = _get(cfg, "scheme", "compressor")
+    return str(node.get("_target_", "?")).rpartition(".")[2] if isinstance(node, dict) else "dense"
+
 # memory of a run whose scheme named none: error feedback (or none, scheme.error_feedback=false,
 # its own axis). The column is there only when some run named one (load_runs).
 DEFAULT_MEMORY = "error feedback"
@@ -260,6 +271,7 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         "compressor_options": _compressor_options(cfg),
         "memory": _class_node(cfg, "memory"),
         "sync": _class_node(cfg, "sync"),
+        "delta": _delta(cfg),
         # Runs from before these keys existed compressed every tensor from the first step.
         "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
         "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
@@ -657,7 +669,7 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
         return frame
     frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
     for column, default in (("compressor_options", CLASS_DEFAULTS), ("memory", DEFAULT_MEMORY),
-                            ("sync", DEFAULT_SYNC)):
+                            ("sync", DEFAULT_SYNC), ("delta", NOT_APPLICABLE)):
         if column in frame:  # only where some run set one: other results keep their columns
             values = frame[column]
             frame = frame.drop(columns=column) if values.isna().all() else frame.assign(**{column: values.fillna(default)})
