@@ -94,7 +94,9 @@ def _git(repo: Path, *args: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def test_the_declaration_must_come_before_the_runs(tmp_path):
+def _declared_in_a_repo(tmp_path: Path, declaration: Path) -> tuple[Path, str, str]:
+    """A git repository with a commit of code, then one adding ``declaration``: (the
+    declaration's path there, the early commit, the declaring one)."""
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
@@ -102,11 +104,16 @@ def test_the_declaration_must_come_before_the_runs(tmp_path):
     _git(repo, "add", "code.py")
     _git(repo, "commit", "-qm", "code")
     early = _git(repo, "rev-parse", "HEAD")
-    path = repo / "verdicts.yaml"
-    path.write_text(DECLARATION.read_text())
-    _git(repo, "add", "verdicts.yaml")
+    path = repo / declaration.name
+    path.write_text(declaration.read_text())
+    _git(repo, "add", path.name)
     _git(repo, "commit", "-qm", "declare")
-    late = _git(repo, "rev-parse", "HEAD")
+    return path, early, _git(repo, "rev-parse", "HEAD")
+
+
+def test_the_declaration_must_come_before_the_runs(tmp_path):
+    path, early, late = _declared_in_a_repo(tmp_path, DECLARATION)
+    repo = path.parent
     decl = declared.load(path)
     after = pd.DataFrame({"code_commits": [late[:12]] * 3})
     text = declared.provenance(decl, after)
@@ -196,18 +203,9 @@ def test_a_study_judged_against_earlier_runs(tmp_path):
     assert rows.loc["diloco_topk_low vs topk_low", "outcome"] == "pending"  # no run yet
     assert "untuned, 4 epochs" not in judged[0].data.columns  # the headline study never ran these points
     # provenance: the study's own runs are checked; the references are named as earlier
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    (repo / "code.py").write_text("x = 1\n")
-    _git(repo, "add", "code.py")
-    _git(repo, "commit", "-qm", "the frontier's code")
-    early = _git(repo, "rev-parse", "HEAD")[:12]
-    (repo / "local.yaml").write_text(LOCAL.read_text())
-    _git(repo, "add", "local.yaml")
-    _git(repo, "commit", "-qm", "declare")
-    late = _git(repo, "rev-parse", "HEAD")[:12]
+    path, early, late = _declared_in_a_repo(tmp_path, LOCAL)
+    early, late = early[:12], late[:12]
     frame = pd.DataFrame({"experiment": ["local", "frontier", "frontier"], "code_commits": [late, early, early]})
-    text = declared.provenance(declared.load(repo / "local.yaml"), frame)
+    text = declared.provenance(declared.load(path), frame)
     assert f"before every run (1 runs on {late})" in text and "NOT before" not in text
     assert f"judged against 2 earlier runs of frontier, frontier_s34, headline, headline_dense (on {early})" in text
