@@ -71,6 +71,18 @@ def test_declared_verdicts_per_budget_and_budget_dependence(tmp_path):
     assert c.loc["dense", "test"] == "paired t (n=5)"
 
 
+def test_a_budget_not_run_yet_leaves_the_verdict_pending(tmp_path):
+    # the 4-epoch half complete, the 8-epoch half not started: pending, never "budget-dependent"
+    import shutil
+
+    root = _study(tmp_path)
+    shutil.rmtree(root / "verdict_e8")
+    decl = declared.load(DECLARATION)
+    verdicts = declared.tables(decl, declared.runs_of(decl, root))[0].data.set_index("finding")
+    assert verdicts.loc["rq1_scope", "4 epochs"] == "reproduced"
+    assert verdicts.loc["rq1_scope", "verdict"] == "pending: 8 epochs (0 of 3 comparisons measured)"
+
+
 def test_the_equivalence_test_is_two_one_sided_tests():
     from scipy import stats
 
@@ -118,6 +130,9 @@ def test_the_declaration_must_come_before_the_runs(tmp_path):
     after = pd.DataFrame({"code_commits": [late[:12]] * 3})
     text = declared.provenance(decl, after)
     assert text.startswith(f"Declared in {late[:12]}") and "before every run (3 runs" in text
+    # a job of the grid not run yet (absent) is not a run
+    grid = pd.DataFrame({"code_commits": [late[:12]] * 3 + [None], "status": ["completed"] * 3 + ["absent"]})
+    assert "before every run (3 runs" in declared.provenance(decl, grid)
     before = pd.DataFrame({"code_commits": [early[:12], late[:12]]})
     assert f"NOT before the runs on {early[:12]}" in declared.provenance(decl, before)
     path.write_text(path.read_text().replace("looks: 1", "looks: 2"))

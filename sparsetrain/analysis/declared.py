@@ -116,6 +116,8 @@ def provenance(decl: Declaration, runs: pd.DataFrame) -> str:
         return f"Declared: {decl.path.name} is not committed: the runs cannot be shown to come after it."
     first, first_date = history[-1]
     text = f"Declared in {first[:12]} ({first_date[:10]})"
+    if "status" in runs:  # a job of the grid not run yet has no commit to check
+        runs = runs[runs["status"] != "absent"]
     references = runs[~runs["experiment"].isin(decl.sweeps)] if decl.references and "experiment" in runs else runs.iloc[:0]
     runs = runs.drop(index=references.index)
     commits = _commits(runs)
@@ -219,7 +221,9 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
         each = {b: verdict(o, claimed) for b, o in by_budget.items()}
         outcomes = list(zip(*by_budget.values()))
         steady = all(len(set(o)) == 1 for o in outcomes)
-        overall = (each[decl.budgets[0]] if steady else
+        unjudged = [b for b, v in each.items() if v.startswith(("pending", "not judged"))]
+        overall = ("pending: " + "; ".join(f"{b} epochs {each[b].removeprefix('pending ')}" for b in unjudged) if unjudged and len(each) > 1
+                   else each[decl.budgets[0]] if steady or unjudged else
                    "budget-dependent: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items()))
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
                              **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed)}
