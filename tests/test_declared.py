@@ -80,7 +80,18 @@ def test_a_budget_not_run_yet_leaves_the_verdict_pending(tmp_path):
     decl = declared.load(DECLARATION)
     verdicts = declared.tables(decl, declared.runs_of(decl, root))[0].data.set_index("finding")
     assert verdicts.loc["rq1_scope", "4 epochs"] == "reproduced"
-    assert verdicts.loc["rq1_scope", "verdict"] == "pending: 8 epochs (0 of 3 comparisons measured)"
+    assert verdicts.loc["rq1_scope", "verdict"] == "pending: 8 epochs (0 of 30 runs ended)"
+    # a family is judged whole: with one seed's run missing its comparisons wait, unread
+    (root / "verdict_e4" / "0" / "summary.json").unlink()  # tuned_dense, seed 0: "no summary"
+    verdicts, comparisons, change = declared.tables(decl, declared.runs_of(decl, root))
+    v = verdicts.data.set_index("finding")
+    assert v.loc["dense_cost", "4 epochs"] == "pending (39 of 40 runs ended)"
+    assert v.loc["rq1_scope", "4 epochs"] == "reproduced"  # no dense SGD in that family
+    waiting = comparisons.data[comparisons.data["finding"] == "dense_cost"]
+    assert set(waiting["outcome"]) == {"pending"} and set(waiting["A − B (points)"]) == {"—"}
+    assert set(waiting["A: test accuracy (%)"]) == {"—"}  # not shown either: no look at part of the seeds
+    assert set(change.data["change (points)"]) == {"—"}
+    assert change.data["test"].iloc[0] == "pending (4 epochs: 39 of 40 runs ended; 8 epochs: 0 of 40 runs ended)"
 
 
 def test_the_equivalence_test_is_two_one_sided_tests():
@@ -194,6 +205,11 @@ def test_a_study_judged_against_earlier_runs(tmp_path):
         "localsgd_low": ("local", "localsgd", {"period": 66, "outer_lr": 1.0, "outer_momentum": 0.0}, 0.01, 89.0),
         "diloco_low": ("local", "diloco", {"period": 66, "outer_lr": 0.7, "outer_momentum": 0.9,
                                            "nesterov": True}, 0.01, 90.5),
+        "localsgd_high": ("local", "localsgd", {"period": 28, "outer_lr": 1.0, "outer_momentum": 0.0}, 0.01, 89.5),
+        "diloco_high": ("local", "diloco", {"period": 28, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                            "nesterov": True}, 0.01, 90.6),
+        "diloco_topk_low": ("local", "diloco", {"period": 14, "outer_lr": 0.7, "outer_momentum": 0.9,
+                                                "nesterov": True}, 0.1, 90.4),
     }
     for i, (sweep, scheme, sync, ratio, acc) in enumerate(sides.values()):
         for seed in range(5):
@@ -201,21 +217,26 @@ def test_a_study_judged_against_earlier_runs(tmp_path):
             config = make_config(**{**protocol, "seed": seed}, scheme="topk", ratio=ratio)
             run = write_run(tmp_path / sweep / f"{i}_{seed}", config, experiment=sweep)
             config["scheme"] = {**config["scheme"], "name": scheme, **({"sync": {**_PERIODIC, **sync}} if sync else {})}
+            if ratio == 0.1:  # the delta sent by top-k
+                config["scheme"]["compressor"] = {"_target_": "sparsetrain.compress.TopK", "_partial_": True}
             (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
             summary = json.loads((run / "summary.json").read_text())
             summary["config"] = config
             summary["test_accuracy"] = (acc + 0.3 * seed + (0.05, -0.04, 0.02, -0.03, 0.01)[(seed + i) % 5]) / 100
             (run / "summary.json").write_text(json.dumps(summary))
     runs = declared.runs_of(decl, tmp_path)
-    assert len(runs) == 15
+    assert len(runs) == 30
     judged = declared.tables(decl, runs, declared.untuned_runs(tmp_path))
     assert [t.name for t in judged] == ["verdicts", "comparisons"]  # one budget: no budget change
     rows = judged[1].data.set_index("comparison (A vs B)")
-    # the sync axis tells local SGD from DiLoCo at the same period; the reference side is the frontier's
+    # the sync axis tells local SGD from DiLoCo at the same period, the delta axis a top-k delta
+    # from a dense one
     outer = rows.loc["diloco_low vs localsgd_low"]
     assert (outer["A − B (points)"], outer["test"], outer["outcome"]) == ("+1.50", "paired t (n=5)", "A higher")
-    assert rows.loc["localsgd_low vs topk_low", "outcome"] == "B higher"
-    assert rows.loc["diloco_topk_low vs topk_low", "outcome"] == "pending"  # no run yet
+    assert rows.loc["diloco_topk_low vs diloco_low", "A − B (points)"] == "-0.10"
+    # the 1.5% family waits for block-k's and random-k's references (not in this tree)
+    assert rows.loc["localsgd_low vs topk_low", "outcome"] == "pending"
+    assert judged[0].data.set_index("finding").loc["local_low", "verdict"] == "pending (20 of 30 runs ended)"
     assert "untuned, 4 epochs" not in judged[0].data.columns  # the headline study never ran these points
     # provenance: the study's own runs are checked; the references are named as earlier
     path, early, late = _declared_in_a_repo(tmp_path, LOCAL)

@@ -42,6 +42,7 @@ from .findings import (
     _num,
     _p,
     _show,
+    _side,
     measure,
     side_accuracy,
     verdict,
@@ -195,30 +196,26 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
     rows, verdict_rows = [], []
     base_seeds = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
     runs = _every_axis(runs)
+    claimed = {}
+    each_of = {}
     for finding in decl.findings:
-        by_budget = {}
+        by_budget, waiting = {}, {}
+        claimed[finding.key] = any(c.expect != "?" for c in finding.comparisons)
         for budget in decl.budgets:
             base = {**base_seeds, "epochs_planned": budget}
+            ended, needed = _ended(runs, [side for c in finding.comparisons for side in (c.a, c.b)], base)
+            if ended < needed:  # judged only whole: Holm needs the family, and part of the seeds is a look
+                waiting[budget] = f"pending ({ended} of {needed} runs ended)"
+                by_budget[budget] = ["pending"] * len(finding.comparisons)
+                rows += [{**_row(decl, finding, budget, c), **_untuned_cells(untuned, finding.key, i)}
+                         for i, c in enumerate(finding.comparisons)]
+                continue
             measured = measure(runs, finding, base, decl.margin, decl.looks)
             by_budget[budget] = [m["outcome"] for m in measured]
-            for i, m in enumerate(measured):
-                d, eq = m["d"], m["equivalence"]
-                rows.append({
-                    "finding": finding.key, "budget (epochs)": budget,
-                    "comparison (A vs B)": m["comparison"].label,
-                    "paper": {">": "A > B", "=": "A = B"}.get(m["comparison"].expect, "no claim"),
-                    "A: test accuracy (%)": _show(m["acc_a"], m["side_a"]),
-                    "B: test accuracy (%)": _show(m["acc_b"], m["side_b"]),
-                    "A − B (points)": _num(d.diff, signed=True),
-                    "95% interval (unadjusted)": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
-                    "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""),
-                    "p": _p(d.p), f"p (Holm, x{decl.looks} looks)": _p(m["p_holm"]),
-                    f"equivalence (TOST, ±{decl.margin:g} pt)": _equivalence_cell(eq, m["p_equivalent"]),
-                    "outcome": m["outcome"],
-                    **_untuned_cells(untuned, finding.key, i),
-                })
-        claimed = any(c.expect != "?" for c in finding.comparisons)
-        each = {b: verdict(o, claimed) for b, o in by_budget.items()}
+            rows += [{**_row(decl, finding, budget, m["comparison"], m), **_untuned_cells(untuned, finding.key, i)}
+                     for i, m in enumerate(measured)]
+        each_of[finding.key] = {b: waiting.get(b) or verdict(o, claimed[finding.key]) for b, o in by_budget.items()}
+        each = each_of[finding.key]
         outcomes = list(zip(*by_budget.values()))
         steady = all(len(set(o)) == 1 for o in outcomes)
         unjudged = [b for b, v in each.items() if v.startswith(("pending", "not judged"))]
@@ -226,7 +223,7 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
                    else each[decl.budgets[0]] if steady or unjudged else
                    "budget-dependent: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items()))
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
-                             **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed)}
+                             **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed[finding.key])}
                                 if untuned else {}),
                              **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": overall})
     title = f"{decl.study}: declared comparisons"
@@ -241,6 +238,39 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
             Table("budget_change", f"{decl.study}: each point from {decl.budgets[0]} to {decl.budgets[-1]} epochs",
                   change, change, notes=[note, "Test accuracy at the last budget minus the first, paired by seed "
                                          "(paired t, 95% interval unadjusted, Holm over the points)."]))
+
+
+# A run the study still holds open: resuming it (RESUME=1) ends it. Failed runs and runs that did
+# not train have ended (the comparison counts them in brackets).
+OPEN = ("running", "absent", "no summary", "unfinished")
+
+
+def _ended(runs: pd.DataFrame, sides: list[dict], base: dict) -> tuple[int, int]:
+    """How many of the runs that ``sides`` (points' axes, each counted once) need at ``base`` have
+    ended, and how many they need: one per declared seed each."""
+    distinct = list({tuple(sorted(axes.items())): axes for axes in sides}.values())
+    ended = 0
+    for axes in distinct:
+        side = _side(runs, axes, base)
+        ended += side.loc[~side["status"].isin(OPEN), "seed"].nunique()
+    return ended, len(distinct) * len(base["seed"])
+
+
+def _row(decl: Declaration, finding: Finding, budget: int, comparison: Comparison, m: dict | None = None) -> dict:
+    """One comparison's row of the comparisons table; ``m`` (``findings.measure``'s) None: pending."""
+    d = m["d"] if m else None
+    return {
+        "finding": finding.key, "budget (epochs)": budget, "comparison (A vs B)": comparison.label,
+        "paper": {">": "A > B", "=": "A = B"}.get(comparison.expect, "no claim"),
+        "A: test accuracy (%)": _show(m["acc_a"], m["side_a"]) if m else "—",
+        "B: test accuracy (%)": _show(m["acc_b"], m["side_b"]) if m else "—",
+        "A − B (points)": _num(d.diff, signed=True) if m else "—",
+        "95% interval (unadjusted)": "—" if not m or math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
+        "test": (d.test + (f" (n={d.n_pairs})" if d.n_pairs else "")) if m else "not judged",
+        "p": _p(d.p) if m else "—", f"p (Holm, x{decl.looks} looks)": _p(m["p_holm"]) if m else "—",
+        f"equivalence (TOST, ±{decl.margin:g} pt)": _equivalence_cell(m["equivalence"], m["p_equivalent"]) if m else "—",
+        "outcome": m["outcome"] if m else "pending",
+    }
 
 
 def _untuned_cells(untuned: dict[str, list[dict]], key: str, index: int) -> dict:
@@ -263,11 +293,15 @@ def _every_axis(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def _budget_change(decl: Declaration, runs: pd.DataFrame) -> pd.DataFrame:
-    from .findings import _side
-
     first, last = decl.budgets[0], decl.budgets[-1]
     source = _every_axis(runs)
     base = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
+    counts = {b: _ended(source, list(decl.points.values()), {**base, "epochs_planned": b}) for b in (first, last)}
+    if any(ended < needed for ended, needed in counts.values()):  # Holm over every point: all or none
+        return pd.DataFrame([{"point": name, **{f"{b} epochs (%)": "—" for b in (first, last)},
+                              "change (points)": "—", "test": "pending (" + "; ".join(
+                                  f"{b} epochs: {ended} of {needed} runs ended" for b, (ended, needed) in counts.items()) + ")"}
+                             for name in decl.points])
     measured = []
     for name, axes in decl.points.items():
         at = {b: _side(source, axes, {**base, "epochs_planned": b}) for b in (first, last)}
