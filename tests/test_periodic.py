@@ -333,3 +333,14 @@ def test_the_analysis_tells_synchronisation_settings_apart():
     plain = row_from_summary({"status": "completed", "config": {**cfg, "scheme": {"name": "topk"}}}, None)
     assert plain["sync"] is None  # load_runs shows it as "every step" where some run synchronised less
     assert plain["delta"] is None  # and "-" for its delta
+
+
+def test_the_end_of_run_table_rounds_a_periods_mean_bytes():
+    """bytes_sent_per_step of local SGD is a mean over a period (1,083,240 B / 28 = 38,687.14...):
+    the table a run ends with shows it to the byte, not with its fraction."""
+    from sparsetrain.launch.report import runs_table
+
+    s = {"status": "completed", "steps": 56, "train_loss": 1.0, "test_accuracy": 0.5,
+         "bytes_sent_per_step": 1_083_240 / 28, "dense_bytes_per_step": 1_077_736, "time_ms": {"step": 400.0}}
+    table = runs_table([(["localsgd"], s)])
+    assert "38,687 " in table and "38,687.1" not in table and "0.0359" in table

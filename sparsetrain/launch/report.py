@@ -74,7 +74,7 @@ def runs_table(rows: Sequence[tuple[Sequence[str], dict | None]], head: Sequence
             *cells, status_of(s or None), str(s["steps"]) if s.get("steps") is not None else "-",
             num(s.get("train_loss"), 3), num(100 * acc if acc is not None else None, 2),
             *(num(t.get(p)) for p in phases),
-            f"{sent:,}" if sent is not None else "-",
+            f"{sent:,.0f}" if sent is not None else "-",  # a mean over a period (local SGD) is fractional
             f"{sent / dense:.4f}" if sent is not None and dense else "-",
         ])
     return grid(columns, out, right=[False] * len(head) + [False] + [True] * (len(columns) - len(head) - 1))
