@@ -226,6 +226,11 @@ def test_a_study_judged_against_earlier_runs(tmp_path):
             (run / "summary.json").write_text(json.dumps(summary))
     runs = declared.runs_of(decl, tmp_path)
     assert len(runs) == 30
+    # the frontier's tables, time to accuracy and break-even map take the new points too
+    from sparsetrain.analysis.report import load_study
+
+    frontier, _ = load_study(tmp_path, "frontier")
+    assert sorted(frontier["scheme"].unique()) == ["diloco", "localsgd", "topk"]
     judged = declared.tables(decl, runs, declared.untuned_runs(tmp_path))
     assert [t.name for t in judged] == ["verdicts", "comparisons"]  # one budget: no budget change
     rows = judged[1].data.set_index("comparison (A vs B)")

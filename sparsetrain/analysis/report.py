@@ -41,7 +41,7 @@ STUDIES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 # Presets that add points to another study's tables.
 STUDY_OF_PRESET = {"rq2_low": "rq2_scheme", "rq4_global": "rq4_workers", "rq4_steps": "rq4_workers",
-                   "headline_dense": "headline", "headline_bytes": "headline"}
+                   "headline_dense": "headline", "headline_bytes": "headline", "local": "frontier"}
 # What each study's tables and figures are made of: the folders under a results tree that hold its
 # points (a study reuses other sweeps' runs: dense SGD from ``baseline``, 2 ranks from
 # ``rq1_scope``, ...) and the runs kept from them (``select``). `make figures`, ``--studies`` and
@@ -61,8 +61,10 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
     "ddp_fair": (("headline_dense", "ddp_fair"), {}),
     # the frontier's own points, the headline protocol's dense SGD and layer-wise runs it reuses,
     # and ddp_fair's two points at 2.9% (torch's PowerSGD hook, block-k through the DDP hook);
-    # frontier_s34: seeds 3-4 of its points at 1.5% and 3.6%
-    "frontier": (("headline_dense", "headline", "ddp_fair", "frontier", "frontier_s34"), {"scope": ["layerwise"]}),
+    # frontier_s34: seeds 3-4 of its points at 1.5% and 3.6%; local: local SGD and DiLoCo at the
+    # same two byte levels (issue 38), in the same tables, time to accuracy and break-even map
+    "frontier": (("headline_dense", "headline", "ddp_fair", "frontier", "frontier_s34", "local"),
+                 {"scope": ["layerwise"]}),
 }
 # Studies that also get the time to a test accuracy and the break-even map across their
 # configurations (``time_to_accuracy``: measured compute + the default cost model's exchange at
