@@ -105,7 +105,8 @@ QUESTIONS = {
         "Top-k, random-k, block-random-k, signSGD, QSGD, PowerSGD, fp16 and bf16 at the headline "
         "budget (4 epochs, 2 workers), at about 1.5% and 3.6% of dense SGD's bytes per step (PowerSGD "
         "and QSGD at their fewest), seeds 0-4 at the two byte levels and 0-2 for the other points, beside "
-        "the headline protocol's dense SGD and block-k runs.",
+        "the headline protocol's dense SGD and block-k runs; local SGD and DiLoCo at the same two byte "
+        "levels (experiment=local) where their runs are there.",
     ),
 }
 
@@ -221,6 +222,54 @@ def overview_notebook() -> nbformat.NotebookNode:
     return new_notebook(cells=cells, metadata=METADATA)
 
 
+def protocol_notebook() -> nbformat.NotebookNode:
+    """The tuned protocol: the tuning study's trials and choices, and every study declared before
+    its runs (conf/declared/*.yaml), judged from the results tree."""
+    cells = [
+        new_markdown_cell(
+            "# The tuned protocol: tuning on validation data, verdicts declared before their runs\n\n"
+            "Each scheme's peak learning rate and warm-up are chosen on a held-out validation split "
+            "(the same search for every scheme, dense SGD included; the test accuracy is shown, never "
+            "read), then each declared study (`conf/declared/*.yaml`: its points, Holm families, "
+            "equivalence margin, budgets and seeds, committed before its runs) is judged from its runs. "
+            "`make figures` writes the same tables (`figures/tune/`, `figures/verdicts_tuned/`, "
+            "`figures/local/`); docs/protocol.md says how each piece works."
+        ),
+        parameters_cell("../results", "../outputs/notebooks/protocol"),
+        new_code_cell(
+            "import os\nfrom pathlib import Path\n\nfrom IPython.display import Image, Markdown, display\n\n"
+            "from sparsetrain import analysis as sa\nfrom sparsetrain.analysis import declared, tuning\n"
+            "from sparsetrain.config import CONF_DIR\n\n"
+            "# SPARSETRAIN_RESULTS / SPARSETRAIN_OUT point the notebook elsewhere without editing it (tests do).\n"
+            "# By default it writes under outputs/notebooks/ (not tracked), never into the committed figures/.\n"
+            'RESULTS = Path(os.environ.get("SPARSETRAIN_RESULTS", RESULTS))\n'
+            "OUT = Path(os.environ[\"SPARSETRAIN_OUT\"]) / 'protocol' if \"SPARSETRAIN_OUT\" in os.environ else Path(OUT)\n\n\n"
+            "def show(paths):\n"
+            "    for path in paths:\n"
+            '        if path.suffix == ".md":\n'
+            "            display(Markdown(path.read_text()))\n"
+            '        elif path.suffix == ".png":\n'
+            "            display(Image(filename=path))"
+        ),
+        new_markdown_cell("## Tuning\n\nEvery trial (one run, seed 100) and the choice per scheme and scope: "
+                          "its trained trial with the highest final validation accuracy."),
+        new_code_cell(
+            "folders = tuning.sweeps(RESULTS)\n"
+            'print("from", ", ".join(str(p) for p in folders) or f"nothing: no tuning sweep under {RESULTS}")\n'
+            "if folders:\n"
+            '    show(tuning.write(sa.load_runs(*folders), OUT / "tune"))'
+        ),
+        new_markdown_cell("## Verdicts declared before their runs\n\nEach comparison at each budget: a "
+                          "difference in points with its 95% interval, a paired t over the declared seeds, "
+                          "Holm within its finding; a family is judged only once every run it needs has ended."),
+        new_code_cell(
+            'for path in sorted((CONF_DIR / "declared").glob("*.yaml")):\n'
+            "    show(declared.write(path, RESULTS, OUT / path.stem))"
+        ),
+    ]
+    return new_notebook(cells=cells, metadata=METADATA)
+
+
 METADATA = {
     "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
     "language_info": {"name": "python"},
@@ -229,7 +278,7 @@ METADATA = {
 
 def main() -> None:
     NOTEBOOKS.mkdir(exist_ok=True)
-    notebooks = {"00_overview": overview_notebook()}
+    notebooks = {"00_overview": overview_notebook(), "protocol": protocol_notebook()}
     notebooks.update({name: study_notebook(name, *QUESTIONS[name]) for name in SOURCES})
     for name, notebook in notebooks.items():
         for number, cell in enumerate(notebook.cells):

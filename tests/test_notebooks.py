@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import nbformat
 import pytest
-from test_analysis import assert_png, write_results  # the contract's fake run folders
+from test_analysis import (  # the contract's fake run folders
+    assert_png,
+    make_config,
+    write_results,
+    write_run,
+)
 
 from sparsetrain.analysis import SOURCES, STUDIES, TIME_TO_ACCURACY
 from sparsetrain.analysis.__main__ import main as sa_main
@@ -14,7 +21,7 @@ pytest.importorskip("nbclient")
 
 
 def test_one_notebook_per_study():
-    assert set(NOTEBOOKS) == {"00_overview", *STUDIES} == {"00_overview", *SOURCES}
+    assert set(NOTEBOOKS) == {"00_overview", "protocol", *STUDIES} == {"00_overview", "protocol", *SOURCES}
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
@@ -69,8 +76,19 @@ def check_notebook_outputs(executed: dict, out, failed_point: str | None = None)
 
 def test_every_notebook_runs_on_a_results_tree(tmp_path):
     results = write_results(tmp_path / "results")
+    for i, (lr, val) in enumerate(((0.05, 0.81), (0.1, 0.84))):  # two tuning trials
+        config = make_config(optim__lr=lr, data__val_size=100)
+        run = write_run(results / "tune" / str(i), config, experiment="tune")
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, "val_accuracy": val}))
     out = tmp_path / "figures"
     executed = run_all_notebooks(results, out, timeout=300)
+    # the protocol notebook: the tuning trials and choice, every declared study (pending here)
+    trials = (out / "protocol" / "tune" / "trials.md").read_text()
+    assert "| topk | layerwise | 0.1 |" in trials and "**chosen**" in trials
+    assert_png(out / "protocol" / "tune" / "val_vs_lr.png")
+    for study in ("verdicts", "local"):
+        assert "pending" in (out / "protocol" / study / "verdicts.md").read_text()
     check_notebook_outputs(executed, out, failed_point="failed: scheme=topk, scope=global")
     md = (out / "rq1_scope" / "rq1_scope.md").read_text()
     assert "absent: scheme=blockk, scope=global" in md

@@ -16,7 +16,7 @@ from pathlib import Path
 from .report import SOURCES
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
-NOTEBOOKS = ("00_overview", *SOURCES)
+NOTEBOOKS = ("00_overview", "protocol", *SOURCES)  # protocol: tuning and the declared studies
 
 
 @contextmanager

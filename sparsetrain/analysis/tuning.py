@@ -30,6 +30,16 @@ TRIAL_COLUMNS = ["scheme", "scope", "lr", "warmup_epochs", "status", "stability"
                  "test_accuracy", "seed", "epochs_planned", "code", "run_dir"]
 
 
+def sweeps(results: str | Path) -> list[Path]:
+    """The tuning study's sweep folders under a results tree: ``tune``, ``tune_dense`` and the
+    edge rule's doublings of either (``tune_edge``, ``tune_dense_edge2``, ...), as `make figures`
+    reads them (``TUNE_SWEEPS``)."""
+    results = Path(results)
+    found = [results / "tune", results / "tune_dense", *sorted(results.glob("tune_edge*")),
+             *sorted(results.glob("tune_dense_edge*"))]
+    return [path for path in found if path.is_dir()]
+
+
 def trials(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per trial (``load_runs`` rows), sorted by scheme, scope and point."""
     if runs.empty:
