@@ -26,7 +26,8 @@ for seed in $SEEDS; do
       fi
       select="point=$point"
       [ "$point" = dense ] && select="scheme=none"
-      echo "== $dir: started $(date -u +%FT%TZ)"
+      # the load before each run: a timing taken beside other work shows it here
+      echo "== $dir: started $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
       $PY -m sparsetrain.launch.netcluster --nproc 4 --rate "$rate" -- \
         "$PY" -m sparsetrain.run experiment=e2e "$select" "seed=$seed" wandb.mode=disabled \
         "hydra.run.dir=$dir" > "$dir.log" 2>&1
