@@ -196,11 +196,9 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
     rows, verdict_rows = [], []
     base_seeds = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
     runs = _every_axis(runs)
-    claimed = {}
-    each_of = {}
     for finding in decl.findings:
         by_budget, waiting = {}, {}
-        claimed[finding.key] = any(c.expect != "?" for c in finding.comparisons)
+        claimed = any(c.expect != "?" for c in finding.comparisons)
         for budget in decl.budgets:
             base = {**base_seeds, "epochs_planned": budget}
             ended, needed = _ended(runs, [side for c in finding.comparisons for side in (c.a, c.b)], base)
@@ -214,18 +212,11 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
             by_budget[budget] = [m["outcome"] for m in measured]
             rows += [{**_row(decl, finding, budget, m["comparison"], m), **_untuned_cells(untuned, finding.key, i)}
                      for i, m in enumerate(measured)]
-        each_of[finding.key] = {b: waiting.get(b) or verdict(o, claimed[finding.key]) for b, o in by_budget.items()}
-        each = each_of[finding.key]
-        outcomes = list(zip(*by_budget.values()))
-        steady = all(len(set(o)) == 1 for o in outcomes)
-        unjudged = [b for b, v in each.items() if v.startswith(("pending", "not judged"))]
-        overall = ("pending: " + "; ".join(f"{b} epochs {each[b].removeprefix('pending ')}" for b in unjudged) if unjudged and len(each) > 1
-                   else each[decl.budgets[0]] if steady or unjudged else
-                   "budget-dependent: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items()))
+        each = {b: waiting.get(b) or verdict(o, claimed) for b, o in by_budget.items()}
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
-                             **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed[finding.key])}
+                             **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed)}
                                 if untuned else {}),
-                             **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": overall})
+                             **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": _overall(each, by_budget)})
     title = f"{decl.study}: declared comparisons"
     verdicts = pd.DataFrame(verdict_rows)
     comparisons = pd.DataFrame(rows)
@@ -238,6 +229,20 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
             Table("budget_change", f"{decl.study}: each point from {decl.budgets[0]} to {decl.budgets[-1]} epochs",
                   change, change, notes=[note, "Test accuracy at the last budget minus the first, paired by seed "
                                          "(paired t, 95% interval unadjusted, Holm over the points)."]))
+
+
+def _overall(each: dict[int, str], by_budget: dict[int, list[str]]) -> str:
+    """A finding's verdict over its budgets (``each``: its verdict at each, ``by_budget``: its
+    comparisons' outcomes at each): pending while any budget is; the verdict where every
+    comparison has the same outcome at every budget; budget-dependent otherwise."""
+    first = next(iter(each))
+    unjudged = [b for b, v in each.items() if v.startswith(("pending", "not judged"))]
+    if unjudged:
+        return each[first] if len(each) == 1 else "pending: " + "; ".join(
+            f"{b} epochs {each[b].removeprefix('pending ')}" for b in unjudged)
+    if all(len(set(outcomes)) == 1 for outcomes in zip(*by_budget.values())):
+        return each[first]
+    return "budget-dependent: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items())
 
 
 # A run the study still holds open: resuming it (RESUME=1) ends it. Failed runs and runs that did
