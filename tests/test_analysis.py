@@ -863,7 +863,7 @@ def test_findings_tables_judge_sides_of_completed_runs(results):
     assert verdicts.display["verdict"].iloc[0] == "pending (2 of 3 comparisons measured)"
     assert verdict(["agrees", "agrees"]) == "reproduced"
     assert verdict(["agrees", "not judged"]) == "not judged yet (1 of 2 comparisons judged)"
-    assert verdict(["reversed", "differs"]) == "not reproduced: every comparison goes the other way"
+    assert verdict(["reversed", "differs"]) == "not reproduced: 1 reversed, 1 differs"
     assert verdict(["agrees", "within noise", "agrees"]) == "partly: 2 agrees, 1 within noise"
     # a run evaluated otherwise (batch-norm statistics recomputed) is another configuration
     other = write_run(results / "rq1_scope" / "99", make_config(seed=0, **{"train.bn_recalibrate": 20}))
