@@ -161,6 +161,28 @@ class SchemeCost:
     #: the exchange runs once every ``period`` steps (local SGD, DiLoCo) with ``period x nbytes``
     #: bytes: its time, latency included, is spread over the period
     period: int = 1
+    #: an exchange overlapped with backward (DDP's hooks, the dense reducer's buckets): per bucket
+    #: in launch order ``(share of nbytes, lead ms)``, the lead being how long before backward's
+    #: compute ended the bucket could start (measured: ``timing.BucketClock``); empty: the
+    #: exchange starts after backward, all of it exposed
+    buckets: tuple[tuple[float, float], ...] = ()
+
+
+def exposed_ms(buckets, collective_ms) -> float:
+    """How long after backward's compute ends an overlapped exchange finishes: each bucket's
+    collective (``collective_ms(share)``, its own latency included) starts when the bucket is
+    ready (``lead`` ms before the end) and the one before it has finished (one link, buckets in
+    launch order, as DDP and gloo run them); 0 when all of it fits inside backward.
+
+    >>> exposed_ms([(0.5, 30.0), (0.5, 0.0)], lambda share: 40 * share)  # 20 ms from -30; then 20
+    20.0
+    >>> exposed_ms([(1.0, 0.0)], lambda share: 40 * share)  # one bucket at the end: all exposed
+    40.0
+    """
+    end = -math.inf
+    for share, lead in buckets:
+        end = max(end, -lead) + collective_ms(share)
+    return max(0.0, end)
 
 
 #: Decoding W gathered messages with the compiled kernels (``compress.kernels.decode_many``: one
@@ -228,6 +250,8 @@ class CostModel:
         col = self.collectives[scheme.collective]
         if rate_bits is not None:
             col = col.at_rate(rate_bits)
+        if scheme.buckets and scheme.period == 1:  # what backward does not hide
+            return exposed_ms(scheme.buckets, lambda share: 1e3 * col.time(scheme.nbytes * share, world))
         return 1e3 * col.time(scheme.nbytes * scheme.period, world) / scheme.period
 
     def step_ms(self, name: str, world: int, rate_bits: float | None = None) -> float:
@@ -253,6 +277,7 @@ __all__ = [
     "SchemeCost",
     "allgather_time",
     "allreduce_time",
+    "exposed_ms",
     "fit",
     "scheme_costs",
     "terms",

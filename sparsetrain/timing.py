@@ -146,6 +146,61 @@ class NullTimer:
 NULL_TIMER = NullTimer()
 
 
+class BucketClock:
+    """When each bucket of an exchange overlapped with backward (DDP's hook, the dense reducer's
+    bucketed AllReduce) was handed to its collective: what the cost model needs to tell how much
+    of the exchange backward hides (``costmodel.exposed_ms``).
+
+    ``mark(numel)`` at each handoff, in launch order; ``close()`` at the step's end turns the
+    step's handoffs into leads: how long before the last handoff (the end of backward's compute,
+    whose last gradients fill the last bucket) each bucket could start. The first ``skip`` steps
+    (allocator, DDP's bucket rebuild) are left out. ``means()``: per bucket its share of the
+    entries and its mean lead in ms, over the steps closed since the buckets last changed.
+    Reads clocks only.
+
+    >>> ticks = iter([0.0, 0.030, 0.040])
+    >>> clock = BucketClock(skip=0, now=lambda: next(ticks))
+    >>> for numel in (600, 300, 100):
+    ...     clock.mark(numel)
+    >>> clock.close()
+    >>> [(round(share, 3), round(lead, 3)) for share, lead in clock.means()]
+    [(0.6, 40.0), (0.3, 10.0), (0.1, 0.0)]
+    """
+
+    def __init__(self, skip: int = 2, now=time.perf_counter):
+        self.skip, self.now = skip, now
+        self._marks: list[tuple[float, int]] = []
+        self._numels: tuple[int, ...] = ()
+        self._lead_sum: list[float] = []
+        self.steps = 0
+        self._closed = 0
+
+    def mark(self, numel: int) -> None:
+        self._marks.append((self.now(), int(numel)))
+
+    def close(self) -> None:
+        marks, self._marks = self._marks, []
+        if not marks:
+            return
+        self._closed += 1
+        if self._closed <= self.skip:
+            return
+        numels = tuple(n for _, n in marks)
+        if numels != self._numels:  # new buckets: what was averaged no longer applies
+            self._numels, self._lead_sum, self.steps = numels, [0.0] * len(marks), 0
+        last = marks[-1][0]
+        for i, (t, _) in enumerate(marks):
+            self._lead_sum[i] += (last - t) * 1e3
+        self.steps += 1
+
+    def means(self) -> list[tuple[float, float]] | None:
+        """``[(share of the entries, mean lead ms), ...]`` in launch order; None before a step."""
+        if not self.steps:
+            return None
+        total = sum(self._numels)
+        return [(n / total, lead / self.steps) for n, lead in zip(self._numels, self._lead_sum)]
+
+
 def process_age_s() -> float | None:
     """Seconds since this process started, as a user timing its launch would count them
     (interpreter start-up and imports included): Linux's ``/proc`` (10 ms resolution); None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import subprocess
@@ -155,6 +156,10 @@ def test_bench_ddp_tiny_end_to_end(tmp_path):
     assert sent["ddp_blockk"] == sent["reducer_blockk"] < sent["ddp"] / 50  # 1% + the 1-D tensors
     assert 0.8 < sent["ddp_powersgd"] / sent["ddp_blockk"] < 1.2  # matched bytes
     assert re.search(r"^\| ddp_blockk +\|", (tmp_path / "ddp.txt").read_text(), re.M)
+    # the buckets the overlap model reads: DDP's inside backward, one for torch's PowerSGD on gloo
+    assert configs["compute"]["overlap_buckets"] is None and configs["reducer_blockk"]["overlap_buckets"] is None
+    assert [b["lead_ms"] for b in configs["ddp_powersgd"]["overlap_buckets"]] == [0.0]
+    assert math.isclose(sum(b["share"] for b in configs["ddp"]["overlap_buckets"]), 1.0)
     assert set(_ours()) <= before
 
 

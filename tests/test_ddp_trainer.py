@@ -47,12 +47,24 @@ def test_ddp_blockk_hook_run_files_bytes_and_phases(tmp_path):
     assert t["compress"] > 0 and t["exchange"] >= 0 and t["backward"] > 0
     parts = sum(v for k, v in t.items() if k != "step")
     assert math.isclose(parts, t["step"], rel_tol=0.05), t
+    _assert_buckets(s["overlap_buckets"])
+
+
+def _assert_buckets(buckets):
+    """A run's overlapped buckets (timing.BucketClock): several at a 0.05 MB cap, their shares
+    adding to 1, started in order, the last at backward's end (lead 0)."""
+    assert len(buckets) > 2, buckets
+    assert math.isclose(sum(b["share"] for b in buckets), 1.0, rel_tol=1e-12)
+    leads = [b["lead_ms"] for b in buckets]
+    assert leads == sorted(leads, reverse=True) and leads[-1] == 0.0 and leads[0] > 0, leads
 
 
 def test_ddp_hook_at_ratio_one_trains_the_dense_model(tmp_path):
     """random-k at ratio 1 with AllReduce sends every entry: through DDP's hook the model after
     6 steps is the dense run's (the trainer's own exchange), up to rounding."""
-    dense, _ = _run(tmp_path, "dense", "scheme=none")
+    dense, s_dense = _run(tmp_path, "dense", "scheme=none", "dist.overlap_bucket_mb=0.05",
+                          "dist.overlap_first_bucket_mb=0.05")
+    _assert_buckets(s_dense["overlap_buckets"])  # the trainer's dense exchange overlaps backward too
     ddp, s = _run(tmp_path, "ddp", "scheme=randk", "ratio=1", "aggregation=allreduce", "dist.ddp=true",
                   "dist.bucket_cap_mb=0.05")
     assert s["density"] == 1.0
@@ -75,6 +87,7 @@ def test_ddp_hook_trains_bit_for_bit_as_the_trainer(scheme, aggregation, tmp_pat
     flat, s_flat = _run(tmp_path, "trainer", *common)
     ddp, s_ddp = _run(tmp_path, "ddp", *common, "dist.ddp=true")
     assert s_flat["steps"] == s_ddp["steps"] == 30
+    assert s_flat["overlap_buckets"] is None and len(s_ddp["overlap_buckets"]) > 2  # after backward; inside it
     assert s_flat["train_loss"] == s_ddp["train_loss"]
     a = torch.load(flat / "model.pt", weights_only=True)
     b = torch.load(ddp / "model.pt", weights_only=True)

@@ -126,7 +126,10 @@ def ddp_overlap(ddp: dict, model: ExchangeModel) -> pd.DataFrame:
     per-bucket waits), ``hidden_share`` = hidden / predicted. ``headroom_ms``: DDP with a hook
     that sends nothing (``ddp_noop``) minus compute alone, where the file has both: what DDP's
     machinery costs when the network is free. ``reducer_blockk`` (the trainer's reducer after
-    backward) is the no-overlap reference."""
+    backward) is the no-overlap reference. ``modelled_exposed_ms``: where the file recorded the
+    configuration's buckets (``overlap_buckets``), what the model charges a run of it
+    (``costmodel.exposed_ms``: the buckets' collectives from when each was ready), to set
+    against ``exposed_ms``; ``modelled_to_exposed`` their ratio."""
     rows = []
     for result in ddp["results"]:
         meta, configs = result["meta"], result["configs"]
@@ -137,13 +140,18 @@ def ddp_overlap(ddp: dict, model: ExchangeModel) -> pd.DataFrame:
             collective = DDP_COLLECTIVE.get(name)
             if collective is None:
                 continue
-            predicted = model.time_ms(collective, float(c["bytes_sent_per_step"]), world, rate)
+            nbytes = float(c["bytes_sent_per_step"])
+            predicted = model.time_ms(collective, nbytes, world, rate)
             exposed = float(c["phases_ms"].get("exchange", 0.0))
+            buckets = [(b["share"], b["lead_ms"]) for b in c.get("overlap_buckets") or ()]
+            modelled = model.exposed_ms(collective, nbytes, world, rate, buckets) if buckets else math.nan
             rows.append({"rate": meta.get("label", meta.get("rate")), "rate_bits": rate, "workers": world,
                          "configuration": name, "bytes_sent_per_step": c["bytes_sent_per_step"],
                          "predicted_exchange_ms": predicted, "exposed_ms": exposed,
                          "hidden_ms": predicted - exposed,
                          "hidden_share": (predicted - exposed) / predicted if predicted > 0 else math.nan,
+                         "modelled_exposed_ms": modelled,
+                         "modelled_to_exposed": modelled / exposed if exposed > 0 else math.nan,
                          "step_ms": c["step_ms"], "compute_ms": compute, "headroom_ms": noop - compute})
     return pd.DataFrame(rows)
 

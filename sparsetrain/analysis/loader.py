@@ -371,6 +371,10 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
         collective=summary.get("collective"),  # None: written before the summary said
         sync_period=_num((summary.get("sync") or {}).get("period")),  # NaN: synchronises every step
+        # an exchange inside backward: ((share, lead ms), ...) per bucket; None: after backward,
+        # or a run written before summaries recorded it
+        overlap_buckets=tuple((float(b["share"]), float(b["lead_ms"])) for b in summary["overlap_buckets"])
+        if summary.get("overlap_buckets") else None,
         # the quantizers' CPU kernels; runs written before the compiled ones existed ran numpy's
         kernels=summary.get("kernels", "numpy"),
         # launch.netcluster's emulated link, and train.stop_at_accuracy's measured time to it

@@ -12,7 +12,11 @@ For each completed run that trained (runs that did not are listed, never ranked)
   as ``costmodel.CostModel.step_ms`` models it). Local SGD and DiLoCo exchange once a period
   (``scheme.sync.period`` steps): one collective of a synchronisation's bytes, its time spread
   over the period (the latency once, not every step). Warm-up steps (``scheme.warmup_steps``) are
-  predicted as dense steps: compute + an AllReduce of the whole buffer.
+  predicted as dense steps: compute + an AllReduce of the whole buffer. An exchange that ran
+  inside backward (DDP's hooks, the dense reducer's ``dist.overlap``) and recorded its buckets
+  (``overlap_buckets``: each bucket's share and how long before backward's end it started) is
+  charged only what backward does not hide (``costmodel.exposed_ms``: one link, buckets in
+  launch order, each from when it was ready).
 - **steps to target**: the first step where the accuracy (validation, else test) reaches the target, linearly
   interpolated between consecutive evaluations (the epoch records of ``metrics.jsonl``; a record
   that repeats the previous evaluation, written at an epoch without one, is skipped). A run
@@ -27,9 +31,9 @@ from ``python -m sparsetrain.benchmarks.collectives`` (``costmodel.json``: alpha
 cluster); the table says which. Assumptions, stated under every table: the steps to target are the
 run's own, measured at its worker count and global batch; at another worker count they are
 assumed unchanged (how the number of steps to an accuracy moves with the global batch is not
-modelled); the compute phases are the run's own, on its hardware; the exchange is not overlapped
-with backward (a dense run with ``dist.overlap=true`` measured part of its exchange inside
-``backward``, which then counts twice: its prediction is an upper bound).
+modelled); the compute phases are the run's own, on its hardware; an overlapped run that did not
+record its buckets (written before summaries did) is charged its whole exchange after backward,
+an upper bound.
 
 No torch: plain files and the cost model's floats.
 """
@@ -44,7 +48,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from sparsetrain.costmodel import Collective, CostModel, SchemeCost, per_payload_ms
+from sparsetrain.costmodel import Collective, CostModel, SchemeCost, exposed_ms, per_payload_ms
 
 from .figures import LINESTYLES, MARKERS, _empty, _label, _new_figure, scheme_color, style
 from .group import _constant_note, _display_axis, sort_rows, varying_axes
@@ -70,6 +74,11 @@ class ExchangeModel:
 
     def time_ms(self, collective: str, nbytes: float, workers: int, rate_bits: float) -> float:
         return 1e3 * self.collectives[collective].at_rate(rate_bits).time(nbytes, workers)
+
+    def exposed_ms(self, collective: str, nbytes: float, workers: int, rate_bits: float, buckets) -> float:
+        """What backward does not hide of an overlapped exchange of ``nbytes`` in ``buckets``
+        (``(share, lead ms)`` each: ``costmodel.exposed_ms``)."""
+        return exposed_ms(buckets, lambda share: self.time_ms(collective, nbytes * share, workers, rate_bits))
 
 
 def default_model(alpha_s: float = DEFAULT_ALPHA_S) -> ExchangeModel:
@@ -166,19 +175,30 @@ def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeMo
     (``costmodel.CostModel.step_ms``)."""
     collective = collective_of(row)
     world_ref = int(row["world_size"])
-    compute = compute_ms(row) if compute is None else compute
+    own = compute_ms(row)
+    compute = own if compute is None else compute
     decompress = _ms(row, "decompress")
     growing = per_payload_ms(row.get("scheme"), collective, decompress, world_ref, row.get("kernels"))
     schemes = {
         "run": SchemeCost("run", collective, float(row["bytes_sent_per_step"]), _ms(row, "compress"), decompress,
                           growing, world_ref,
-                          period=_sync_period(row)),
+                          period=_sync_period(row), buckets=_buckets(row, compute / own)),
         "warmup": SchemeCost("warmup", "allreduce", float(row["dense_bytes_per_step"]), 0.0, 0.0, 0.0, world_ref),
     }
     if collective is None:
         return math.nan, math.nan
     cm = CostModel({c: model.collectives[c] for c in COLLECTIVES}, compute_ms=compute, schemes=schemes)
     return cm.step_ms("run", workers, rate_bits), cm.step_ms("warmup", workers, rate_bits)
+
+
+def _buckets(row, scale: float) -> tuple[tuple[float, float], ...]:
+    """The run's overlapped buckets (``overlap_buckets``: share, lead ms), leads scaled by
+    ``scale`` (the compute the prediction uses over the run's own: a backward that takes longer
+    leaves each bucket more time); empty where the exchange ran after backward or was not recorded."""
+    buckets = row.get("overlap_buckets")
+    if not isinstance(buckets, tuple) or not buckets or not math.isfinite(scale):
+        return ()
+    return tuple((share, lead * scale) for share, lead in buckets)
 
 
 def _sync_period(row) -> int:
@@ -265,7 +285,9 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
          "follows the load, not the scheme) + the run's own compress + decompress" if compute == "shared" else
          "Predicted step = the run's measured data + forward + backward + compress + decompress + optimizer")
         + " (ms/step) + the predicted exchange of its payload through its collective; "
-        "AllGather's decompress scales with workers; warm-up steps as dense steps.",
+        "AllGather's decompress scales with workers; warm-up steps as dense steps. An exchange run "
+        "inside backward that recorded its buckets is charged what backward does not hide of it; "
+        "one that did not record them, all of it (an upper bound).",
         "Steps to target: linear between the run's evaluations, not extrapolated; measured at the "
         "run's own workers and global batch and assumed unchanged at other worker counts. "
         "Mean ± std over the seeds that reached the target; reached = seeds that did / seeds.",

@@ -126,27 +126,30 @@ def worker(a) -> None:
         batches = ((x.clone(), y.clone()) for _ in itertools.count())
         times = harness.timed_steps(run_step, batches, a.warmup, steps)
         sent = 0 if reducer is None or name == "ddp_noop" else reducer.bytes_sent_per_step
+        buckets = getattr(reducer, "overlap_buckets", None)  # (share, lead ms) per overlapped bucket
         dist.barrier()
         phases = timer.means()
         if reducer is not None:
             reducer.detach()
         del net, model, opt, reducer, flat, run_step
-        return times, phases, sent
+        return times, phases, sent, buckets
 
     run_config("ddp", 1)  # warm the process (allocator, gloo pairs); not recorded
     out = {c: {"rounds": [], "phases": []} for c in a.configs}
-    sent_by = {}
+    sent_by, buckets_by = {}, {}
     for r in range(a.rounds):
         for name in round_order(a.configs, r):  # rotated: no configuration always first
-            times, phases, sent = run_config(name, a.steps)
+            times, phases, sent, buckets = run_config(name, a.steps)
             out[name]["rounds"].append(times)
             out[name]["phases"].append(phases)
             sent_by[name] = sent
+            buckets_by.setdefault(name, []).append(buckets)
     allr = harness.gather(out)
     if rank == 0:
         summary = harness.summarize(allr, a.configs, a.rounds)
         for c in a.configs:
             summary[c]["bytes_sent_per_step"] = sent_by[c]
+            summary[c]["overlap_buckets"] = _mean_buckets(buckets_by[c])
         meta = {"world_size": world, "batch_per_rank": a.batch, "threads_per_rank": a.threads,
                 "ratio": a.ratio, "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
                 "numel": numel, "powersgd_rank": psgd_rank, **harness.link(),
@@ -154,6 +157,17 @@ def worker(a) -> None:
         Path(a.json).write_text(json.dumps({"meta": meta, "configs": summary}, indent=2))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _mean_buckets(per_round: list) -> list[dict] | None:
+    """Rank 0's buckets (share, lead ms) of a configuration, leads averaged over the rounds that
+    recorded the same buckets as the first; None where its exchange is not overlapped."""
+    rounds = [b for b in per_round if b]
+    if not rounds:
+        return None
+    same = [b for b in rounds if [s for s, _ in b] == [s for s, _ in rounds[0]]]
+    return [{"share": share, "lead_ms": sum(b[i][1] for b in same) / len(same)}
+            for i, (share, _) in enumerate(rounds[0])]
 
 
 # ------------------------------------------------------------------------------------ driver

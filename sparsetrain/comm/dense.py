@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from sparsetrain.comm.protocol import ExchangeStats
 from sparsetrain.compress import Layout
-from sparsetrain.timing import PhaseTimer
+from sparsetrain.timing import BucketClock, PhaseTimer
 
 
 def average_dense(flat: torch.Tensor, world: int, group=None) -> None:
@@ -40,6 +40,7 @@ class DenseReducer:
         self._buckets: list[tuple[int, int]] = []
         self._flat: torch.Tensor | None = None
         self._hooks: list = []
+        self.clock: BucketClock | None = None  # when each bucket started (attach)
 
     # --- overlap with backward -------------------------------------------------------------
     def attach(self, params, flat_grad: torch.Tensor, bucket_mb: float = 4.0, first_bucket_mb: float = 1.0):
@@ -68,6 +69,7 @@ class DenseReducer:
             for i in mem:
                 self._bucket_of[id(params[i])] = b
         self._grads_per_bucket = [len(m) for m in members]
+        self.clock = BucketClock()
         self._reset()
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -86,6 +88,7 @@ class DenseReducer:
 
     def _launch(self, b: int):
         start, end = self._buckets[b]
+        self.clock.mark(end - start)
         self._handles.append(dist.all_reduce(self._flat[start:end], group=self.group, async_op=True))
         self._next = b + 1
 
@@ -93,6 +96,13 @@ class DenseReducer:
         for h in self._hooks:
             h.remove()
         self._hooks, self._buckets, self._flat = [], [], None
+        self.clock = None
+
+    @property
+    def overlap_buckets(self) -> list[tuple[float, float]] | None:
+        """Per bucket (launch order) its share of the entries and how long before backward's end
+        it started (mean ms; ``timing.BucketClock``); None when the exchange is not overlapped."""
+        return self.clock.means() if self.clock is not None else None
 
     def reduce(self, flat_grad: torch.Tensor, step: int, timer: PhaseTimer,
                want_stats: bool = False) -> ExchangeStats:
@@ -103,6 +113,7 @@ class DenseReducer:
                     self._launch(self._next)
                 for h in self._handles:
                     h.wait()
+                self.clock.close()
                 self._reset()
                 flat_grad.div_(world)
             else:

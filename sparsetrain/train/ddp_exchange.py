@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsetrain.comm import ExchangeStats
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
 from sparsetrain.results import TORCH_HOOK_SCHEMES
-from sparsetrain.timing import PhaseTimer
+from sparsetrain.timing import BucketClock, PhaseTimer
 
 # DDP's bucket cap for PowerSGD on gloo: larger than any model, so every parameter is in one
 # bucket (with several, torch's hook can issue collectives in different orders across ranks)
@@ -62,10 +62,11 @@ ONE_BUCKET_MB = float(1 << 20)
 
 class _TimedHook:
     """Wraps a DDP hook and its state: the host time inside the hook calls and the moment the
-    last bucket was handed over, per iteration; ``bypass``: return the bucket untouched."""
+    last bucket was handed over, per iteration; when each bucket was (``clock``, None: not
+    recorded); ``bypass``: return the bucket untouched."""
 
-    def __init__(self, hook, state, on_bypass=None):
-        self.hook, self.state, self.on_bypass = hook, state, on_bypass
+    def __init__(self, hook, state, on_bypass=None, clock: BucketClock | None = None):
+        self.hook, self.state, self.on_bypass, self.clock = hook, state, on_bypass, clock
         self.bypass = False
         self.hook_ms = 0.0
         self.handoff: float | None = None
@@ -83,6 +84,8 @@ def _timed_hook(timed: _TimedHook, bucket: dist.GradBucket) -> torch.futures.Fut
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
+    if timed.clock is not None:
+        timed.clock.mark(bucket.buffer().numel())
     t0 = time.perf_counter()
     fut = timed.hook(timed.state, bucket)
     t1 = time.perf_counter()
@@ -172,7 +175,8 @@ class DDPExchange:
             if scheme.name != "none":
                 self.collective = self.sparse.collective  # until settle() plans the buckets
                 self.warmup_steps = int(scheme.warmup_steps)
-        self.timed = _TimedHook(hook, self.state, on_bypass)
+        # local SGD / DiLoCo synchronise after the optimizer, not inside backward: no overlap
+        self.timed = _TimedHook(hook, self.state, on_bypass, clock=None if sync else BucketClock())
         self.net.register_comm_hook(self.timed, _timed_hook)
 
     # --- before the first step -------------------------------------------------------------------
@@ -214,6 +218,8 @@ class DDPExchange:
         """Account for the exchange DDP ran inside backward at (0-based) ``step``."""
         now = time.perf_counter()
         hook_ms, handoff = self.timed.take()
+        if self.timed.clock is not None:
+            self.timed.clock.close()
         waited = (now - handoff) * 1e3 if handoff is not None else 0.0
         decompress = min(sum(self.sparse.decompress_ms), waited) if self.sparse is not None else 0.0
         # the hook waits for a compressor's earlier rounds (PowerSGD's P) inside itself: exchange
@@ -234,6 +240,12 @@ class DDPExchange:
                              density=self.density if compressing else 1.0,
                              memory_norm=memory_norm,
                              collective=self.collective if compressing else "allreduce")
+
+    @property
+    def overlap_buckets(self) -> list[tuple[float, float]] | None:
+        """Per DDP bucket (launch order) its share of the entries and how long before backward's
+        end it was handed to the hook (mean ms; ``timing.BucketClock``); None: not overlapped."""
+        return self.timed.clock.means() if self.timed.clock is not None else None
 
     def attach(self, params, flat_grad, **buckets) -> "DDPExchange":
         return self  # DDP overlaps by itself

@@ -255,6 +255,7 @@ class RunRecord:
         # "did not train" reads the end of training and, where there is a split, validation
         chosen_on = ev.get("val_accuracy", ev.get("test_accuracy"))
         sync = getattr(self.parts.reducer, "sync_summary", None)  # local SGD / DiLoCo
+        buckets = getattr(self.parts.reducer, "overlap_buckets", None)  # an exchange inside backward
         return {
             **({"sync": sync()} if sync is not None else {}),  # a synchronisation's bytes and time
             "steps": step,
@@ -278,6 +279,9 @@ class RunRecord:
             "bytes_sent_total": tally.bytes_sent_total,
             "wire_bytes_total": tally.wire_bytes_total,
             "memory_norm_max": tally.memory_norm_max,  # None: never measured (dense, torch's hooks)
+            # per bucket of an exchange inside backward: its share of the entries, and how long
+            # before backward's end it started (None: the exchange runs after backward)
+            "overlap_buckets": [{"share": share, "lead_ms": lead} for share, lead in buckets] if buckets else None,
             "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": elapsed_s,
         }
