@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 from test_analysis import make_config, write_run
@@ -108,3 +109,39 @@ def test_ddp_overlap_table_sets_the_modelled_exposure_beside_the_measured():
     assert table.loc["ddp", "modelled_exposed_ms"] == pytest.approx(max(half - 40.0, 0.0) + half, rel=1e-12)
     assert table.loc["ddp", "modelled_to_exposed"] == pytest.approx(table.loc["ddp", "modelled_exposed_ms"] / 250.0)
     assert math.isnan(table.loc["reducer_blockk", "modelled_exposed_ms"])  # after backward: no buckets
+
+
+def _dense_run(root, name, seed, overlap=True, buckets=None, scheme="none"):
+    config = make_config(scheme=scheme, seed=seed)
+    config["dist"] = {**config.get("dist", {}), "overlap": overlap}
+    run = write_run(root / name, config)
+    if buckets is not None:
+        summary = json.loads((run / "summary.json").read_text())
+        (run / "summary.json").write_text(json.dumps({**summary, "overlap_buckets": buckets}))
+    return run
+
+
+def test_a_run_from_before_the_record_borrows_the_buckets_of_its_kind(tmp_path):
+    """A run without recorded buckets takes those of the runs of the same model, data, batch,
+    path, scheme and overlap setting, each lead the same fraction of its own compute; a run of
+    another scheme, or with dense overlap off, takes none."""
+    donor = [{"share": 0.75, "lead_ms": 3.3}, {"share": 0.25, "lead_ms": 0.0}]  # compute 33 ms (seed 0)
+    _dense_run(tmp_path, "donor", 0, buckets=donor)
+    _dense_run(tmp_path, "old", 1)  # compute 33 x 1.1 = 36.3 ms
+    _dense_run(tmp_path, "plain", 2, overlap=False)
+    _dense_run(tmp_path, "topk", 1, scheme="topk")
+    runs = sa.load_runs(tmp_path).set_index("run_dir", drop=False)
+    got = tta.borrowed_buckets(runs)
+    by_name = {Path(k).name: v for k, v in got.items()}
+    assert by_name["donor"] == ((0.75, 3.3), (0.25, 0.0))
+    (share, lead), last = by_name["old"]
+    assert share == 0.75 and lead == pytest.approx(0.1 * 36.3, rel=1e-12) and last == (0.25, 0.0)
+    assert by_name["plain"] == () and by_name["topk"] == ()
+    # the prediction uses them: the borrowed run is charged less than the same run without
+    table = tta.predict_runs(runs, 0.5, [1], [8], tta.default_model(ALPHA), compute="own")
+    step = {Path(r["run_dir"]).name: r["predicted_step_ms"] for _, r in table.iterrows()}
+    old = runs[runs["run_dir"].str.endswith("old")].iloc[0].to_dict()
+    whole, _ = tta.predict_step_ms({**old, "overlap_buckets": None}, 8, 1e9, tta.default_model(ALPHA))
+    assert step["old"] < whole
+    notes = tta.time_to_accuracy_table(runs, 0.5, [1], [8], tta.default_model(ALPHA)).notes
+    assert "Overlap with backward: 1 runs' own buckets, 1 borrowed from runs of their kind." in notes

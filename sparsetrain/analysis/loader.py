@@ -375,6 +375,8 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         # or a run written before summaries recorded it
         overlap_buckets=tuple((float(b["share"]), float(b["lead_ms"])) for b in summary["overlap_buckets"])
         if summary.get("overlap_buckets") else None,
+        # dense SGD's buckets started during backward (configs from before the key: after it)
+        dist_overlap=bool(_get(config, "dist", "overlap", default=False)),
         # the quantizers' CPU kernels; runs written before the compiled ones existed ran numpy's
         kernels=summary.get("kernels", "numpy"),
         # launch.netcluster's emulated link, and train.stop_at_accuracy's measured time to it

@@ -227,6 +227,47 @@ def _warmup(row) -> int:
         return 0
 
 
+#: what must match for a run to take another's buckets: the same model, data and batch (the
+#: same gradients in the same order), path and scheme (the same buckets), dense overlap setting
+BUCKET_KEYS = ("model", "data", "batch_size", "exchange", "scheme", "dist_overlap")
+
+
+def _has(buckets) -> bool:
+    return isinstance(buckets, tuple) and len(buckets) > 0
+
+
+def borrowed_buckets(runs: pd.DataFrame) -> pd.Series:
+    """Per run, its overlapped buckets: its own (``overlap_buckets``), or, for a run written
+    before summaries recorded them, those of the runs that did with the same ``BUCKET_KEYS``:
+    their shares (the same layout) and each lead as the same fraction of compute (a lead is part
+    of backward, and backward scales with the load), averaged over those runs. Empty where
+    neither exists: the whole exchange after backward."""
+    out = pd.Series([()] * len(runs), index=runs.index, dtype=object)
+    if "overlap_buckets" not in runs:
+        return out
+    keys = [k for k in BUCKET_KEYS if k in runs]
+    compute = runs.apply(compute_ms, axis=1)
+    own = runs["overlap_buckets"].apply(_has)
+    donors: dict[tuple, list[tuple[tuple[float, ...], tuple[float, ...]]]] = {}
+    for index in runs.index[own]:
+        buckets = runs.at[index, "overlap_buckets"]
+        out.at[index] = buckets
+        if compute[index] > 0:
+            key = tuple(str(runs.at[index, k]) for k in keys)
+            donors.setdefault(key, []).append((tuple(s for s, _ in buckets),
+                                               tuple(lead / compute[index] for _, lead in buckets)))
+    for index in runs.index[~own]:
+        if int(runs.at[index, "world_size"]) < 2 or not compute[index] > 0:
+            continue
+        found = donors.get(tuple(str(runs.at[index, k]) for k in keys))
+        if not found:
+            continue
+        same = [fractions for shares, fractions in found if shares == found[0][0]]
+        leads = [sum(f[i] for f in same) / len(same) * compute[index] for i in range(len(found[0][0]))]
+        out.at[index] = tuple(zip(found[0][0], leads))
+    return out
+
+
 def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, model: ExchangeModel,
                  compute: str = "shared") -> pd.DataFrame:
     """One row per (completed run, bandwidth, workers): predicted step ms, steps and seconds to
@@ -237,8 +278,9 @@ def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, mo
     rows = []
     done = completed(runs)
     shared = shared_compute_ms(done) if compute == "shared" else None
+    buckets = borrowed_buckets(done)
     for index, run in done.iterrows():
-        run = run.to_dict()
+        run = {**run.to_dict(), "overlap_buckets": buckets[index]}
         own = None if shared is None else float(shared[index])
         steps = steps_to_target(accuracy_curve(run["run_dir"]), target) if isinstance(run.get("run_dir"), str) else math.nan
         for gbit in bandwidths_gbit:
@@ -286,8 +328,10 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
          "Predicted step = the run's measured data + forward + backward + compress + decompress + optimizer")
         + " (ms/step) + the predicted exchange of its payload through its collective; "
         "AllGather's decompress scales with workers; warm-up steps as dense steps. An exchange run "
-        "inside backward that recorded its buckets is charged what backward does not hide of it; "
-        "one that did not record them, all of it (an upper bound).",
+        "inside backward is charged what backward does not hide of it, from the buckets the run "
+        "recorded or, for a run from before they were recorded, those of runs of the same model, "
+        "data, batch, path and scheme (leads as the same fraction of compute); with neither, all "
+        "of it (an upper bound).",
         "Steps to target: linear between the run's evaluations, not extrapolated; measured at the "
         "run's own workers and global batch and assumed unchanged at other worker counts. "
         "Mean ± std over the seeds that reached the target; reached = seeds that did / seeds.",
@@ -296,6 +340,12 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
         return Table("time_to_accuracy", title, pd.DataFrame(), pd.DataFrame(), missing, notes)
     by = ["scheme", *[a for a in varying_axes(done) if a != "scheme"]]
     notes = _constant_note(done, by) + notes
+    buckets = borrowed_buckets(done)
+    recorded = (done["overlap_buckets"] if "overlap_buckets" in done else buckets.apply(lambda b: ())).apply(_has)
+    borrowed = int((buckets.apply(_has) & ~recorded).sum())
+    if recorded.any() or borrowed:
+        notes.append(f"Overlap with backward: {int(recorded.sum())} runs' own buckets, {borrowed} borrowed "
+                     "from runs of their kind.")
     data = predict_runs(done, target, bandwidths_gbit, workers, model, compute)
     keys = [*by, "bandwidth_gbit", "workers"]
     for column in by:
