@@ -433,7 +433,8 @@ def plot_time_to_accuracy(table: Table) -> object:
 
 
 __all__ = [
-    "COMPUTE_PHASES", "DEFAULT_ALPHA_S", "ExchangeModel", "accuracy_curve", "compute_ms", "default_model",
+    "BUCKET_KEYS", "COMPUTE_PHASES", "DEFAULT_ALPHA_S", "ExchangeModel", "accuracy_curve", "borrowed_buckets",
+    "compute_ms", "default_model",
     "fitted_model", "plot_time_to_accuracy", "predict_runs", "predict_step_ms", "shared_compute_ms", "steps_to_target",
     "time_to_accuracy_table", "time_to_target_s",
 ]
