@@ -54,6 +54,9 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	$(ANALYSE) $(RESULTS) --declared conf/declared/local.yaml --out $(FIGURES)/local
 	@# The tuning study's trials and choices, once its sweeps are there (the edge rule's runs with them).
 	$(if $(TUNE_SWEEPS),$(ANALYSE) $(TUNE_SWEEPS) --tuning --out $(FIGURES)/tune,@echo "figures: no $(RESULTS)/tune yet: tuning tables skipped")
+	@# Steps to 84, 85 and 86% validation accuracy at 2, 4 and 8 ranks on one global batch (issue 37,
+	@# item 6: experiment=tta_workers), one folder per target, once its sweep is there.
+	$(if $(wildcard $(RESULTS)/tta_workers),$(foreach t,84 85 86,$(ANALYSE) $(RESULTS)/tta_workers --time-to-accuracy 0.$(t) --out $(FIGURES)/tta_workers/$(t) &&) true,@echo "figures: no $(RESULTS)/tta_workers yet: steps to target by workers skipped")
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),
 	@# from the second pass's 2-rank runs (dense baseline, RQ1's schemes and scopes).
 	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")

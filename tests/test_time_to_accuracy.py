@@ -421,3 +421,14 @@ def test_a_fused_decode_is_extrapolated_by_its_share(tmp_path):
     share = growing_share("signsgd", world, "numba 0.68.1")
     assert 0 < share < 1
     assert numpy_ms - fused_ms == pytest.approx(decompress * (1 - share) / world * (16 - world))
+
+
+def test_runs_measured_at_several_worker_counts_say_which(tmp_path):
+    """tta_workers measures steps to a target at 2, 4 and 8 ranks: each row names the runs' own
+    worker count beside the worker count its prediction is for (the two once shared a label,
+    and the runs' count was lost)."""
+    for world in (2, 4):
+        write_run(tmp_path / f"dense{world}", make_config(scheme="none", seed=0, world_size=world))
+    table = tta.time_to_accuracy_table(sa.load_runs(tmp_path), 0.5, [1], [8], tta.default_model(ALPHA))
+    shown = table.display
+    assert list(shown["measured at workers"]) == ["2", "4"] and list(shown["workers"]) == [8, 8]

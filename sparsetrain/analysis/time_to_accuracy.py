@@ -372,7 +372,9 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
         mask = (per_seed[keys] == row[keys]).all(axis=1)
         group = per_seed[mask]
         hit = group[group["reached"] > 0]
-        entry = {LABELS.get(a, a): _display_axis(a, row[a]) for a in by}
+        # the runs' own worker count, where it varies, beside the workers the prediction is for
+        entry = {("measured at workers" if a == "world_size" else LABELS.get(a, a)): _display_axis(a, row[a])
+                 for a in by}
         entry["bandwidth (Gbit/s)"] = f"{row['bandwidth_gbit']:g}"
         entry["workers"] = int(row["workers"])
         entry["predicted step (ms)"] = _mean_std(group["predicted_step_ms"], ".1f")
