@@ -374,6 +374,9 @@ def test_e2e_check_sets_measured_time_to_target_against_the_prediction(tmp_path)
     assert hit["predicted_s"] == pytest.approx((3 * warm + 37 * step) / 1e3, rel=1e-12)
     assert hit["predicted_to_measured"] == pytest.approx(hit["predicted_s"] / 9.0) and hit["measured_wall_s"] == 14.0
     assert hit["within"] == (abs(hit["predicted_to_measured"] - 1) <= 0.15) and hit["ratio"] == 0.01
+    # the residual's usual place, side by side: the model's exchange per step and the run's
+    assert hit["modelled_exchange_ms"] == pytest.approx(1e3 * (6 * ALPHA + 1.5 * 10_000 * beta(1)), rel=1e-9)
+    assert hit["measured_exchange_ms"] == t["exchange"]
     assert check.loc[1, "reached"] == 0 and math.isnan(check.loc[1, "predicted_to_measured"])
     fig = tmp_path / "fig" / "e2e"
     proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis.cluster_check", "--runs",

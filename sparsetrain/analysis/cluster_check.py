@@ -29,7 +29,9 @@ from .time_to_accuracy import (
     COLLECTIVES,
     COMPUTE_PHASES,
     ExchangeModel,
+    _ms,
     _warmup,
+    compute_ms,
     default_model,
     fitted_model,
     predict_step_ms,
@@ -167,7 +169,10 @@ def e2e_check(runs: pd.DataFrame, model: ExchangeModel, tolerance: float = 0.15)
     and start-up left out; ``target_wall_s``, from process start, beside it). Predicted: that
     many steps (the run's own ``target_step``; warm-up steps as dense steps) at the step time
     ``time_to_accuracy.predict_step_ms`` gives at the run's link rate and world size, from the
-    run's own compute phases. ``predicted_to_measured`` = predicted / measured; ``within``:
+    run's own compute phases; beside it the model's exchange per step (``modelled_exchange_ms``,
+    the exposed part where the run recorded its buckets) and the run's measured exchange phase
+    (``measured_exchange_ms``), where a residual usually lies. ``predicted_to_measured`` =
+    predicted / measured; ``within``:
     it is within ``tolerance`` of 1. Runs that did not reach the target, did not complete or did not train (loss
     above a uniform guess: not a result) are listed with their status and not compared."""
     rows = []
@@ -182,8 +187,12 @@ def e2e_check(runs: pd.DataFrame, model: ExchangeModel, tolerance: float = 0.15)
                      measured_s=row["target_train_s"], measured_wall_s=row["target_wall_s"])
         if row["target_reached"] == 1 and row["status"] == "completed":
             step_ms, warm_ms = predict_step_ms(row, int(row["world_size"]), float(rate), model)
+            local = compute_ms(row) + _ms(row, "compress") + _ms(row, "decompress")
             entry.update(predicted_step_ms=step_ms,
                          measured_step_ms=1e3 * row["target_train_s"] / row["target_step"],
+                         # where a residual lies: the model's exchange (exposed part) against the
+                         # run's exchange phase (the wait after backward, the slowest rank's included)
+                         modelled_exchange_ms=step_ms - local, measured_exchange_ms=_ms(row, "exchange"),
                          predicted_s=time_to_target_s(row["target_step"], _warmup(row), step_ms, warm_ms))
         rows.append(entry)
     out = pd.DataFrame(rows)
@@ -255,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("no run with train.stop_at_accuracy on an emulated link (launch.netcluster) under "
                              + ", ".join(map(str, args.runs)))
         shown = [c for c in (*E2E_AXES, "status", "rate_bits", "workers", "target", "reached", "steps", "measured_s",
-                             "measured_wall_s", "predicted_s", "predicted_to_measured", "within") if c in check]
+                             "measured_wall_s", "predicted_s", "predicted_to_measured", "within", "modelled_exchange_ms",
+                             "measured_exchange_ms") if c in check]
         print(f"end to end, exchange model: {model.source}")
         print(check[shown].to_string(index=False, float_format=_fmt))
         hit = check.dropna(subset=["predicted_to_measured"])
