@@ -185,6 +185,22 @@ def exposed_ms(buckets, collective_ms) -> float:
     return max(0.0, end)
 
 
+def mean_buckets(samples) -> tuple[tuple[float, float], ...]:
+    """Several recordings of one exchange's buckets (``(share, lead)`` each) as one: the first
+    recording's shares, each lead averaged over the recordings with those same shares (a
+    recording with other buckets describes another layout); empty where there is none.
+
+    >>> mean_buckets([[(0.5, 4.0), (0.5, 0.0)], [(1.0, 0.0)], [(0.5, 2.0), (0.5, 0.0)]])
+    ((0.5, 3.0), (0.5, 0.0))
+    """
+    samples = [list(s) for s in samples if s]
+    if not samples:
+        return ()
+    shares = [share for share, _ in samples[0]]
+    same = [s for s in samples if [share for share, _ in s] == shares]
+    return tuple((share, sum(s[i][1] for s in same) / len(same)) for i, share in enumerate(shares))
+
+
 #: Decoding W gathered messages with the compiled kernels (``compress.kernels.decode_many``: one
 #: sweep over the output, every message added in it) costs ``a + b W`` gradient copies. Least
 #: squares over W = 1, 2, 4, 8, 16 of the quiet A/B of 1e9cb84 (results/bench/
@@ -279,6 +295,7 @@ __all__ = [
     "allreduce_time",
     "exposed_ms",
     "fit",
+    "mean_buckets",
     "scheme_costs",
     "terms",
     "wire_bytes",

@@ -48,7 +48,14 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.lines import Line2D
 
-from sparsetrain.costmodel import Collective, CostModel, SchemeCost, exposed_ms, per_payload_ms
+from sparsetrain.costmodel import (
+    Collective,
+    CostModel,
+    SchemeCost,
+    exposed_ms,
+    mean_buckets,
+    per_payload_ms,
+)
 
 from .figures import LINESTYLES, MARKERS, _empty, _label, _new_figure, scheme_color, style
 from .group import _constant_note, _display_axis, sort_rows, varying_axes
@@ -182,7 +189,7 @@ def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeMo
     schemes = {
         "run": SchemeCost("run", collective, float(row["bytes_sent_per_step"]), _ms(row, "compress"), decompress,
                           growing, world_ref,
-                          period=_sync_period(row), buckets=_buckets(row, compute / own)),
+                          period=_sync_period(row), buckets=_buckets(row, compute, own)),
         "warmup": SchemeCost("warmup", "allreduce", float(row["dense_bytes_per_step"]), 0.0, 0.0, 0.0, world_ref),
     }
     if collective is None:
@@ -191,14 +198,14 @@ def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeMo
     return cm.step_ms("run", workers, rate_bits), cm.step_ms("warmup", workers, rate_bits)
 
 
-def _buckets(row, scale: float) -> tuple[tuple[float, float], ...]:
+def _buckets(row, compute: float, own: float) -> tuple[tuple[float, float], ...]:
     """The run's overlapped buckets (``overlap_buckets``: share, lead ms), leads scaled by
-    ``scale`` (the compute the prediction uses over the run's own: a backward that takes longer
-    leaves each bucket more time); empty where the exchange ran after backward or was not recorded."""
-    buckets = row.get("overlap_buckets")
-    if not isinstance(buckets, tuple) or not buckets or not math.isfinite(scale):
+    ``compute / own`` (the compute the prediction uses over the run's own: a backward that takes
+    longer leaves each bucket more time); empty where the exchange ran after backward or was not
+    recorded."""
+    if not _has(row.get("overlap_buckets")) or not own > 0 or not math.isfinite(compute / own):
         return ()
-    return tuple((share, lead * scale) for share, lead in buckets)
+    return tuple((share, lead * compute / own) for share, lead in row["overlap_buckets"])
 
 
 def _sync_period(row) -> int:
@@ -248,28 +255,23 @@ def borrowed_buckets(runs: pd.DataFrame) -> pd.Series:
     keys = [k for k in BUCKET_KEYS if k in runs]
     compute = runs.apply(compute_ms, axis=1)
     own = runs["overlap_buckets"].apply(_has)
-    donors: dict[tuple, list[tuple[tuple[float, ...], tuple[float, ...]]]] = {}
+    donors: dict[tuple, list] = {}  # per kind: each recording, leads as fractions of compute
     for index in runs.index[own]:
         buckets = runs.at[index, "overlap_buckets"]
         out.at[index] = buckets
         if compute[index] > 0:
             key = tuple(str(runs.at[index, k]) for k in keys)
-            donors.setdefault(key, []).append((tuple(s for s, _ in buckets),
-                                               tuple(lead / compute[index] for _, lead in buckets)))
+            donors.setdefault(key, []).append([(share, lead / compute[index]) for share, lead in buckets])
     for index in runs.index[~own]:
         if int(runs.at[index, "world_size"]) < 2 or not compute[index] > 0:
             continue
-        found = donors.get(tuple(str(runs.at[index, k]) for k in keys))
-        if not found:
-            continue
-        same = [fractions for shares, fractions in found if shares == found[0][0]]
-        leads = [sum(f[i] for f in same) / len(same) * compute[index] for i in range(len(found[0][0]))]
-        out.at[index] = tuple(zip(found[0][0], leads))
+        fractions = mean_buckets(donors.get(tuple(str(runs.at[index, k]) for k in keys), ()))
+        out.at[index] = tuple((share, f * compute[index]) for share, f in fractions)
     return out
 
 
 def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, model: ExchangeModel,
-                 compute: str = "shared") -> pd.DataFrame:
+                 compute: str = "shared", buckets: pd.Series | None = None) -> pd.DataFrame:
     """One row per (completed run, bandwidth, workers): predicted step ms, steps and seconds to
     ``target`` (NaN: not reached), with the run's axes. ``compute``: ``"shared"`` (the median of
     the runs of the same work, ``shared_compute_ms``) or ``"own"`` (each run's measurement)."""
@@ -278,7 +280,7 @@ def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, mo
     rows = []
     done = completed(runs)
     shared = shared_compute_ms(done) if compute == "shared" else None
-    buckets = borrowed_buckets(done)
+    buckets = borrowed_buckets(done) if buckets is None else buckets
     for index, run in done.iterrows():
         run = {**run.to_dict(), "overlap_buckets": buckets[index]}
         own = None if shared is None else float(shared[index])
@@ -341,12 +343,12 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     by = ["scheme", *[a for a in varying_axes(done) if a != "scheme"]]
     notes = _constant_note(done, by) + notes
     buckets = borrowed_buckets(done)
-    recorded = (done["overlap_buckets"] if "overlap_buckets" in done else buckets.apply(lambda b: ())).apply(_has)
-    borrowed = int((buckets.apply(_has) & ~recorded).sum())
-    if recorded.any() or borrowed:
-        notes.append(f"Overlap with backward: {int(recorded.sum())} runs' own buckets, {borrowed} borrowed "
+    recorded = int(done["overlap_buckets"].apply(_has).sum()) if "overlap_buckets" in done else 0
+    borrowed = int(buckets.apply(_has).sum()) - recorded
+    if recorded or borrowed:
+        notes.append(f"Overlap with backward: {recorded} runs' own buckets, {borrowed} borrowed "
                      "from runs of their kind.")
-    data = predict_runs(done, target, bandwidths_gbit, workers, model, compute)
+    data = predict_runs(done, target, bandwidths_gbit, workers, model, compute, buckets)
     keys = [*by, "bandwidth_gbit", "workers"]
     for column in by:
         data[column] = data[column].astype(object).where(data[column].notna(), "-")

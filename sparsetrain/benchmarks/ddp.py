@@ -63,6 +63,7 @@ from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.stats import median_interval, round_order  # noqa: F401  (re-exported)
 from sparsetrain.benchmarks.tables import grid, num
 from sparsetrain.compress import kernels
+from sparsetrain.costmodel import mean_buckets
 from sparsetrain.ddp import matched_powersgd_rank
 
 # configuration -> the config overrides that build it (on top of experiment=cpu_scale,
@@ -160,14 +161,9 @@ def worker(a) -> None:
 
 
 def _mean_buckets(per_round: list) -> list[dict] | None:
-    """Rank 0's buckets (share, lead ms) of a configuration, leads averaged over the rounds that
-    recorded the same buckets as the first; None where its exchange is not overlapped."""
-    rounds = [b for b in per_round if b]
-    if not rounds:
-        return None
-    same = [b for b in rounds if [s for s, _ in b] == [s for s, _ in rounds[0]]]
-    return [{"share": share, "lead_ms": sum(b[i][1] for b in same) / len(same)}
-            for i, (share, _) in enumerate(rounds[0])]
+    """Rank 0's buckets of a configuration over its rounds (``costmodel.mean_buckets``), as the
+    run summary writes them; None where its exchange is not overlapped."""
+    return [{"share": share, "lead_ms": lead} for share, lead in mean_buckets(per_round)] or None
 
 
 # ------------------------------------------------------------------------------------ driver
