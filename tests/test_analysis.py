@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -348,6 +349,8 @@ def test_rq1_table_mean_std_n_and_missing_named(results):
     assert "Missing (2 runs" in md
     assert "failed: scheme=topk, scope=global" in md and "seed=1" in md and "NCCL timeout" in md
     assert "absent: scheme=blockk, scope=global" in md
+    # the absent job names its sweep and the overrides Hydra would have given it
+    assert re.search(r"absent: .*\(\S*rq1_scope, job scheme=blockk scope=global seed=1\)", md), md
 
     with_failed = sa.rq1_scope_table(runs, include_failed=True)
     assert with_failed.missing.empty

@@ -86,7 +86,15 @@ class Table:
                 and getattr(row, axis) != NOT_APPLICABLE
                 and getattr(row, axis) != MISSING_DEFAULTS.get(axis)
             )
-            where = f" ({_shown_path(row.run_dir)})" if _present(getattr(row, "run_dir", None)) else ""
+            if _present(getattr(row, "run_dir", None)):
+                where = f" ({_shown_path(row.run_dir)})"
+            elif _present(getattr(row, "sweep_dir", None)):
+                # A job that left no folder: its sweep and the overrides that name it (a point
+                # given as a config group, point=..., says more than the axes read from it).
+                job = getattr(row, "overrides", None)
+                where = f" ({_shown_path(row.sweep_dir)}{f', job {job}' if _present(job) else ''})"
+            else:
+                where = ""
             error = f": {_one_line(row.error)}" if _present(getattr(row, "error", None)) else ""
             lines.append(f"{row.status}: {axes}{where}{error}")
         return lines
