@@ -713,7 +713,7 @@ def test_include_failed_says_it_brings_in_runs_that_did_not_train(results, tmp_p
 CONF = Path(__file__).resolve().parents[1] / "conf" / "experiment"
 STUDY_NAMES = ("baseline", "rq1_scope", "rq2_scheme", "rq3_aggregation", "rq4_workers", "rq5_speed")
 OTHER_PRESETS = ("stability", "ablation", "rq2_low", "rq4_global", "budget", "rq4_steps", "headline", "headline_dense",
-                 "headline_bytes", "ddp_fair", "ddp_hooks", "frontier")
+                 "headline_bytes", "ddp_fair", "ddp_hooks", "frontier", "tta_frontier")
 
 
 def _grid(params) -> list[list[str]]:

@@ -233,6 +233,24 @@ def test_cli_time_to_accuracy(tmp_path):
     assert bad.returncode == 2 and "fraction" in bad.stderr
 
 
+def test_cli_time_to_accuracy_at_several_targets(tmp_path):
+    """--time-to-accuracy 0.4,0.5 writes each target's tables and the map that calls a ranking
+    only where it holds at both (the frontier's three-target map, for one's own sweep)."""
+    root = _sweep(tmp_path / "r")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(root), "--time-to-accuracy", "0.5,0.4",
+                           "--bandwidth", "1", "--workers", "8", "--out", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("time_to_accuracy_40", "time_to_accuracy_50", "break_even_40", "break_even_50", "break_even"):
+        assert (out / f"{name}.md").stat().st_size > 0, name
+    assert "40%/50%" in (out / "break_even.md").read_text()
+    for bad in ("0.5,0.5", "0.5,85", "0.5,x"):
+        proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(root), "--time-to-accuracy", bad,
+                               "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and "--time-to-accuracy" in proc.stderr and bad in proc.stderr, proc.stderr
+
+
 def test_bench_check_predicted_step_within_20_percent():
     """The one measured point: on the emulated cluster (4 ranks, tc-shaped links; the committed
     results/bench numbers, trimmed into tests/data), measured compute + predicted exchange vs

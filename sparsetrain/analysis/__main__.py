@@ -64,9 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--declared", type=Path, metavar="YAML",
                         help="the path is a results tree: judge the study declared in YAML (conf/declared/) "
                              "from its sweeps there, into OUT")
-    parser.add_argument("--time-to-accuracy", type=float, metavar="TARGET",
-                        help="predicted time to reach this test accuracy (a fraction, e.g. 0.85) per scheme, "
-                             "bandwidth and worker count, instead of the study tables")
+    parser.add_argument("--time-to-accuracy", metavar="TARGET[,TARGET...]",
+                        help="predicted time to reach this accuracy (validation where runs held a split, else "
+                             "test; a fraction, e.g. 0.85) per scheme, bandwidth and worker count, instead of the "
+                             "study tables; several targets (0.84,0.85,0.86): each one's tables, and a break-even "
+                             "map that calls a ranking only where it holds at every target")
     bandwidths, workers = (",".join(map(str, values)) for values in (BANDWIDTHS_GBIT, WORKERS))
     parser.add_argument("--bandwidth", default=bandwidths, metavar="GBIT,...",
                         help=f"link bandwidths in Gbit/s for --time-to-accuracy (default {bandwidths})")
@@ -179,9 +181,11 @@ def _numbers(parser, flag: str, text: str, kind=float) -> list:
 def _time_to_accuracy(parser, args, where) -> int:
     from .time_to_accuracy import default_model, fitted_model
 
-    target = args.time_to_accuracy
-    if not 0 < target <= 1:
-        parser.error(f"--time-to-accuracy {target:g}: expected a fraction in (0, 1], e.g. 0.85")
+    targets = _numbers(parser, "--time-to-accuracy", args.time_to_accuracy)
+    if not all(0 < t <= 1 for t in targets) or len(set(targets)) < len(targets):
+        parser.error(f"--time-to-accuracy {args.time_to_accuracy}: expected distinct fractions in (0, 1], "
+                     "e.g. 0.85 or 0.84,0.85,0.86")
+    target = tuple(sorted(targets)) if len(targets) > 1 else targets[0]
     bandwidths = _numbers(parser, "--bandwidth", args.bandwidth)
     workers = _numbers(parser, "--workers", args.workers, int)
     if args.costmodel is not None and args.alpha_us is not None:
