@@ -980,7 +980,7 @@ def test_ones_own_sweep_gets_one_table_its_untrained_runs_plotted_and_a_true_war
         [f"{name}.{ext}" for name in ("runs", "status") for ext in ("md", "csv", "tex")]
         + [f"{name}.{ext}" for name in ("accuracy_vs_bytes", "accuracy_vs_epoch") for ext in ("png", "pdf")])
     md = (out / "runs.md").read_text()
-    assert "epochs run" in md and "stopped by train.max_steps at" in md
+    assert "epochs run" in md and "1 of 2 stopped by train.max_steps at 2.5 epochs" in md
     assert md.count("did not train: scheme=blockk") == 1
     assert "1 did not train" in proc.stderr and "did not complete" not in proc.stderr
     curves = sa.curves_of(sa.load_runs(sweep))
@@ -1005,3 +1005,16 @@ def test_which_axes_apply_comes_from_the_runs_summary():
     assert (said["aggregation"], said["ratio"], collective_of(said)) == (NOT_APPLICABLE, 1.0, "allreduce")
     old_qsgd = row_from_summary({"status": "completed", "config": {**cfg, "scheme": {"name": "qsgd"}}}, None)
     assert old_qsgd["ratio"] == 1.0  # conf/schemes.yaml: every_entry
+
+
+def test_the_note_tells_a_stop_at_the_target_from_one_at_max_steps():
+    """Runs of experiment=tta_frontier stop at their target before the planned epochs; the note
+    under a table says so instead of blaming train.max_steps (which it said of every early stop)."""
+    from sparsetrain.analysis.group import _constant_note
+
+    runs = pd.DataFrame({"model": "resnet20", "epochs_planned": 4, "epochs": [1.25, 2.5, 4.0, 0.5],
+                         "target_reached": [1, 1, 0, None], "seed": [0, 1, 2, 3]})
+    note = _constant_note(runs, [])[0]
+    assert "2 of 4 stopped at the target (train.stop_at_accuracy) at 1.25-2.5 epochs" in note
+    assert "1 of 4 stopped by train.max_steps at 0.5 epochs" in note
+    assert "stopped" not in _constant_note(runs.assign(epochs=4.0), [])[0]

@@ -208,8 +208,17 @@ def _constant_note(runs: pd.DataFrame, shown: list[str]) -> list[str]:
     if "epochs" in runs and "epochs_planned" in runs and "epochs_planned" not in shown:
         ran = pd.to_numeric(runs["epochs"], errors="coerce")
         planned = pd.to_numeric(runs["epochs_planned"], errors="coerce")
-        if (ran < planned - 1e-9).any():  # train.max_steps stopped them first
-            span = f"{ran.min():.3g}" if ran.min() == ran.max() else f"{ran.min():.3g}-{ran.max():.3g}"
-            parts.append(f"stopped by train.max_steps at {span} epochs")
+        early = ran < planned - 1e-9
+        # a run stops before its planned epochs at its target (train.stop_at_accuracy: summary's
+        # target.reached) or, otherwise, at train.max_steps
+        at_target = early & (pd.to_numeric(runs.get("target_reached"), errors="coerce") == 1) \
+            if "target_reached" in runs else early & False
+        for stopped, cause in ((at_target, "at the target (train.stop_at_accuracy)"),
+                               (early & ~at_target, "by train.max_steps")):
+            if stopped.any():
+                lo, hi = ran[stopped].min(), ran[stopped].max()
+                span = f"{lo:.3g}" if lo == hi else f"{lo:.3g}-{hi:.3g}"
+                count = "" if stopped.all() else f"{int(stopped.sum())} of {len(runs)} "
+                parts.append(f"{count}stopped {cause} at {span} epochs")
     seeds = runs[REPLICATE].nunique() if REPLICATE in runs else 0
     return [f"All runs: {', '.join(parts)}; {seeds} seed(s); mean ± std over seeds."] if parts else []
