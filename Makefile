@@ -38,8 +38,6 @@ lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts
 
 TTA_TARGET ?= 0.75
-# (a variable: a comma written inside $(if ...) would split its arguments)
-TTA_FRONTIER_TARGETS = 0.84,0.85,0.86
 TUNE_SWEEPS = $(patsubst %/,%,$(wildcard $(RESULTS)/tune/ $(RESULTS)/tune_dense/ $(RESULTS)/tune_edge*/ $(RESULTS)/tune_dense_edge*/))
 TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
 # (The frontier's time to 85% across the compression families is one of its study figures:
@@ -48,7 +46,8 @@ TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
 figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(FIGURES), benchmarks in place
 	@# Each study from the sweeps that hold its points (sparsetrain.analysis.report.SOURCES: dense
 	@# SGD from baseline, ...), the same assembly the notebooks show; the frontier's time to
-	@# accuracy and break-even map into $(FIGURES)/frontier_time_to_accuracy.
+	@# accuracy and break-even map into $(FIGURES)/frontier_time_to_accuracy, and the map from its
+	@# own runs (experiment=tta_frontier) into $(FIGURES)/tta_frontier once they are there.
 	$(ANALYSE) --studies $(RESULTS) --out $(FIGURES)
 	@# The tuned verdicts, as declared before their runs (pending until results/verdict_e4 exists).
 	$(ANALYSE) $(RESULTS) --declared conf/declared/verdicts.yaml --out $(FIGURES)/verdicts_tuned
@@ -59,9 +58,6 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	@# Steps to 84, 85 and 86% validation accuracy at 2, 4 and 8 ranks on one global batch (issue 37,
 	@# item 6: experiment=tta_workers), one folder per target, once its sweep is there.
 	$(if $(wildcard $(RESULTS)/tta_workers),$(foreach t,84 85 86,$(ANALYSE) $(RESULTS)/tta_workers --time-to-accuracy 0.$(t) --out $(FIGURES)/tta_workers/$(t) &&) true,@echo "figures: no $(RESULTS)/tta_workers yet: steps to target by workers skipped")
-	@# The break-even map's own runs (issue 37: experiment=tta_frontier): time to 84, 85 and 86%
-	@# validation accuracy across the compression families, once its sweep is there.
-	$(if $(wildcard $(RESULTS)/tta_frontier),$(ANALYSE) $(RESULTS)/tta_frontier --time-to-accuracy $(TTA_FRONTIER_TARGETS) --out $(FIGURES)/tta_frontier,@echo "figures: no $(RESULTS)/tta_frontier yet: its break-even map skipped")
 	@# Time to $(TTA_TARGET) test accuracy: measured compute + predicted exchange (default alpha-beta),
 	@# from the second pass's 2-rank runs (dense baseline, RQ1's schemes and scopes).
 	$(if $(TTA_RESULTS),$(ANALYSE) $(TTA_RESULTS) --time-to-accuracy $(TTA_TARGET) --out $(FIGURES)/time_to_accuracy,@echo "figures: time_to_accuracy: no results yet")

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from sparsetrain.analysis.report import SOURCES, STUDIES, TIME_TO_ACCURACY
+from sparsetrain.analysis.report import SOURCES, STUDIES, TIME_TO_ACCURACY, TIME_TO_ACCURACY_RUNS
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
@@ -176,6 +176,29 @@ def study_notebook(name: str, title: str, question: str) -> nbformat.NotebookNod
                 '        display(Markdown(path.read_text()))\n'
                 '    elif path.suffix == ".png":\n'
                 '        display(Image(filename=path))'
+            ),
+        ]
+    if name in TIME_TO_ACCURACY_RUNS:
+        folder = TIME_TO_ACCURACY_RUNS[name]
+        cells += [
+            new_markdown_cell(
+                "## The break-even map from its own runs\n\n"
+                f"`experiment={folder}` ran the same points for time to accuracy: validation curves "
+                "8 points an epoch, each run stopping at the highest target, timed one after another "
+                "on a quiet machine. The same tables from those runs, once they are in the results "
+                f"tree (`{folder}/`); `make figures` writes them to `figures/{folder}/`."
+            ),
+            new_code_cell(
+                f'own = RESULTS / "{folder}"\n'
+                'if own.is_dir():\n'
+                f'    written = sa.write_time_to_accuracy(sa.load_runs(own), sa.TIME_TO_ACCURACY[{name!r}], OUT / "{folder}")\n'
+                '    for path in written:\n'
+                '        if path.suffix == ".md":\n'
+                '            display(Markdown(path.read_text()))\n'
+                '        elif path.suffix == ".png":\n'
+                '            display(Image(filename=path))\n'
+                'else:\n'
+                '    print(f"no {own} yet: its runs have not been made")'
             ),
         ]
     return new_notebook(cells=cells, metadata=METADATA)

@@ -11,9 +11,10 @@ from test_analysis import (  # the contract's fake run folders
     make_config,
     write_results,
     write_run,
+    write_sweep,
 )
 
-from sparsetrain.analysis import SOURCES, STUDIES, TIME_TO_ACCURACY
+from sparsetrain.analysis import SOURCES, STUDIES, TIME_TO_ACCURACY, TIME_TO_ACCURACY_RUNS
 from sparsetrain.analysis.__main__ import main as sa_main
 from sparsetrain.analysis.notebooks import NOTEBOOKS, NOTEBOOKS_DIR, run_all_notebooks
 
@@ -81,6 +82,9 @@ def test_every_notebook_runs_on_a_results_tree(tmp_path):
         run = write_run(results / "tune" / str(i), config, experiment="tune")
         summary = json.loads((run / "summary.json").read_text())
         (run / "summary.json").write_text(json.dumps({**summary, "val_accuracy": val}))
+    # the break-even map's own runs (experiment=tta_frontier), beside the frontier's
+    write_sweep(results / "tta_frontier", {"seed": "0,1", "scheme": "none,topk"}, "tta_frontier",
+                fixed={"train.epochs": 4, "data.val_size": 100})
     out = tmp_path / "figures"
     executed = run_all_notebooks(results, out, timeout=300)
     # the protocol notebook: the tuning trials and choice, every declared study (pending here)
@@ -114,3 +118,9 @@ def test_every_notebook_runs_on_a_results_tree(tmp_path):
             assert shown == (cli / f"{name}_time_to_accuracy" / f"{table}.md").read_text()
         summary = (out / name / "time_to_accuracy" / "break_even.md").read_text()
         assert "/".join(f"{t:.0%}" for t in targets) in summary  # the three targets side by side
+    # ... and from its own runs, where the tree holds them: the notebook and `make figures` alike
+    for name, folder in TIME_TO_ACCURACY_RUNS.items():
+        for table in ("break_even", *(f"time_to_accuracy_{round(100 * t)}" for t in TIME_TO_ACCURACY[name])):
+            shown = (out / name / folder / f"{table}.md").read_text()
+            assert shown == (cli / folder / f"{table}.md").read_text()
+        assert "Time to 86%" in shown and "| top-k" in shown

@@ -37,6 +37,7 @@ from .report import (
     SOURCES,
     STUDIES,
     TIME_TO_ACCURACY,
+    TIME_TO_ACCURACY_RUNS,
     all_findings_tables,
     build_figures,
     build_tables,
@@ -64,7 +65,8 @@ from .time_to_accuracy import plot_time_to_accuracy, time_to_accuracy_table
 from .wandb_runs import load_wandb_runs
 
 __all__ = [
-    "AXES", "DENSE", "FINDINGS", "PHASES", "SOURCES", "STUDIES", "TABLES", "TIME_TO_ACCURACY", "Table", "report",
+    "AXES", "DENSE", "FINDINGS", "PHASES", "SOURCES", "STUDIES", "TABLES", "TIME_TO_ACCURACY", "TIME_TO_ACCURACY_RUNS", "Table",
+    "report",
     "all_findings_tables", "write_time_to_accuracy",
     "budget_table", "build_figures", "build_tables", "completed", "curves_of", "expected_grid",
     "find_run_dirs", "findings_tables", "load_curves", "load_runs", "load_study",

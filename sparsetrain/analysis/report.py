@@ -72,6 +72,11 @@ SOURCES: dict[str, tuple[tuple[str, ...], dict[str, list[str]]]] = {
 # A study's time-to-accuracy targets: several, so that a ranking is called only where it holds at
 # every one (break_even.md), each target's own tables beside it.
 TIME_TO_ACCURACY = {"frontier": (0.84, 0.85, 0.86)}
+# A study's time to accuracy from runs made for it (experiment=tta_frontier: validation curves 8
+# points an epoch, timed on a quiet machine), at the study's targets, into ``<out>/<folder>/``
+# once ``<results>/<folder>`` is there: the break-even map that the study's own runs (evaluated
+# once an epoch on the test set, timed beside other work) can only approximate.
+TIME_TO_ACCURACY_RUNS = {"frontier": "tta_frontier"}
 ALL = (tuple(TABLES), tuple(PLOTS))
 # Runs of no known study (one's own sweep): one table of every configuration, not every study's
 RUNS = (("runs",), ("accuracy_vs_epoch", "accuracy_vs_bytes"))
@@ -167,6 +172,10 @@ def write_studies(results: str | Path, out: str | Path, include_failed: bool = F
             written += write_time_to_accuracy(runs, TIME_TO_ACCURACY[study], out / f"{study}_time_to_accuracy")
         for table in tables if echo else ():
             echo(table.to_markdown())
+    for study, folder in TIME_TO_ACCURACY_RUNS.items():
+        shutil.rmtree(out / folder, ignore_errors=True)
+        if (results / folder).is_dir():
+            written += write_time_to_accuracy(load_runs(results / folder), TIME_TO_ACCURACY[study], out / folder)
     if not written:
         raise LookupError(f"no study folder under {results} (expected one of: {', '.join(SOURCES)})")
     everything = load_runs(results)  # every sweep of the tree, studies or not
