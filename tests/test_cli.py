@@ -39,6 +39,10 @@ def test_two_rank_dense_run_writes_complete_run_folder(tmp_path):
     assert set(PHASES) <= set(s["time_ms"]) and s["time_ms"]["step"] > 0
     for key in ("forward", "backward", "exchange", "optimizer"):
         assert s["time_ms"][key] > 0, key
+    # every rank's phases beside rank 0's own (time_ms), which they include
+    ranks = s["time_ms_ranks"]
+    assert set(ranks) == set(PHASES) and all(len(ranks[p]) == 2 for p in PHASES)
+    assert all(ranks[p][0] == s["time_ms"][p] for p in PHASES) and ranks["forward"][1] > 0
     assert s["bytes_sent_per_step"] == s["dense_bytes_per_step"] == 4 * s["num_parameters"]
     assert 0.0 <= s["test_accuracy"] <= 1.0 and s["train_loss"] > 0
     assert s["config"]["scheme"]["name"] == "none" and s["config"]["world_size"] == 2

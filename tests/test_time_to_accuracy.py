@@ -404,6 +404,34 @@ def test_e2e_check_sets_measured_time_to_target_against_the_prediction(tmp_path)
     assert (fig.parent / "e2e.png").stat().st_size > 0
 
 
+def test_a_run_that_recorded_every_rank_is_predicted_from_its_slowest(tmp_path):
+    """summary.json's time_ms_ranks (every rank's phases): a synchronous step waits for the
+    slowest rank, so its compute is what the prediction and the end-to-end check use, and the
+    check shows how far apart the ranks were."""
+    config = make_config(scheme="randk", aggregation="allreduce", world_size=4)
+    run = write_run(tmp_path / "sweep" / "hit", config)
+    _stopped_at_target(run, 1e9, 40, 9.0)
+    t = fake_times(config)
+    summary = json.loads((run / "summary.json").read_text())
+    slow = {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0}  # + 10 ms on rank 2
+    summary["time_ms_ranks"] = {p: [t[p], t[p], t[p] + slow.get(p, 0.0), t[p]] for p in t}
+    (run / "summary.json").write_text(json.dumps(summary))
+    row = sa.load_runs(tmp_path / "sweep").iloc[0]
+    own = t["data"] + t["forward"] + t["backward"] + t["optimizer"]
+    assert row["compute_ms_ranks"] == pytest.approx((own, own, own + 10.0, own))
+    assert tta.compute_ms(row) == pytest.approx(own + 10.0)
+    check = cluster_check.e2e_check(sa.load_runs(tmp_path / "sweep"), tta.default_model(ALPHA)).iloc[0]
+    exchange = 1e3 * (6 * ALPHA + 1.5 * 10_000 * beta(1))
+    assert check["predicted_step_ms"] == pytest.approx(own + 10.0 + t["compress"] + t["decompress"] + exchange)
+    assert check["rank_compute_spread_ms"] == pytest.approx(10.0)
+    assert check["modelled_exchange_ms"] == pytest.approx(exchange)
+    # a run without every rank's record (written before): rank 0's, and no spread
+    del summary["time_ms_ranks"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    row = sa.load_runs(tmp_path / "sweep").iloc[0]
+    assert row["compute_ms_ranks"] is None and tta.compute_ms(row) == pytest.approx(own)
+
+
 def test_ddp_overlap_table_reads_the_ddp_benchmark():
     """cluster_check's DDP overlap table on a two-configuration ddp.json written here: the
     model's exchange for each configuration's bytes (ring formulas by hand), the measured exposed

@@ -169,7 +169,8 @@ def e2e_check(runs: pd.DataFrame, model: ExchangeModel, tolerance: float = 0.15)
     and start-up left out; ``target_wall_s``, from process start, beside it). Predicted: that
     many steps (the run's own ``target_step``; warm-up steps as dense steps) at the step time
     ``time_to_accuracy.predict_step_ms`` gives at the run's link rate and world size, from the
-    run's own compute phases; beside it the model's exchange per step (``modelled_exchange_ms``,
+    run's own compute phases (its slowest rank's, where the run recorded every rank's; with the
+    spread between its ranks beside it); beside it the model's exchange per step (``modelled_exchange_ms``,
     the exposed part where the run recorded its buckets) and the run's measured exchange phase
     (``measured_exchange_ms``), where a residual usually lies. ``predicted_to_measured`` =
     predicted / measured; ``within``:
@@ -188,7 +189,11 @@ def e2e_check(runs: pd.DataFrame, model: ExchangeModel, tolerance: float = 0.15)
         if row["target_reached"] == 1 and row["status"] == "completed":
             step_ms, warm_ms = predict_step_ms(row, int(row["world_size"]), float(rate), model)
             local = compute_ms(row) + _ms(row, "compress") + _ms(row, "decompress")
+            ranks = row.get("compute_ms_ranks")
+            spread = max(ranks) - min(ranks) if isinstance(ranks, tuple) and ranks else math.nan
             entry.update(predicted_step_ms=step_ms,
+                         # how far apart the ranks' compute was (the model takes the slowest's)
+                         rank_compute_spread_ms=spread,
                          measured_step_ms=1e3 * row["target_train_s"] / row["target_step"],
                          # where a residual lies: the model's exchange (exposed part) against the
                          # run's exchange phase (the wait after backward, the slowest rank's included)
@@ -265,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                              + ", ".join(map(str, args.runs)))
         shown = [c for c in (*E2E_AXES, "status", "rate_bits", "workers", "target", "reached", "steps", "measured_s",
                              "measured_wall_s", "predicted_s", "predicted_to_measured", "within", "modelled_exchange_ms",
-                             "measured_exchange_ms") if c in check]
+                             "measured_exchange_ms", "rank_compute_spread_ms") if c in check]
         print(f"end to end, exchange model: {model.source}")
         print(check[shown].to_string(index=False, float_format=_fmt))
         hit = check.dropna(subset=["predicted_to_measured"])

@@ -379,6 +379,9 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         dist_overlap=bool(_get(config, "dist", "overlap", default=False)),
         # the quantizers' CPU kernels; runs written before the compiled ones existed ran numpy's
         kernels=summary.get("kernels", "numpy"),
+        # each rank's compute per step (COMPUTE_PHASES' sum), where the summary gathered every
+        # rank's phases (time_ms_ranks); None for one rank or a run written before
+        compute_ms_ranks=_compute_of_ranks(summary.get("time_ms_ranks")),
         # launch.netcluster's emulated link, and train.stop_at_accuracy's measured time to it
         link_rate_bits=_num((summary.get("link") or {}).get("rate_bits")),
         **_target_fields(summary.get("target")),
@@ -404,6 +407,21 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
             value = 0.0
         row[f"time_{phase}_ms"] = value
     return row
+
+
+#: the measured phases that stay when only the network changes (time to accuracy's compute): not
+#: the exchange, nor compress / decompress, which are the scheme's own
+COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
+
+
+def _compute_of_ranks(ranks: dict | None) -> tuple[float, ...] | None:
+    """Each rank's ``COMPUTE_PHASES`` sum (ms per step) from summary's ``time_ms_ranks``."""
+    if not ranks:
+        return None
+    columns = [ranks.get(phase) or [] for phase in COMPUTE_PHASES]
+    if not columns or len({len(c) for c in columns}) != 1 or not columns[0]:
+        return None
+    return tuple(float(sum(values)) for values in zip(*columns))
 
 
 def _code_fields(summary: dict) -> dict:

@@ -59,7 +59,14 @@ from sparsetrain.costmodel import (
 
 from .figures import LINESTYLES, MARKERS, _empty, _label, _new_figure, scheme_color, style
 from .group import _constant_note, _display_axis, sort_rows, varying_axes
-from .loader import REPLICATE, _read_metrics, collective_of, completed, not_completed
+from .loader import (
+    COMPUTE_PHASES,
+    REPLICATE,
+    _read_metrics,
+    collective_of,
+    completed,
+    not_completed,
+)
 from .table import LABELS, Table
 
 #: assumed per-message latency of the default model (s): a small message between two hosts over
@@ -68,8 +75,6 @@ DEFAULT_ALPHA_S = 50e-6
 COLLECTIVES = ("allreduce", "allgather")
 # The default grid of predictions: a slow, a common and a fast link, a small and a large cluster
 BANDWIDTHS_GBIT, WORKERS = (1, 10, 100), (8, 64)
-#: the measured phases that stay when only the network changes
-COMPUTE_PHASES = ("data", "forward", "backward", "optimizer")
 
 
 @dataclass
@@ -157,7 +162,12 @@ def _ms(row, phase: str) -> float:
 
 
 def compute_ms(row) -> float:
-    """The run's measured compute per step (``COMPUTE_PHASES``, ms)."""
+    """The run's measured compute per step (``COMPUTE_PHASES``, ms): its slowest rank's where the
+    summary recorded every rank's (``compute_ms_ranks``), since a synchronous step waits for it;
+    rank 0's (``time_ms``) for a run written before."""
+    ranks = row.get("compute_ms_ranks")
+    if isinstance(ranks, tuple) and ranks:
+        return max(ranks)
     return sum(_ms(row, p) for p in COMPUTE_PHASES)
 
 

@@ -223,6 +223,19 @@ class RunRecord:
         self.tracker.log({f"{prefix}{k}": v for k, v in record.items() if k != "kind"}, step=step)
 
     # ---- summary.json's fields -------------------------------------------------------------
+    def _phase_means_of_ranks(self, means: dict) -> dict | None:
+        """``{phase: [rank 0's mean ms, rank 1's, ...]}``; None for one rank. ``time_ms`` is rank
+        0's alone, and the wait for the slowest rank shows only as other ranks' longer exchange.
+        A collective (every rank calls it; only a completing run, whose ranks still meet)."""
+        if self.info.world_size < 2 or not dist.is_initialized():
+            return None
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        mine = torch.tensor([float(means.get(p, 0.0)) for p in PHASES], dtype=torch.float64, device=device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.info.world_size)]
+        dist.all_gather(gathered, mine)
+        rows = [t.cpu().tolist() for t in gathered]
+        return {phase: [row[i] for row in rows] for i, phase in enumerate(PHASES)}
+
     def _exchange_fields(self) -> dict:
         """What the exchange sends once compression runs, and when it started."""
         red = self.parts.reducer
@@ -251,6 +264,7 @@ class RunRecord:
         )
         peaks = tally.peaks()
         final_loss = tally.final_loss(reduce=reduce)
+        ranks_ms = self._phase_means_of_ranks(means) if reduce else None
         ev = self.last_eval
         # "did not train" reads the end of training and, where there is a split, validation
         chosen_on = ev.get("val_accuracy", ev.get("test_accuracy"))
@@ -273,6 +287,8 @@ class RunRecord:
                                       num_classes=self.parts.data.num_classes),
             "test_loss": ev.get("test_loss"),
             "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
+            # every rank's, where several ran: synchronous steps go at the slowest rank's pace
+            "time_ms_ranks": ranks_ms,
             "timed_steps": timer.counted_steps,
             "peak_memory_mb": peak_mb,
             "peak_memory_of": "cuda_max_allocated" if on_cuda else "process_max_rss",
