@@ -212,7 +212,8 @@ class Heartbeat:
     """Rank 0's sign of life: ``heartbeat.json`` = {time, unix, step, last_step_at, pid, host},
     rewritten atomically by a daemon thread while training runs (see HEARTBEAT_MIN_S /
     HEARTBEAT_EVERY_S). ``step`` is read through ``step_fn`` (once a second), ``last_step_at`` is
-    when it was last seen to change."""
+    when it was last seen to change. Once a second it also reads the node's 1-minute load average
+    (``load``: what else ran beside the run while it was timed)."""
 
     def __init__(self, run_dir: str | Path, step_fn: Callable[[], int]):
         self.path = Path(run_dir) / HEARTBEAT
@@ -223,8 +224,12 @@ class Heartbeat:
         self._last_step_at: str | None = None
         self._written_step: int | None = None
         self._written_at = 0.0
+        self._load_sum, self._load_max, self._load_readings = 0.0, 0.0, 0  # (a run may last days)
 
     def _observe(self) -> None:
+        load = os.getloadavg()[0]
+        self._load_sum, self._load_readings = self._load_sum + load, self._load_readings + 1
+        self._load_max = max(self._load_max, load)
         step = self._step_fn()
         if step != self._last_step:
             self._last_step, self._last_step_at = step, now_iso()
@@ -259,6 +264,14 @@ class Heartbeat:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self.beat()
+
+    def load(self, local_ranks: int) -> dict:
+        """summary.json's ``load``: the node's 1-minute load average over the run (mean and
+        largest of the once-a-second readings) beside its CPUs and this run's ranks on the node
+        (each keeps about one CPU busy: a mean well above ``local_ranks`` means other work ran
+        beside it, and its timings are not those of a quiet machine)."""
+        return {"mean_1min": self._load_sum / max(self._load_readings, 1), "max_1min": self._load_max,
+                "readings": self._load_readings, "cpus": os.cpu_count(), "local_ranks": local_ranks}
 
 
 class RunWriter:

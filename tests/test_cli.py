@@ -1,5 +1,6 @@
 """End-to-end runs from the command line: run folder files, errors, sweeps, W&B offline."""
 
+import os
 import re
 
 import pytest
@@ -43,6 +44,10 @@ def test_two_rank_dense_run_writes_complete_run_folder(tmp_path):
     ranks = s["time_ms_ranks"]
     assert set(ranks) == set(PHASES) and all(len(ranks[p]) == 2 for p in PHASES)
     assert all(ranks[p][0] == s["time_ms"][p] for p in PHASES) and ranks["forward"][1] > 0
+    # the node's load while it trained, beside its CPUs and the run's 2 ranks here
+    load = s["load"]
+    assert load["readings"] >= 1 and 0 <= load["mean_1min"] <= load["max_1min"]
+    assert load["cpus"] == os.cpu_count() and load["local_ranks"] == 2
     assert s["bytes_sent_per_step"] == s["dense_bytes_per_step"] == 4 * s["num_parameters"]
     assert 0.0 <= s["test_accuracy"] <= 1.0 and s["train_loss"] > 0
     assert s["config"]["scheme"]["name"] == "none" and s["config"]["world_size"] == 2

@@ -415,6 +415,7 @@ def test_a_run_that_recorded_every_rank_is_predicted_from_its_slowest(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     slow = {"data": 1.0, "forward": 3.0, "backward": 5.0, "optimizer": 1.0}  # + 10 ms on rank 2
     summary["time_ms_ranks"] = {p: [t[p], t[p], t[p] + slow.get(p, 0.0), t[p]] for p in t}
+    summary["load"] = {"mean_1min": 4.5, "max_1min": 5.0, "readings": 9, "cpus": 2, "local_ranks": 4}
     (run / "summary.json").write_text(json.dumps(summary))
     row = sa.load_runs(tmp_path / "sweep").iloc[0]
     own = t["data"] + t["forward"] + t["backward"] + t["optimizer"]
@@ -425,6 +426,10 @@ def test_a_run_that_recorded_every_rank_is_predicted_from_its_slowest(tmp_path):
     assert check["predicted_step_ms"] == pytest.approx(own + 10.0 + t["compress"] + t["decompress"] + exchange)
     assert check["rank_compute_spread_ms"] == pytest.approx(10.0)
     assert check["modelled_exchange_ms"] == pytest.approx(exchange)
+    assert check["load_mean"] == 4.5
+    notes = " ".join(tta.time_to_accuracy_table(sa.load_runs(tmp_path / "sweep"), 0.8, [1], [8]).notes)
+    assert "Compute: the slowest rank's for the 1 of 1 runs" in notes
+    assert "1-minute load average 4.50-4.50 over each run, +0.50 to +0.50 beyond the run's own ranks (2 CPUs)" in notes
     # a run without every rank's record (written before): rank 0's, and no spread
     del summary["time_ms_ranks"]
     (run / "summary.json").write_text(json.dumps(summary))

@@ -183,7 +183,7 @@ def e2e_check(runs: pd.DataFrame, model: ExchangeModel, tolerance: float = 0.15)
         if pd.isna(rate) or pd.isna(row.get("target_accuracy")):
             continue
         entry = {k: row.get(k) for k in E2E_AXES if k in row}
-        entry.update(status=row["status"], rate_bits=rate, workers=int(row["world_size"]),
+        entry.update(status=row["status"], rate_bits=rate, workers=int(row["world_size"]), load_mean=row.get("load_mean"),
                      target=row["target_accuracy"], reached=row["target_reached"], steps=row["target_step"],
                      measured_s=row["target_train_s"], measured_wall_s=row["target_wall_s"])
         if row["target_reached"] == 1 and row["status"] == "completed":
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                              + ", ".join(map(str, args.runs)))
         shown = [c for c in (*E2E_AXES, "status", "rate_bits", "workers", "target", "reached", "steps", "measured_s",
                              "measured_wall_s", "predicted_s", "predicted_to_measured", "within", "modelled_exchange_ms",
-                             "measured_exchange_ms", "rank_compute_spread_ms") if c in check]
+                             "measured_exchange_ms", "rank_compute_spread_ms", "load_mean") if c in check]
         print(f"end to end, exchange model: {model.source}")
         print(check[shown].to_string(index=False, float_format=_fmt))
         hit = check.dropna(subset=["predicted_to_measured"])

@@ -382,6 +382,11 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         # each rank's compute per step (COMPUTE_PHASES' sum), where the summary gathered every
         # rank's phases (time_ms_ranks); None for one rank or a run written before
         compute_ms_ranks=_compute_of_ranks(summary.get("time_ms_ranks")),
+        # the node's 1-minute load average over the run, its CPUs and the run's ranks there
+        # (summary's load, from rank 0's heartbeat; NaN for runs written before)
+        load_mean=_num((summary.get("load") or {}).get("mean_1min")),
+        load_cpus=_num((summary.get("load") or {}).get("cpus")),
+        load_local_ranks=_num((summary.get("load") or {}).get("local_ranks")),
         # launch.netcluster's emulated link, and train.stop_at_accuracy's measured time to it
         link_rate_bits=_num((summary.get("link") or {}).get("rate_bits")),
         **_target_fields(summary.get("target")),

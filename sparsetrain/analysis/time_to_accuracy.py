@@ -321,6 +321,19 @@ def _mean_std(values: pd.Series, digits: str) -> str:
     return text
 
 
+def load_note(runs: pd.DataFrame) -> str | None:
+    """How loaded the machine was while the runs were timed (summary.json's ``load``: the node's
+    1-minute load average, mean over each run), against the ranks each run kept busy there."""
+    if "load_mean" not in runs or runs["load_mean"].isna().all():
+        return None
+    timed = runs.dropna(subset=["load_mean"])
+    excess = timed["load_mean"] - timed["load_local_ranks"]
+    return (f"Machine load while timed ({len(timed)} of {len(runs)} runs recorded it): 1-minute load average "
+            f"{timed['load_mean'].min():.2f}-{timed['load_mean'].max():.2f} over each run, "
+            f"{excess.min():+.2f} to {excess.max():+.2f} beyond the run's own ranks "
+            f"({int(timed['load_cpus'].min())} CPUs).")
+
+
 def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BANDWIDTHS_GBIT, workers=WORKERS,
                            model: ExchangeModel | None = None, compute: str = "shared") -> Table:
     """Configuration (scheme + the axes that vary) x bandwidth x workers: predicted step ms,
@@ -358,6 +371,13 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     if recorded or borrowed:
         notes.append(f"Overlap with backward: {recorded} runs' own buckets, {borrowed} borrowed "
                      "from runs of their kind.")
+    slowest = int(done["compute_ms_ranks"].apply(lambda r: isinstance(r, tuple)).sum()) if "compute_ms_ranks" in done else 0
+    if slowest:
+        notes.append(f"Compute: the slowest rank's for the {slowest} of {len(done)} runs that recorded every "
+                     "rank's (a synchronous step waits for it), rank 0's for the others.")
+    load = load_note(done)
+    if load:
+        notes.append(load)
     data = predict_runs(done, target, bandwidths_gbit, workers, model, compute, buckets)
     keys = [*by, "bandwidth_gbit", "workers"]
     for column in by:

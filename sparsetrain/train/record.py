@@ -149,8 +149,15 @@ class RunRecord:
         if self.heartbeat is not None:
             self.heartbeat.stop()
 
+    def _load(self) -> dict:
+        """The node's load while the run trained (rank 0's heartbeat): {} off rank 0."""
+        if self.heartbeat is None:
+            return {}
+        return {"load": self.heartbeat.load(self.info.local_world_size)}
+
     def fail(self, exc: BaseException, step: int, elapsed_s: float) -> None:
-        self.writer.finish("failed", error=one_line_error(exc), **self._summary_fields(step, elapsed_s))
+        self.writer.finish("failed", error=one_line_error(exc), **self._summary_fields(step, elapsed_s),
+                           **self._load())
         self.tracker.finish(self.writer.summary, failed=True)
 
     def complete(self, model: torch.nn.Module, step: int, elapsed_s: float, curve_s: float = 0.0,
@@ -162,7 +169,7 @@ class RunRecord:
             torch.save(model.state_dict(), self.run_dir / "model.pt")
         self.writer.finish("completed", **self._summary_fields(step, elapsed_s, reduce=True),
                            curve_s=curve_s, curve_share=curve_s / (elapsed_s + curve_s) if elapsed_s + curve_s else None,
-                           **({"target": target} if target is not None else {}))
+                           **({"target": target} if target is not None else {}), **self._load())
         self.tracker.finish(self.writer.summary)
         if self.info.is_main and self.checkpoint_path.exists():
             self.checkpoint_path.unlink()
