@@ -29,6 +29,7 @@ from .time_to_accuracy import (
     COLLECTIVES,
     COMPUTE_PHASES,
     ExchangeModel,
+    _has,
     _ms,
     _warmup,
     compute_ms,
@@ -190,7 +191,7 @@ def e2e_check(runs: pd.DataFrame, model: ExchangeModel, tolerance: float = 0.15)
             step_ms, warm_ms = predict_step_ms(row, int(row["world_size"]), float(rate), model)
             local = compute_ms(row) + _ms(row, "compress") + _ms(row, "decompress")
             ranks = row.get("compute_ms_ranks")
-            spread = max(ranks) - min(ranks) if isinstance(ranks, tuple) and ranks else math.nan
+            spread = max(ranks) - min(ranks) if _has(ranks) else math.nan
             entry.update(predicted_step_ms=step_ms,
                          # how far apart the ranks' compute was (the model takes the slowest's)
                          rank_compute_spread_ms=spread,

@@ -211,8 +211,8 @@ def _constant_note(runs: pd.DataFrame, shown: list[str]) -> list[str]:
         early = ran < planned - 1e-9
         # a run stops before its planned epochs at its target (train.stop_at_accuracy: summary's
         # target.reached) or, otherwise, at train.max_steps
-        at_target = early & (pd.to_numeric(runs.get("target_reached"), errors="coerce") == 1) \
-            if "target_reached" in runs else early & False
+        reached = pd.to_numeric(runs["target_reached"], errors="coerce").eq(1) if "target_reached" in runs else False
+        at_target = early & reached
         for stopped, cause in ((at_target, "at the target (train.stop_at_accuracy)"),
                                (early & ~at_target, "by train.max_steps")):
             if stopped.any():

@@ -424,7 +424,7 @@ def _compute_of_ranks(ranks: dict | None) -> tuple[float, ...] | None:
     if not ranks:
         return None
     columns = [ranks.get(phase) or [] for phase in COMPUTE_PHASES]
-    if not columns or len({len(c) for c in columns}) != 1 or not columns[0]:
+    if len({len(c) for c in columns}) != 1 or not columns[0]:
         return None
     return tuple(float(sum(values)) for values in zip(*columns))
 

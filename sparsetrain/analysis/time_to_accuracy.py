@@ -166,7 +166,7 @@ def compute_ms(row) -> float:
     summary recorded every rank's (``compute_ms_ranks``), since a synchronous step waits for it;
     rank 0's (``time_ms``) for a run written before."""
     ranks = row.get("compute_ms_ranks")
-    if isinstance(ranks, tuple) and ranks:
+    if _has(ranks):
         return max(ranks)
     return sum(_ms(row, p) for p in COMPUTE_PHASES)
 
@@ -249,8 +249,9 @@ def _warmup(row) -> int:
 BUCKET_KEYS = ("model", "data", "batch_size", "exchange", "scheme", "dist_overlap")
 
 
-def _has(buckets) -> bool:
-    return isinstance(buckets, tuple) and len(buckets) > 0
+def _has(values) -> bool:
+    """A recorded tuple (a run's buckets, its ranks' compute), not None / NaN / empty."""
+    return isinstance(values, tuple) and len(values) > 0
 
 
 def borrowed_buckets(runs: pd.DataFrame) -> pd.Series:
@@ -371,7 +372,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     if recorded or borrowed:
         notes.append(f"Overlap with backward: {recorded} runs' own buckets, {borrowed} borrowed "
                      "from runs of their kind.")
-    slowest = int(done["compute_ms_ranks"].apply(lambda r: isinstance(r, tuple)).sum()) if "compute_ms_ranks" in done else 0
+    slowest = int(done["compute_ms_ranks"].apply(_has).sum()) if "compute_ms_ranks" in done else 0
     if slowest:
         notes.append(f"Compute: the slowest rank's for the {slowest} of {len(done)} runs that recorded every "
                      "rank's (a synchronous step waits for it), rank 0's for the others.")
