@@ -119,6 +119,25 @@ def test_topk_resnet18_gradient_same_set_on_cuda_as_cpu(scope):
     assert cuda.fallbacks == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_topk_device_path_falls_back_exactly_where_a_threshold_is_too_high(device, scope, dtype, monkeypatch):
+    """The large segments' thresholds set too high (too few candidates there): those segments,
+    and only those, take the exact fallback, between segments that did not; torch.topk's sets."""
+    dev = make("topk", 0.01, scope, device=device)
+    thresholds = dev._segment_thresholds
+    large = torch.zeros(len(dev.layout), dtype=torch.bool, device=device)
+    large[dev.large] = True
+    monkeypatch.setattr(dev, "_segment_thresholds", lambda sc: thresholds(sc).masked_fill(large, float("inf")))
+    acc = distinct_magnitudes(MIXED.total, 11, dtype)
+    values, idx = device_path(dev, acc.to(device))
+    idx = idx.cpu()
+    for pos, k, off, n in segments(dev):
+        assert set(idx[pos : pos + k].tolist()) == set((torch.topk(acc[off : off + n].abs(), k).indices + off).tolist())
+    assert torch.equal(values.cpu(), acc[idx]) and dev.fallbacks == len(dev.large) > 0
+
+
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_topk_with_ties_sends_the_k_largest_magnitudes(device, scope):
@@ -523,6 +542,35 @@ def test_quantizers_on_device(device, name, scope):
             mean += comp.decompress(m.values, m.positions) / trials
         norm = torch.cat([y[i:j].norm().expand(j - i) for i, j in comp.bucket_spans()])
         assert torch.all((mean - y).abs() <= 5 * norm / (2 * comp.levels * trials**0.5))
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("name,options", [("signsgd", {}), ("qsgd", {"generator": "counter"}),
+                                          ("qsgd", {"generator": "counter", "bucket_size": None})])
+def test_quantizers_batched_device_path_on_the_cpu(monkeypatch, name, options, scope):
+    """The device path batches what the CPU loops over segments and buckets (every segment's
+    norm in one kernel, the full buckets' norms by rows of one matrix, per-segment numbers
+    spread over the entries by one gather). Run here on the CPU in place of the numpy paths:
+    the CPU's message decodes to the same bits, and it encodes the same codes and, to rounding,
+    the same floats; error feedback's memory is acc - decoded exactly."""
+    from sparsetrain.compress import quantize
+
+    ref = compressor_for(name)(1.0, MIXED, scope, **options)
+    x = int_grad(MIXED.total, 1, "cpu") / 7
+    p = ref.compress(x, 5)
+    decoded = ref.decompress(p.values, p.positions)
+    monkeypatch.setattr(quantize, "_batched", lambda t: True)
+    monkeypatch.setattr(quantize, "_numpy_ok", lambda t: False)
+    monkeypatch.setattr(quantize, "_kernel_ok", lambda *t: False)
+    dev = compressor_for(name)(1.0, MIXED, scope, **options)
+    assert torch.equal(dev.decompress(p.values, p.positions), decoded)
+    q = dev.compress(x, 5)
+    assert torch.equal(q.positions, p.positions)
+    torch.testing.assert_close(q.values, p.values, rtol=1e-13, atol=0)
+    ef = ErrorFeedback(MIXED.total, dtype=torch.float64)
+    g = int_grad(MIXED.total, 2, "cpu") / 3
+    sent = ef.step(g, dev, seed=3)
+    assert torch.equal(ef.memory, g - dev.decompress(sent.values, sent.positions))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -67,6 +67,21 @@ def test_compress_goals_per_device():
                          f"topk/global speed-up over torch.topk = 5.0x >= {need}": need == 5}
 
 
+def test_quantizer_kernel_goals_per_device():
+    """signSGD's and QSGD's encode and decode_add alone: <= 2 and 4 copies (encode), <= 2
+    (decode) on the CPU; <= 4 copies each on a GPU."""
+    mod = _script("compress")
+    rows = [{"scheme": "signsgd", "scope": "kernels", "compress_ef_copies": 3.0, "decompress_copies": 3.0},
+            {"scheme": "qsgd_s1", "scope": "kernels", "compress_ef_copies": 3.5, "decompress_copies": 4.5},
+            {"scheme": "qsgd_s1_pcg64", "scope": "kernels", "compress_ef_copies": 9.0, "decompress_copies": 9.0}]
+    res = {"device": "cuda:0", "schemes": rows, "references_copies": {}}
+    assert mod.goals(res) == {"signsgd encode <= 4 copies": True, "signsgd decode_add <= 4 copies": True,
+                              "qsgd_s1 encode <= 4 copies": True, "qsgd_s1 decode_add <= 4 copies": False}
+    res["device"] = "cpu"
+    assert mod.goals(res) == {"signsgd encode <= 2 copies": False, "signsgd decode_add <= 2 copies": False,
+                              "qsgd_s1 encode <= 4 copies": True, "qsgd_s1 decode_add <= 2 copies": False}
+
+
 def test_cpu_clock_times_a_call():
     mod = _script("compress")
     ms = mod.clock(torch.device("cpu"))

@@ -58,6 +58,13 @@ def _numpy_ok(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.is_contiguous() and t.dtype != torch.bfloat16
 
 
+def _batched(t: torch.Tensor) -> bool:
+    """Whether the torch path batches its per-segment and per-bucket work (a device: one
+    launch per segment costs more than the work) or keeps the CPU's loop (the same numbers as
+    before, for the CPU's bfloat16). Tests turn it on for the CPU to check it against the loop."""
+    return t.device.type != "cpu"
+
+
 def _kernel_ok(*tensors: torch.Tensor) -> bool:
     """Whether the compiled kernels (``compress.kernels``) take these CPU tensors: numba in use,
     and every float among them float32 or float64 (float16 keeps the numpy path)."""
@@ -283,6 +290,23 @@ class Quantizer(Compressor):
         """``fn`` of each segment of ``x`` (a 0-d tensor each), as one vector."""
         return torch.stack([fn(seg) for seg in self.segments(x)]).reshape(-1)
 
+    def segment_norms(self, x: torch.Tensor, ord: float) -> torch.Tensor:
+        """Each segment's ``ord``-norm in one multi-tensor kernel (``torch._foreach_norm``, the
+        one ``clip_grad_norm_`` uses) instead of a launch per segment: the device paths'."""
+        return torch.stack(torch._foreach_norm(self.segments(x), ord))
+
+    def entry_table(self, name: str, dev: torch.device) -> torch.Tensor:
+        """Per entry the index of its segment (``"segment"``) or bucket (``"bucket"``, QSGD), int32
+        on ``dev``, built on first use: a device path spreads per-segment numbers over the
+        entries with one gather instead of a launch per segment (the size of the model in
+        int32, on that device)."""
+        tables = self.__dict__.setdefault("_entry_tables", {})
+        if (name, dev) not in tables:
+            spans = self.spans() if name == "segment" else self.bucket_spans()
+            lengths = torch.tensor([j - i for i, j in spans], dtype=torch.int64)
+            tables[(name, dev)] = torch.repeat_interleave(torch.arange(len(spans), dtype=torch.int32), lengths).to(dev)
+        return tables[(name, dev)]
+
     # --- what subclasses provide ---------------------------------------------------------------
     def encode(self, acc: torch.Tensor, seed: int, values: torch.Tensor, wire: torch.Tensor) -> None:
         """Fill ``values`` (one float per segment) and ``wire`` (the packed codes) from ``acc``."""
@@ -370,7 +394,13 @@ class SignSGD(Quantizer):
             values.copy_(torch.tensor([mag[i:j].sum(dtype=a.dtype) / (j - i) for i, j in self.spans()]))
             pack_codes(torch.from_numpy(np.less(a, 0, out=self.scratch("neg", bool))), 1, wire)
             return
-        values.copy_(self.per_segment(acc, lambda v: torch.linalg.vector_norm(v, 1) / v.numel()))
+        if _batched(acc):  # all segments' norms in one kernel, divided by a tensor (see QSGD.decode_add)
+            sizes = self.__dict__.setdefault("_sizes", {})
+            if (acc.device, acc.dtype) not in sizes:
+                sizes[(acc.device, acc.dtype)] = torch.tensor(self.layout.sizes, dtype=acc.dtype, device=acc.device)
+            values.copy_(self.segment_norms(acc, 1).div_(sizes[(acc.device, acc.dtype)]))
+        else:
+            values.copy_(self.per_segment(acc, lambda v: torch.linalg.vector_norm(v, 1) / v.numel()))
         pack_codes(acc < 0, 1, wire)
 
     def decode_many(self, values, wires, out):  # +-1 x the segment's scale: exact
@@ -390,6 +420,10 @@ class SignSGD(Quantizer):
                 out[i:j].add_(torch.from_numpy(signs[i:j]), alpha=scale)  # +-1 x scale: exact
             return
         negative = unpack_codes(wire, 1, self.numel).view(torch.bool)
+        if _batched(out):
+            scale = values[self.entry_table("segment", out.device)]  # each entry's: the same sums
+            out.add_(torch.where(negative, scale.neg(), scale))
+            return
         for neg, o, scale in zip(self.segments(negative), self.segments(out), values, strict=True):
             o.add_(torch.where(neg, -scale, scale))
 
@@ -468,11 +502,49 @@ class QSGD(Quantizer):
                 b += 1
 
     def bucket_norms(self, x: torch.Tensor) -> torch.Tensor:
-        """The 2-norm of each bucket of ``x``, in order."""
-        return torch.cat([torch.linalg.vector_norm(v, dim=1) for v, _, _ in self._pieces(x)])
+        """The 2-norm of each bucket of ``x``, in order. On a device in a few kernels whatever
+        the number of segments: the full buckets of every segment copied into one matrix (one
+        ``cat``) and normed by rows, the other buckets (short ends, whole segments) in one
+        multi-tensor norm."""
+        if not _batched(x):
+            return torch.cat([torch.linalg.vector_norm(v, dim=1) for v, _, _ in self._pieces(x)])
+        rows, rows_at, others, others_at = self._bucket_groups(x.device)
+        out = torch.empty(self._num_buckets, dtype=x.dtype, device=x.device)
+        if rows:
+            matrix = torch.cat([x[a:b] for a, b in rows]).view(-1, self.bucket_size)
+            out[rows_at] = torch.linalg.vector_norm(matrix, dim=1)
+        if others:
+            out[others_at] = torch.stack(torch._foreach_norm([x[a:b] for a, b in others], 2))
+        return out
+
+    def _bucket_groups(self, dev):
+        """The runs of full ``bucket_size`` buckets (``(start, end)`` each, one per segment) and
+        the other buckets, with the places of their norms in the bucket order (on ``dev``)."""
+        groups = self.__dict__.setdefault("_groups", {})
+        if dev not in groups:
+            rows, rows_at, others, others_at, b = [], [], [], [], 0
+            for o, full, size, tail in self._cuts:
+                if full and size == self.bucket_size:
+                    rows.append((o, o + full * size))
+                    rows_at += range(b, b + full)
+                else:
+                    others += [(o + i * size, o + (i + 1) * size) for i in range(full)]
+                    others_at += range(b, b + full)
+                b += full
+                if tail:
+                    others.append((o + full * size, o + full * size + tail))
+                    others_at.append(b)
+                    b += 1
+            groups[dev] = (rows, torch.tensor(rows_at, dtype=torch.int64, device=dev),
+                           others, torch.tensor(others_at, dtype=torch.int64, device=dev))
+        return groups[dev]
 
     def _scale_buckets(self, x, factors) -> None:
-        """``x`` (a tensor or numpy array) times its bucket's factor, in place, entry by entry."""
+        """``x`` (a tensor or numpy array) times its bucket's factor, in place, entry by entry
+        (on a device with the factors spread over the entries: the same products)."""
+        if isinstance(x, torch.Tensor) and _batched(x):
+            x.mul_(factors[self.entry_table("bucket", x.device)])
+            return
         for v, b, count in self._pieces(x):
             v *= factors[b : b + count].reshape(count, 1)
 
@@ -571,7 +643,9 @@ class QSGD(Quantizer):
             self.decode_many(values.reshape(1, -1), wire.reshape(1, -1), out)
             return
         codes = unpack_codes(wire, self.bits_per_entry, self.numel)
-        units = values.div(self.levels)  # ||x|| / s per bucket
+        # ||x|| / s per bucket, divided by a tensor on the values' device: CUDA divides by a
+        # number from the host as a product with its reciprocal, which rounds otherwise
+        units = values.div(values.new_tensor(self.levels))
         if _numpy_ok(codes) and _numpy_ok(out):
             c = codes.numpy()
             if self.bits_per_entry == 8:

@@ -64,7 +64,8 @@ class TopK(Compressor):
     about 1.3-2x k entries pass it; one pass marks the candidates, and an exact ``torch.topk`` on
     the small candidate set picks the k. A segment with fewer than k candidates (threshold
     estimate too high: rare) falls back to an exact topk on the whole segment. Small segments
-    skip the estimate and use all their entries as candidates.
+    skip the estimate and use all their entries as candidates. The CPU runs this in numpy, in
+    cache-sized chunks (``_select_cpu``); other devices in batched torch ops (``_select_torch``).
     """
 
     shared_positions = False
@@ -102,35 +103,64 @@ class TopK(Compressor):
         self.kstarts = list(Layout.from_sizes(self.ks).offsets)  # where each segment's k entries start
         self.segment_bounds = torch.tensor(list(offsets) + [self.numel], dtype=torch.int64, device=self.device)
         self.fallbacks = 0  # how often the exact full-segment fallback ran (diagnostics)
+        self._tables = None  # the torch path's per-entry and per-slot tables (``_torch_tables``)
 
     def _buffers(self, acc):
         if self._scratch is None or self._scratch.dtype != acc.dtype or self._scratch.device != acc.device:
-            n = self.numel
-            self._scratch = torch.empty(n, dtype=acc.dtype, device=acc.device)
-            self._mask = torch.zeros((n + 7) // 8 * 8, dtype=torch.bool, device=acc.device)
-            self._words_nz = torch.empty(self._mask.numel() // 8, dtype=torch.bool, device=acc.device)
+            self._scratch = torch.empty(self.numel, dtype=acc.dtype, device=acc.device)
+            self._mask = torch.empty(self.numel, dtype=torch.bool, device=acc.device)
         return self._scratch, self._mask
+
+    def _sample_thresholds(self, samples) -> torch.Tensor:
+        """Per large segment the threshold from ``samples`` = |acc| at ``sample_idx`` (0: the
+        sample is too small to set one, every entry is a candidate), on the samples' device."""
+        samples = samples.view(len(self.large), self.sample_m)
+        top = torch.topk(samples, self.sample_kth_max, dim=1, sorted=True).values
+        t = top.gather(1, self.sample_kth.to(samples.device).view(-1, 1)).view(-1)
+        return torch.where(self.sample_full.to(samples.device), torch.zeros_like(t), t)
 
     def _thresholds(self, samples) -> list[float]:
         """Per segment the threshold from ``samples`` = |acc| at ``sample_idx`` (0.0: none)."""
         thr = [0.0] * len(self.layout)
         if not self.large:
             return thr
-        samples = samples.view(len(self.large), self.sample_m)
-        top = torch.topk(samples, self.sample_kth_max, dim=1, sorted=True).values
-        t = top.gather(1, self.sample_kth.view(-1, 1)).view(-1)
-        t = torch.where(self.sample_full, torch.zeros_like(t), t)
-        for s, v in zip(self.large, t.tolist(), strict=True):
+        for s, v in zip(self.large, self._sample_thresholds(samples).tolist(), strict=True):
             thr[s] = v
         return thr
 
-    def _candidates(self, mask) -> torch.Tensor:
-        """Sorted indices of True entries: nonzero over 8-byte words first, then inside them."""
-        words = mask.view(torch.int64)
-        torch.ne(words, 0, out=self._words_nz)
-        w = self._words_nz.nonzero().view(-1)
-        loc = mask.view(-1, 8)[w].nonzero()
-        return w[loc[:, 0]].mul_(8).add_(loc[:, 1])
+    def _segment_thresholds(self, sc) -> torch.Tensor:
+        """``_thresholds`` as a tensor on |acc|'s device, read by no host: one per segment."""
+        thr = torch.zeros(len(self.layout), dtype=sc.dtype, device=sc.device)
+        if self.large:
+            thr[self._torch_tables(sc.device)["large"]] = self._sample_thresholds(sc[self.sample_idx.to(sc.device)])
+        return thr
+
+    def _torch_tables(self, dev) -> dict:
+        """The torch path's tables on ``dev``, built on first use: each entry's segment (int32,
+        layer-wise only: the size of the model in int32), each output slot's segment and its
+        rank there, each segment's k."""
+        if self._tables is None or self._tables["k"].device != dev:
+            ks = torch.tensor(self.ks, dtype=torch.int64)
+            segs = torch.arange(len(self.layout))
+            slot_segment = torch.repeat_interleave(segs, ks)
+            t = {"k": ks, "large": torch.tensor(self.large, dtype=torch.int64), "bounds": self.segment_bounds.cpu(),
+                 "slot_segment": slot_segment,
+                 "slot_rank": torch.arange(self.k) - torch.tensor(self.kstarts, dtype=torch.int64)[slot_segment]}
+            if len(self.layout) > 1:
+                t["entry_segment"] = torch.repeat_interleave(segs.to(torch.int32),
+                                                             torch.tensor(self.layout.sizes, dtype=torch.int64))
+            self._tables = {name: v.to(dev) for name, v in t.items()}
+        return self._tables
+
+    @staticmethod
+    def _segment_then_magnitude(cvals, cseg) -> torch.Tensor:
+        """The order of the candidates by segment, then |acc| from the largest: one int64 sort
+        in float32 (a non-negative float orders as its bits: key = segment << 32 - bits), two
+        stable sorts otherwise."""
+        if cvals.dtype == torch.float32:
+            return torch.sort((cseg.to(torch.int64) << 32) - cvals.view(torch.int32)).indices
+        order = torch.sort(cvals, descending=True, stable=True).indices
+        return order[torch.sort(cseg[order], stable=True).indices]
 
     def _small_table(self, dev):
         """Segments <= SMALL, batched: one padded [S, maxlen] gather table and one row-wise topk."""
@@ -269,35 +299,35 @@ class TopK(Compressor):
         return self._select_torch(acc)
 
     def _select_torch(self, acc):
-        """Any device (the CUDA path): the same method in torch ops only. Callable on CPU too,
-        so that tests check it there against ``torch.topk`` and the numpy path."""
+        """Any device (the CUDA path): the same method in batched torch ops, no loop over the
+        segments and two reads by the host (the candidates' count, then whether a segment fell
+        short). Callable on the CPU too, so that tests check it there against ``torch.topk``."""
         sc, mask = self._buffers(acc)
         torch.abs(acc, out=sc)
-        thr = self._thresholds(sc[self.sample_idx]) if self.large else [0.0] * len(self.layout)
-        offs, sizes = self.layout.offsets, self.layout.sizes
-        for s, t in enumerate(thr):
-            a, b = offs[s], offs[s] + sizes[s]
-            if t > 0.0:
-                torch.ge(sc[a:b], t, out=mask[a:b])
-            else:
-                mask[a:b].fill_(True)
-        cand = self._candidates(mask)
-        cb = torch.searchsorted(cand, self.segment_bounds).tolist()
+        tab = self._torch_tables(acc.device)
+        thr = self._segment_thresholds(sc)
+        layerwise = "entry_segment" in tab
+        torch.ge(sc, thr[tab["entry_segment"]] if layerwise else thr, out=mask)
+        cand = mask.nonzero().view(-1)  # ascending: each segment's candidates are one run
+        bounds = torch.searchsorted(cand, tab["bounds"])  # segment s: cand[bounds[s]:bounds[s + 1]]
+        short = (bounds[1:] - bounds[:-1]) < tab["k"]
+        any_short = bool(short.any())
         cvals = sc[cand]
-        idx = torch.empty(self.k, dtype=torch.int64, device=acc.device)
-        for s, k in enumerate(self.ks):
-            c0, c1 = cb[s], cb[s + 1]
-            dst = idx[self.kstarts[s] : self.kstarts[s] + k]
-            if c1 - c0 == k:
-                dst.copy_(cand[c0:c1])
-            elif c1 - c0 > k:
-                sel = torch.topk(cvals[c0:c1], k, sorted=False).indices
-                torch.index_select(cand[c0:c1], 0, sel, out=dst)
-            else:  # threshold estimate too high for this step: exact fallback
+        if not layerwise and not any_short:  # one segment: the k largest candidates
+            idx = cand[torch.topk(cvals, self.k, sorted=False).indices]
+        elif layerwise and cand.numel() > 0:  # segment s's k largest lead its run, sorted by
+            # segment, then |acc| descending (a short segment's slots are overwritten below)
+            order = self._segment_then_magnitude(cvals, tab["entry_segment"][cand])
+            src = (bounds[:-1][tab["slot_segment"]] + tab["slot_rank"]).clamp_(max=cand.numel() - 1)
+            idx = cand[order[src]]
+        else:
+            idx = torch.empty(self.k, dtype=torch.int64, device=acc.device)
+        if any_short:  # threshold estimate too high for this step: exact on the segment
+            for s in short.nonzero().view(-1).tolist():
                 self.fallbacks += 1
-                a = offs[s]
-                sel = torch.topk(sc[a : a + sizes[s]], k, sorted=False).indices
-                torch.add(sel, a, out=dst)
+                a, n, k = self.layout.offsets[s], self.layout.sizes[s], self.ks[s]
+                torch.add(torch.topk(sc[a : a + n], k, sorted=False).indices, a,
+                          out=idx[self.kstarts[s] : self.kstarts[s] + k])
         return idx, idx
 
 
