@@ -85,7 +85,7 @@ bench-ddp: venv  ## 4 ranks on a tc-shaped netns cluster: DDP + sparsetrain hook
 bench-model: venv  ## collective micro-benchmark, alpha-beta fit, model check, break-even map (root, after bench-step)
 	$(PY) -m sparsetrain.benchmarks.collectives --out results/bench
 
-gpu-check: venv  ## the CUDA path on one GPU (<5 min): cuda tests, compressor + step-time benchmarks -> results/bench/gpu_*
+gpu-check: venv  ## the CUDA path on one GPU (~3 min): cuda tests, compressor + step-time benchmarks -> results/bench/gpu_*
 	PY=$(PY) OUT=$(RESULTS)/bench bash scripts/gpu_check.sh
 
 slurm-up:  ## start the single-node SLURM cluster on this machine (root)
