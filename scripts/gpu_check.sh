@@ -4,9 +4,10 @@
 #      reducers over gloo-on-CUDA (and NCCL with 2 GPUs), a world_size=1 CUDA run whose phases
 #      add up to its step within 10%, peak memory from CUDA;
 #   2. the compressor benchmark on CUDA (ResNet-18 gradient, 1%, every scheme and scope, against
-#      torch.topk and a copy of the gradient; goals printed);
+#      torch.topk and a copy of the gradient; goals printed), then each timed call profiled
+#      (kernel launches and host waits per call: what sets a call's time on a fast GPU);
 #   3. the ResNet-18 CIFAR-shape step-time table (dense vs each scheme and scope, one rank, phases).
-# Writes $OUT/gpu_tests.txt, gpu_compress.txt/.json, gpu_step.txt/.json (+ gpu_step_log.txt, the
+# Writes $OUT/gpu_tests.txt, gpu_compress.txt/.json, gpu_profile.txt, gpu_step.txt/.json (+ gpu_step_log.txt, the
 # run's output), gpu_check.txt (summary),
 # each naming the GPU. Exit 0 only when every stage ran and every test passed (the performance
 # goals are printed, not enforced: they are findings). Without a CUDA GPU: one line, exit 2.
@@ -47,7 +48,8 @@ stage() {  # stage NAME FILE TIMEOUT CMD...: run CMD, tee its output under the h
 mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
 stage "cuda tests" "$OUT/gpu_tests.txt" 300 "$PY" -m pytest -m cuda -rs -q -p no:cacheprovider "${CUDA_TESTS[@]}"
 stage "compressor benchmark" "$OUT/gpu_compress.txt" 120 \
-    "$PY" -m sparsetrain.benchmarks.compress --device cuda --repeats 15 --rounds 3 --json "$OUT/gpu_compress.json"
+    "$PY" -m sparsetrain.benchmarks.compress --device cuda --repeats 15 --rounds 3 --json "$OUT/gpu_compress.json" \
+    --profile "$OUT/gpu_profile.txt"
 stage "step-time table" "$OUT/gpu_step_log.txt" 120 \
     "$PY" -m sparsetrain.benchmarks.step_device --device cuda --out "$OUT"
 

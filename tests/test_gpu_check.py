@@ -87,3 +87,21 @@ def test_cpu_clock_times_a_call():
     ms = mod.clock(torch.device("cpu"))
     assert ms(lambda: None) >= 0
     assert mod.timeit(lambda: torch.zeros(10).sum(), 3, torch.device("cpu")) >= 0
+
+
+def test_profile_counts_what_each_timed_call_does():
+    """``--profile``: each timed call profiled (here the quantizers' rows on a small layout, on
+    the CPU): the ops called per call, the top ops by time."""
+    from sparsetrain.benchmarks.compress import profile_calls, quantizer_rows
+    from sparsetrain.compress import Layout
+
+    x = torch.ones(100)
+    text = profile_calls([("two adds", lambda: x.add(1).add(2)), ("one mul", lambda: x.mul(3))], torch.device("cpu"), 2)
+    assert "== two adds: 2 aten ops called per call" in text and "== one mul: 1 aten ops called per call" in text
+    calls = []
+    layout = Layout.from_sizes([4096, 300, 7])
+    quantizer_rows(layout, torch.randn(layout.total), 1, torch.device("cpu"), calls)
+    assert [name for name, _ in calls] == [f"{s}/kernels {op}" for s in ("signsgd", "qsgd_s1", "qsgd_s1_pcg64")
+                                           for op in ("encode", "decode_add")]
+    text = profile_calls(calls, torch.device("cpu"), 1)
+    assert text.count("aten ops called per call") == 6 and "Self CPU" in text

@@ -110,7 +110,11 @@ def compressor_for(scheme: str, scope: str, ratio: float, layout: Layout, device
     return factory(cfg.ratio, layout, cfg.scope.name, device=device), bool(cfg.scheme.error_feedback)
 
 
-def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int | None = None) -> dict:
+def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int | None = None,
+                 calls: list | None = None) -> dict:
+    """One round on ``device``; ``calls``, when given, receives each timed callable as
+    ``(row name, callable)`` (``--profile`` reads them)."""
+    calls = [] if calls is None else calls
     shapes = resnet18_shapes()
     layout = Layout.from_sizes([int(np.prod(s)) for s in shapes])
     n = layout.total
@@ -153,6 +157,7 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
                 out2.copy_(g)
 
             c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
+            calls.append((f"{scheme}/{scope} compress+EF", compress_ef))
             payload = compress_ef()
 
             def decompress(comp=comp, payload=payload):
@@ -160,11 +165,12 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
                 comp.decompress_add(payload.values, payload.positions, out)
 
             d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
+            calls.append((f"{scheme}/{scope} decompress", decompress))
             rows.append({"scheme": scheme, "scope": scope, "k": comp.k,
                          "compress_ef_ms": c_ms, "compress_ef_copies": c_cp,
                          "decompress_ms": d_ms, "decompress_copies": d_cp})
-    rows.append(powersgd_row(shapes, g, ratio, repeats, device))
-    rows += quantizer_rows(layout, g, repeats, device)
+    rows.append(powersgd_row(shapes, g, ratio, repeats, device, calls))
+    rows += quantizer_rows(layout, g, repeats, device, calls)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
             "references_ms": ref,
@@ -172,7 +178,8 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
             "schemes": rows}
 
 
-def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device) -> dict:
+def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
+                 calls: list | None = None) -> dict:
     """PowerSGD's row: the reducer training builds (``scheme=powersgd``: the composed config's
     compressor node, ``scheme.uncompressed``) on one rank, its compression (error feedback, both
     projections and orthogonalisations: the matmuls of both factors) and its decompression, each
@@ -201,11 +208,14 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
 
     c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
     d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
+    if calls is not None:
+        calls += [("powersgd/layerwise compress+EF", compress_ef), ("powersgd/layerwise decompress", decompress)]
     return {"scheme": "powersgd", "scope": "layerwise", "k": red.entries_sent, "rank": red.compressor.rank,
             "compress_ef_ms": c_ms, "compress_ef_copies": c_cp, "decompress_ms": d_ms, "decompress_copies": d_cp}
 
 
-def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device) -> list[dict]:
+def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device,
+                   calls: list | None = None) -> list[dict]:
     """The quantizers' kernels alone (layer-wise, no error feedback): signSGD and QSGD at s = 1
     (2 bits per entry, buckets of 512, as the frontier trains it), with its default generator
     (counter) and with PCG64 (the frontier's runs; no goal): ``encode`` (scales or norms, draws,
@@ -233,6 +243,8 @@ def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.
 
         e_ms, e_cp = timeit_ratio(encode, copy_once, repeats, device)
         d_ms, d_cp = timeit_ratio(decode, copy_once, repeats, device)
+        if calls is not None:
+            calls += [(f"{scheme}/kernels encode", encode), (f"{scheme}/kernels decode_add", decode)]
         rows.append({"scheme": scheme, "scope": "kernels", "k": comp.k, "compress_ef_ms": e_ms,
                      "compress_ef_copies": e_cp, "decompress_ms": d_ms, "decompress_copies": d_cp})
     return rows
@@ -279,6 +291,52 @@ def goals(res: dict) -> dict:
     return out
 
 
+# the CUDA runtime's calls that launch a kernel, and those that make the host wait for the device
+_LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def profile_calls(calls, device: torch.device, repeat: int = 3) -> str:
+    """What each timed call does, read by ``torch.profiler`` over ``repeat`` calls after a warm-up
+    one: per call the aten ops called (and with the ones they call), and on CUDA the kernels launched, the
+    host's waits for the device (``.item()``, ``nonzero``, ``.tolist()``: a sync each) and device
+    copies; then the top ops by time on the device (CUDA) or the host. On a GPU where one copy of
+    the gradient takes microseconds, these counts, not the bytes, set a call's time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+
+    def wait():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    out = []
+    for name, fn in calls:
+        fn()
+        wait()
+        with profile(activities=activities) as prof:
+            for _ in range(repeat):
+                fn()
+            wait()
+        events = prof.key_averages()
+
+        def per_call(match, events=events):
+            return sum(e.count for e in events if match(e.key)) / repeat
+
+        # the ops as called from Python: aten ops that no other aten op called
+        called = sum(e.name.startswith("aten::") and not (e.cpu_parent and e.cpu_parent.name.startswith("aten::"))
+                     for e in prof.events()) / repeat
+        line = f"== {name}: {called:.0f} aten ops called per call ({per_call(lambda key: key.startswith('aten::')):.0f} with nested ones)"
+        if cuda:
+            line += (f", {per_call(lambda key: key in _LAUNCHES):.0f} kernel launches, "
+                     f"{per_call(lambda key: key in _WAITS):.0f} host waits, "
+                     f"{per_call(lambda key: key.startswith('cudaMemcpy')):.0f} memcpy")
+        out += [line, events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                   row_limit=10, max_name_column_width=48)]
+    return "\n".join(out)
+
+
 def merge_rounds(rounds: list[dict]) -> dict:
     """Median of every number over whole-benchmark rounds (a shared machine's load comes and goes
     on the scale of a round); the rounds themselves are kept under ``rounds``."""
@@ -323,6 +381,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: the CPU, then the GPU when there is one")
     ap.add_argument("--no-cuda", action="store_true", help="same as --device cpu")
+    ap.add_argument("--profile", default=None, metavar="FILE",
+                    help="also profile every timed call (torch.profiler: ops, kernel launches, host waits) into FILE")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.no_cuda:
@@ -337,12 +397,22 @@ def main(argv=None) -> int:
     results = {"threads": args.threads, "repeats": args.repeats, "rounds": args.rounds, "ratio": args.ratio,
                "torch": torch.__version__, "kernels": kernels.backend(), "machine": platform.processor() or platform.machine(),
                "runs": []}
+    profiles = []
     for dev in devices:
-        rounds = [bench_device(dev, args.ratio, args.repeats, args.block_size) for _ in range(args.rounds)]
+        calls = []
+        rounds = [bench_device(dev, args.ratio, args.repeats, args.block_size, calls if i == 0 else None)
+                  for i in range(args.rounds)]
         res = merge_rounds(rounds)
         res["goals"] = goals(res)
         print_table(res)
         results["runs"].append(res)
+        if args.profile:
+            name = res.get("device_name", "?")
+            profiles.append(f"#### {dev} ({name}), torch {torch.__version__}\n{profile_calls(calls, dev)}")
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n\n".join(profiles) + "\n")
+        print(f"wrote {args.profile}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
