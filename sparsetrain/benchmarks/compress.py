@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     results = {"threads": args.threads, "repeats": args.repeats, "rounds": args.rounds, "ratio": args.ratio,
                "torch": torch.__version__, "kernels": kernels.backend(), "machine": platform.processor() or platform.machine(),
                "runs": []}
-    profiles = []
+    timed = []  # per device its timed calls, profiled once the timings are written
     for dev in devices:
         calls = []
         rounds = [bench_device(dev, args.ratio, args.repeats, args.block_size, calls if i == 0 else None)
@@ -406,16 +406,15 @@ def main(argv=None) -> int:
         res["goals"] = goals(res)
         print_table(res)
         results["runs"].append(res)
-        if args.profile:
-            name = res.get("device_name", "?")
-            profiles.append(f"#### {dev} ({name}), torch {torch.__version__}\n{profile_calls(calls, dev)}")
-    if args.profile:
-        with open(args.profile, "w") as f:
-            f.write("\n\n".join(profiles) + "\n")
-        print(f"wrote {args.profile}")
+        timed.append((dev, res.get("device_name", "?"), calls))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n\n".join(f"#### {dev} ({name}), torch {torch.__version__}\n{profile_calls(calls, dev)}"
+                                for dev, name, calls in timed) + "\n")
+        print(f"wrote {args.profile}")
     return 0
 
 
