@@ -9,12 +9,17 @@ not the working directory. "Code" is what changes what a run computes: ``sparset
 folders) do not make it dirty, so a study run from a worktree keeps a clean record. Outside a git
 checkout (an installed wheel, no git) the commit is ``"unknown"``.
 
+Which machine: ``host()``, the processor, its logical CPUs and the system, which a run's
+timings depend on (``summary.json``'s ``hosts``: every machine a resumed run ran on).
+
 No torch, no Hydra: the CLI checks a checkpoint with it before any rank starts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -67,3 +72,20 @@ def same_code(a: dict | None, b: dict | None) -> bool:
     if describe(a) == UNKNOWN or describe(b) == UNKNOWN:
         return True
     return describe(a) == describe(b)
+
+
+def host() -> dict:
+    """The machine this process runs on: ``cpu`` (the processor's model), ``cpus`` (logical
+    CPUs) and ``system``. Two runs timed on different machines do not compare (the caller adds
+    the torch build and the GPU)."""
+    return {"cpu": _cpu_model(), "cpus": os.cpu_count(), "system": f"{platform.system()} {platform.release()}"}
+
+
+def _cpu_model() -> str:
+    try:  # Linux names the model here; platform.processor() is often empty or just the architecture
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or UNKNOWN

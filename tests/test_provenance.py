@@ -12,7 +12,7 @@ from conftest import read_json, run_cli
 from test_failure_paths import RESUME, _error_lines, _interrupted_run
 
 from sparsetrain.errors import ConfigError
-from sparsetrain.provenance import code_version, describe, same_code
+from sparsetrain.provenance import code_version, describe, host, same_code
 from sparsetrain.train.checkpoint import check_same_code
 
 
@@ -83,12 +83,16 @@ def test_summary_records_the_code_and_resume_on_other_code_is_refused(tmp_path):
     before = _interrupted_run(run, *RESUME, "scheme=blockk")
     here = code_version()
     assert before["code"] == here and before["code_commits"] == [describe(here, full=True)]
+    machine = {**host(), "torch": str(torch.__version__), "gpu": None}
+    assert before["hosts"] == [machine] and machine["cpu"] and machine["cpus"] >= 1
 
     # The checkpoint as another commit would have written it.
     path = run / "checkpoint.pt"
     state = torch.load(path, weights_only=True)
     other = {"commit": "0123456789ab" + "0" * 28, "dirty": False, "diff": None}
     state["code"], state["code_commits"] = other, [other["commit"]]
+    elsewhere = {"cpu": "Another CPU", "cpus": 64, "system": "Linux 6.1", "torch": "2.4.0", "gpu": None}
+    state["hosts"] = [elsewhere]  # ... on another machine
     torch.save(state, path)
     files = {p: p.read_bytes() for p in (path, run / "metrics.jsonl", run / "summary.json")}
 
@@ -106,3 +110,8 @@ def test_summary_records_the_code_and_resume_on_other_code_is_refused(tmp_path):
     s = read_json(run / "summary.json")
     assert s["status"] == "completed" and s["resumed_from_step"] == before["steps"]
     assert s["code_commits"] == [other["commit"], describe(here, full=True)]
+    assert s["hosts"] == [elsewhere, machine]  # every machine it ran on
+    from sparsetrain.analysis import load_runs
+
+    (row,) = load_runs(run).to_dict("records")
+    assert row["host"] == f"Another CPU x64;{machine['cpu']} x{machine['cpus']}"

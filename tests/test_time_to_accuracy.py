@@ -486,3 +486,18 @@ def test_runs_measured_at_several_worker_counts_say_which(tmp_path):
     table = tta.time_to_accuracy_table(sa.load_runs(tmp_path), 0.5, [1], [8], tta.default_model(ALPHA))
     shown = table.display
     assert list(shown["measured at workers"]) == ["2", "4"] and list(shown["workers"]) == [8, 8]
+
+
+def test_machines_note_names_the_machines_the_runs_were_timed_on():
+    import pandas as pd
+
+    from sparsetrain.analysis.time_to_accuracy import machines_note
+
+    one = pd.DataFrame({"host": ["AMD EPYC x2"] * 3})
+    assert machines_note(one) == "Timed on one machine: AMD EPYC x2 (3 runs)."
+    mixed = pd.DataFrame({"host": ["AMD EPYC x2", "Intel Xeon x2", "AMD EPYC x2", "unrecorded"]})
+    note = machines_note(mixed)
+    assert note.startswith("Timed on 2 machine(s), 1 runs from before it was recorded: AMD EPYC x2 (2 runs); "
+                           "Intel Xeon x2 (1 runs).") and "compare within one machine" in note
+    assert machines_note(pd.DataFrame({"host": ["unrecorded"]})) is None
+    assert machines_note(pd.DataFrame({"scheme": ["topk"]})) is None

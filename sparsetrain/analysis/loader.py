@@ -396,6 +396,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
     row.update(loss_peak=_num(peak_loss_of(summary)), loss_peak_step=_num(peak.get("step")),
                loss_peak_source="summary" if "train_loss_peak" in summary else None)
     row.update(_code_fields(summary))
+    row["host"] = _host_of(summary)
     reason = untrained_reason(summary)
     if reason:  # finished, but no better than a uniform guess: not a result to rank
         row.update(status=DID_NOT_TRAIN, error=reason)
@@ -438,6 +439,16 @@ def _code_fields(summary: dict) -> dict:
     versions = summary.get("code_commits") or [describe(summary["code"], full=True)]
     short = [v if v == UNKNOWN else v[:12] + (v[40:] if len(v) > 40 else "") for v in versions]
     return {"code": describe(summary["code"]), "code_commits": ";".join(short)}
+
+
+def _host_of(summary: dict) -> str:
+    """The machine a run ran on (rank 0's: processor x logical CPUs, + the GPU where one ran),
+    ``;``-joined when a resumed run moved; ``unrecorded`` for runs written before summaries said."""
+    hosts = summary.get("hosts")
+    if not hosts:
+        return "unrecorded"
+    labels = (f"{h.get('cpu')} x{h.get('cpus')}" + (f" + {h['gpu']}" if h.get("gpu") else "") for h in hosts)
+    return ";".join(dict.fromkeys(labels))
 
 
 def _stability(row: dict) -> str | None:

@@ -207,7 +207,7 @@ def status_table(runs: pd.DataFrame) -> Table:
     """How many runs of each experiment ended in each status, completed runs split into
     ``trained throughout`` and ``blew up, recovered``; and which code they ran: ``code`` lists
     the versions (a study should run on one), ``resumed on other code`` counts runs whose
-    ``code_commits`` name more than one."""
+    ``code_commits`` name more than one; ``machines`` how many machines its runs ran on."""
     if runs.empty:
         return Table("status", "Runs by status", pd.DataFrame(), pd.DataFrame())
     runs = runs.fillna({"experiment": "-"})
@@ -233,6 +233,13 @@ def status_table(runs: pd.DataFrame) -> Table:
                 runs[moved].groupby("experiment").size()).fillna(0).astype(int)
         notes.append("code: the commit each run ran (+dirty: uncommitted changes; unrecorded: run "
                      "before summaries recorded it); a study whose runs span commits is marked.")
+    if "host" in runs:
+        machines = runs[runs["status"] != "absent"].groupby("experiment")["host"].agg(
+            lambda hosts: len({m for h in hosts.dropna() for m in h.split(";")} - {"unrecorded"}))
+        data["machines"] = data["experiment"].map(machines).fillna(0).astype(int)
+        notes.append("machines: how many machines its runs ran on (rank 0's processor and CPUs, and "
+                     "GPU; 0: not recorded, runs from before summaries said): timings taken on "
+                     "different machines do not compare.")
     return Table("status", "Runs by status", data, data, not_completed(runs).reset_index(drop=True), notes)
 
 

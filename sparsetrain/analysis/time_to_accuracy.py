@@ -335,6 +335,24 @@ def load_note(runs: pd.DataFrame) -> str | None:
             f"({int(timed['load_cpus'].min())} CPUs).")
 
 
+def machines_note(runs: pd.DataFrame) -> str | None:
+    """Which machines the runs were timed on (summary.json's ``hosts``, the loader's ``host``),
+    with how many runs each: measured compute from two machines is not the same work's time."""
+    if "host" not in runs:
+        return None
+    hosts = runs["host"].fillna("unrecorded")
+    counts = hosts[hosts != "unrecorded"].value_counts()
+    if counts.empty:
+        return None
+    named = "; ".join(f"{host} ({n} runs)" for host, n in counts.items())
+    missing = int((hosts == "unrecorded").sum())
+    unrecorded = f", {missing} runs from before it was recorded" if missing else ""
+    if len(counts) == 1 and not unrecorded:
+        return f"Timed on one machine: {named}."
+    return (f"Timed on {len(counts)} machine(s){unrecorded}: {named}. Compute measured on different "
+            "machines is not the same work's time: compare within one machine.")
+
+
 def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BANDWIDTHS_GBIT, workers=WORKERS,
                            model: ExchangeModel | None = None, compute: str = "shared") -> Table:
     """Configuration (scheme + the axes that vary) x bandwidth x workers: predicted step ms,
@@ -376,9 +394,9 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     if slowest:
         notes.append(f"Compute: the slowest rank's for the {slowest} of {len(done)} runs that recorded every "
                      "rank's (a synchronous step waits for it), rank 0's for the others.")
-    load = load_note(done)
-    if load:
-        notes.append(load)
+    for note in (load_note(done), machines_note(done)):
+        if note:
+            notes.append(note)
     data = predict_runs(done, target, bandwidths_gbit, workers, model, compute, buckets)
     keys = [*by, "bandwidth_gbit", "workers"]
     for column in by:

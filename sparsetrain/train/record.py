@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from sparsetrain.compress import kernels
 from sparsetrain.errors import one_line_error
-from sparsetrain.provenance import code_version, describe
+from sparsetrain.provenance import code_version, describe, host
 from sparsetrain.rank import RankInfo
 from sparsetrain.results import (
     PHASES,
@@ -68,6 +68,9 @@ class RunRecord:
         # Which code this run runs, and every version a resumed run ran on (sparsetrain.provenance)
         self.code = code_version()
         self.code_commits = [describe(self.code, full=True)]
+        # ... and on which machine (rank 0's): every one a resumed run ran on
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        self.hosts = [{**host(), "torch": str(torch.__version__), "gpu": gpu}]  # str: a checkpoint loads with weights_only
 
     # ---- checkpoints -------------------------------------------------------------------
     @property
@@ -76,7 +79,7 @@ class RunRecord:
 
     def state_dict(self) -> dict:
         return {"records_logged": self.records_logged, "last_eval": dict(self.last_eval),
-                "code": self.code, "code_commits": list(self.code_commits)}
+                "code": self.code, "code_commits": list(self.code_commits), "hosts": list(self.hosts)}
 
     def load_state_dict(self, state: dict) -> None:
         self.records_logged = state["records_logged"]
@@ -86,6 +89,10 @@ class RunRecord:
         self.code_commits = [*state.get("code_commits", []), here]
         if len(self.code_commits) > 1 and self.code_commits[-2] == here:
             self.code_commits.pop()
+        machine = self.hosts[-1]  # likewise the machines (a checkpoint from before: none recorded)
+        self.hosts = [*state.get("hosts", []), machine]
+        if len(self.hosts) > 1 and self.hosts[-2] == machine:
+            self.hosts.pop()
 
     def save_checkpoint(self, state: dict) -> None:
         """Every rank contributes its own ``PER_RANK_STATE`` of ``state``; rank 0 writes one file."""
@@ -138,6 +145,7 @@ class RunRecord:
             resumed_from_step=step if resumed else None,
             code=self.code,
             code_commits=self.code_commits,
+            hosts=self.hosts,
             kernels=kernels.backend(),  # the quantizers' CPU kernels: numba's, or the numpy paths
             slurm_job_id=self.info.slurm_job_id,
         )
