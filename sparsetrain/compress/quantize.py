@@ -65,6 +65,12 @@ def _batched(t: torch.Tensor) -> bool:
     return t.device.type != "cpu"
 
 
+def _norms(pieces: list[torch.Tensor], ord: float) -> torch.Tensor:
+    """Each piece's ``ord``-norm, as one vector, in one multi-tensor kernel (``torch._foreach_norm``,
+    the one ``clip_grad_norm_`` uses) instead of a launch per piece."""
+    return torch.stack(torch._foreach_norm(pieces, ord))
+
+
 def _kernel_ok(*tensors: torch.Tensor) -> bool:
     """Whether the compiled kernels (``compress.kernels``) take these CPU tensors: numba in use,
     and every float among them float32 or float64 (float16 keeps the numpy path)."""
@@ -291,9 +297,8 @@ class Quantizer(Compressor):
         return torch.stack([fn(seg) for seg in self.segments(x)]).reshape(-1)
 
     def segment_norms(self, x: torch.Tensor, ord: float) -> torch.Tensor:
-        """Each segment's ``ord``-norm in one multi-tensor kernel (``torch._foreach_norm``, the
-        one ``clip_grad_norm_`` uses) instead of a launch per segment: the device paths'."""
-        return torch.stack(torch._foreach_norm(self.segments(x), ord))
+        """Each segment's ``ord``-norm in one kernel (``_norms``): the device paths'."""
+        return _norms(self.segments(x), ord)
 
     def entry_table(self, name: str, dev: torch.device) -> torch.Tensor:
         """Per entry the index of its segment (``"segment"``) or bucket (``"bucket"``, QSGD), int32
@@ -503,41 +508,26 @@ class QSGD(Quantizer):
 
     def bucket_norms(self, x: torch.Tensor) -> torch.Tensor:
         """The 2-norm of each bucket of ``x``, in order. On a device in a few kernels whatever
-        the number of segments: the full buckets of every segment copied into one matrix (one
-        ``cat``) and normed by rows, the other buckets (short ends, whole segments) in one
-        multi-tensor norm."""
+        the number of segments: the full buckets of every segment (``_pieces``' runs) copied into
+        one matrix (one ``cat``) and normed by rows, the other buckets (short ends, whole
+        segments) in one multi-tensor norm."""
         if not _batched(x):
             return torch.cat([torch.linalg.vector_norm(v, dim=1) for v, _, _ in self._pieces(x)])
-        rows, rows_at, others, others_at = self._bucket_groups(x.device)
+        pieces = list(self._pieces(x))
+        rows = [p for p in pieces if p[0].shape[1] == self.bucket_size]
+        others = [p for p in pieces if p[0].shape[1] != self.bucket_size]  # one bucket each
+        places = self.__dict__.setdefault("_norm_places", {})
+        if x.device not in places:  # where each group's norms go in the bucket order
+            places[x.device] = [torch.tensor([i for _, first, count in group for i in range(first, first + count)],
+                                             dtype=torch.int64, device=x.device) for group in (rows, others)]
+        rows_at, others_at = places[x.device]
         out = torch.empty(self._num_buckets, dtype=x.dtype, device=x.device)
         if rows:
-            matrix = torch.cat([x[a:b] for a, b in rows]).view(-1, self.bucket_size)
+            matrix = torch.cat([v.reshape(-1) for v, _, _ in rows]).view(-1, self.bucket_size)
             out[rows_at] = torch.linalg.vector_norm(matrix, dim=1)
         if others:
-            out[others_at] = torch.stack(torch._foreach_norm([x[a:b] for a, b in others], 2))
+            out[others_at] = _norms([v.reshape(-1) for v, _, _ in others], 2)
         return out
-
-    def _bucket_groups(self, dev):
-        """The runs of full ``bucket_size`` buckets (``(start, end)`` each, one per segment) and
-        the other buckets, with the places of their norms in the bucket order (on ``dev``)."""
-        groups = self.__dict__.setdefault("_groups", {})
-        if dev not in groups:
-            rows, rows_at, others, others_at, b = [], [], [], [], 0
-            for o, full, size, tail in self._cuts:
-                if full and size == self.bucket_size:
-                    rows.append((o, o + full * size))
-                    rows_at += range(b, b + full)
-                else:
-                    others += [(o + i * size, o + (i + 1) * size) for i in range(full)]
-                    others_at += range(b, b + full)
-                b += full
-                if tail:
-                    others.append((o + full * size, o + full * size + tail))
-                    others_at.append(b)
-                    b += 1
-            groups[dev] = (rows, torch.tensor(rows_at, dtype=torch.int64, device=dev),
-                           others, torch.tensor(others_at, dtype=torch.int64, device=dev))
-        return groups[dev]
 
     def _scale_buckets(self, x, factors) -> None:
         """``x`` (a tensor or numpy array) times its bucket's factor, in place, entry by entry

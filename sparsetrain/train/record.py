@@ -86,13 +86,8 @@ class RunRecord:
         self.last_eval = dict(state["last_eval"])
         # The versions it ran on, then this one (check_same_code has refused a change unless allowed)
         here = describe(self.code, full=True)
-        self.code_commits = [*state.get("code_commits", []), here]
-        if len(self.code_commits) > 1 and self.code_commits[-2] == here:
-            self.code_commits.pop()
-        machine = self.hosts[-1]  # likewise the machines (a checkpoint from before: none recorded)
-        self.hosts = [*state.get("hosts", []), machine]
-        if len(self.hosts) > 1 and self.hosts[-2] == machine:
-            self.hosts.pop()
+        self.code_commits = _then(state.get("code_commits", []), here)
+        self.hosts = _then(state.get("hosts", []), self.hosts[-1])  # likewise the machines
 
     def save_checkpoint(self, state: dict) -> None:
         """Every rank contributes its own ``PER_RANK_STATE`` of ``state``; rank 0 writes one file."""
@@ -316,6 +311,12 @@ class RunRecord:
             "test_accuracy_running_bn": self.last_eval.get("test_accuracy_running_bn"),
             "duration_s": elapsed_s,
         }
+
+
+def _then(history: list, here) -> list:
+    """``history`` (what a checkpoint recorded; empty from before it did), then ``here`` unless
+    it is already the last."""
+    return [*history] if history and history[-1] == here else [*history, here]
 
 
 def _to_cpu(obj):
