@@ -44,7 +44,8 @@ BASE_CONFIG = {
     "dist": {"backend": "gloo", "timeout_s": 60, "ranks_per_node": None},
 }
 GROUPS = ("scheme", "scope", "aggregation", "model", "data")
-BASE_ACCURACY = {"none": 0.91, "topk": 0.90, "blockk": 0.88, "randk": 0.86, "powersgd": 0.89}
+BASE_ACCURACY = {"none": 0.91, "topk": 0.90, "blockk": 0.88, "randk": 0.86, "powersgd": 0.89, "localsgd": 0.905,
+                 "diloco": 0.90}
 DENSE_BYTES = 1_000_000
 
 
@@ -81,7 +82,7 @@ def fake_times(config: dict) -> dict:
     times = {"data": 1.0, "forward": 10.0, "backward": 20.0, "exchange": 30.0 if dense else 5.0,
              "optimizer": 2.0}
     if not dense:
-        times["compress"] = {"topk": 8.0, "randk": 2.0, "blockk": 0.5, "powersgd": 4.0}[config["scheme"]["name"]]
+        times["compress"] = {"topk": 8.0, "randk": 2.0, "blockk": 0.5, "powersgd": 4.0}.get(config["scheme"]["name"], 1.0)
         times["decompress"] = 1.0
     times = {k: v * (1 + 0.1 * config["seed"]) for k, v in times.items()}
     times["step"] = sum(times.values()) + 0.5
@@ -546,6 +547,70 @@ def test_each_scheme_has_one_colour_in_every_figure_and_new_ones_keep_clear_of_t
         assert color == scheme_color(name) and color not in SCHEME_COLORS.values()
         assert gap(hue(color), hue(SCHEME_COLORS["topk"])) >= 40, name
         assert min(gap(hue(color), h) for h in coloured) >= 20, name
+
+
+def test_local_sgd_and_diloco_are_lines_of_the_frontiers_figures_not_panels(tmp_path):
+    """Issue 38: local runs in the frontier made one panel per period and delta, past the panel
+    limit, so `make figures` stopped. A synchronising scheme's period and delta (and its delta's
+    ratio) name its line, in its scheme's colour; panels stay the per-step compressors' settings."""
+    from sparsetrain.analysis.figures import (
+        plot_accuracy_vs_bytes,
+        plot_accuracy_vs_epoch,
+        scheme_color,
+    )
+    from sparsetrain.analysis.report import load_study, write_studies
+
+    root = tmp_path / "results"
+    write_sweep(root / "headline_dense", {"seed": "0,1", "scheme": "none"}, "headline_dense", {"ratio": 1.0})
+    write_sweep(root / "frontier", {"seed": "0,1", "scheme": "topk,randk", "ratio": "0.01,0.03"}, "frontier")
+    plain = {"_target_": "sparsetrain.comm.periodic.PeriodicSync", "_partial_": True, "outer_lr": 1.0,
+             "outer_momentum": 0.0}
+    nesterov = {**plain, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    topk = {"_target_": "sparsetrain.compress.TopK", "_partial_": True}
+    for name, scheme, sync, extra in [("a", "localsgd", {**plain, "period": 8}, {}),
+                                      ("b", "localsgd", {**plain, "period": 16}, {}),
+                                      ("c", "diloco", {**nesterov, "period": 8}, {}),
+                                      ("d", "diloco", {**nesterov, "period": 4}, {"scheme.compressor": topk, "ratio": 0.1})]:
+        write_sweep(root / "local" / name, {"seed": "0,1", "scheme": scheme}, "local",
+                    {"scheme.sync": sync, "ratio": 1.0, **extra})
+
+    runs, curves = load_study(root, "frontier")
+    assert set(runs["scheme"]) == {"dense", "topk", "randk", "localsgd", "diloco"}
+    fig = plot_accuracy_vs_epoch(curves)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_title()]
+    assert not any(word in title for title in titles for word in ("sync", "delta", "H=", "Periodic")), titles
+    assert titles == ["ratio=0.01", "ratio=0.03", "ratio=1.0", "ratio=-"], titles  # dense's 1.0; "-": syncing
+    lines = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
+    local = {label for label in lines if label.startswith(("local SGD", "DiLoCo"))}
+    assert local == {"local SGD H=8 (n=2)", "local SGD H=16 (n=2)", "DiLoCo H=8 (n=2)",
+                     "DiLoCo H=4, TopK delta (ratio=0.1) (n=2)"}, local
+    assert lines["local SGD H=8 (n=2)"].get_color() == lines["local SGD H=16 (n=2)"].get_color() == scheme_color("localsgd")
+    assert lines["local SGD H=8 (n=2)"].get_marker() != lines["local SGD H=16 (n=2)"].get_marker()
+    assert lines["top-k (n=2)"].get_marker() == "o"  # one line of a scheme: as before
+    notes = {text.get_text() for text in plot_accuracy_vs_bytes(runs).axes[0].texts}
+    assert {"H=8", "H=16", "H=4, TopK delta (ratio=0.1)", "0.01", "0.03"} <= notes, notes
+
+    out = tmp_path / "figures"
+    write_studies(root, out)  # every table and figure of the frontier, its time to accuracy too
+    assert (out / "frontier" / "accuracy_vs_epoch.png").stat().st_size > 0
+    assert "local SGD" in (out / "frontier" / "runs.md").read_text()
+    assert "DiLoCo" in (out / "frontier_time_to_accuracy" / "time_to_accuracy_85.md").read_text()
+
+
+def test_dense_sgd_joins_the_panels_of_other_runs_not_combinations_of_its_own(tmp_path):
+    """Dense ignores error feedback and warm-up steps, so it is copied to each value of both; a
+    combination that only those copies make (on with 2 warm-up steps) is no panel."""
+    from sparsetrain.analysis.figures import plot_accuracy_vs_epoch
+
+    write_sweep(tmp_path / "d", {"seed": "0,1", "scheme": "none"}, "mine", {"ratio": 1.0})
+    write_sweep(tmp_path / "a", {"seed": "0,1", "scheme": "topk"}, "mine",
+                {"scheme.error_feedback": True, "scheme.warmup_steps": 0})
+    write_sweep(tmp_path / "b", {"seed": "0,1", "scheme": "topk"}, "mine",
+                {"scheme.error_feedback": False, "scheme.warmup_steps": 2})
+    fig = plot_accuracy_vs_epoch(sa.curves_of(sa.load_runs(tmp_path)))
+    panels = {ax.get_title(): sorted(line.get_label() for line in ax.get_lines()) for ax in fig.axes if ax.get_title()}
+    assert panels == {"error feedback: off, warm-up steps=2": ["dense SGD (n=2)", "top-k (n=2)"],
+                      "error feedback: on, warm-up steps=0": ["dense SGD (n=2)", "top-k (n=2)"]}, panels
 
 
 def test_an_error_feedback_split_has_legend_entries_that_say_what_they_are(tmp_path):

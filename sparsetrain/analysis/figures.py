@@ -8,7 +8,9 @@ headless, in scripts and in notebooks, and never open a window. Each ``plot_*`` 
 from __future__ import annotations
 
 import colorsys
+import itertools
 import math
+import re
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +26,7 @@ from matplotlib.ticker import MaxNLocator
 from sparsetrain import schemes
 
 from .group import expand_dense, sort_rows, summarize, varying_axes
-from .loader import DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
+from .loader import DEFAULT_SYNC, DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
 # One colour per scheme, the same in every figure (conf/schemes.yaml's ``color``): Okabe-Ito first
@@ -61,6 +63,10 @@ STYLE = {
     "pdf.fonttype": 42,  # embed TrueType: text stays editable and searchable in the PDF
 }
 MAX_PANELS = 12
+# A scheme's own settings (PowerSGD's rank; a synchronising scheme's period and outer step, and
+# what sends its delta) tell lines of that scheme apart, in its colour: never panels, so that local
+# SGD at two periods beside the compressors adds two lines, not a row of panels per period.
+LINE_AXES = ("rank", "sync", "delta")
 
 
 @contextmanager
@@ -115,8 +121,10 @@ def scheme_color(scheme: str) -> str:
     lightness = (0.32, 0.44, 0.56)[zlib.adler32(str(scheme).encode()) % 3]
     for i in range(360):
         hue = (start + i * 0.618034) % 1.0 * 360.0  # golden-ratio steps: every hue is reached
+        color = mcolors.to_hex(colorsys.hls_to_rgb(hue / 360.0, lightness, 0.75))
+        hue = _hue(color)[0]  # the gaps of the colour as written (8 bits a channel), not as meant
         if _hue_gap(hue, blue) >= 2 * MIN_HUE_GAP and all(_hue_gap(hue, h) >= MIN_HUE_GAP for h in taken):
-            return mcolors.to_hex(colorsys.hls_to_rgb(hue / 360.0, lightness, 0.75))
+            return color
     raise AssertionError("no free hue")  # unreachable while the table leaves gaps
 
 
@@ -146,6 +154,76 @@ def _empty(fig: Figure, ax, message: str) -> Figure:
     return fig
 
 
+def _natural(text: str) -> list:
+    """Sort key that puts "H=8" before "H=14"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _synchronises(frame: pd.DataFrame) -> pd.Series:
+    if "sync" not in frame:
+        return pd.Series(False, frame.index)
+    return frame["sync"].notna() & ~frame["sync"].astype(str).isin((DEFAULT_SYNC, NOT_APPLICABLE))
+
+
+def _variant(row, axes: list[str], full: bool = False) -> str:
+    """A line's settings beyond its scheme (``axes``: the LINE_AXES that vary): ``H=66``,
+    ``H=14, TopK delta (ratio=0.1)``, ``rank=1``; ``full``: each axis's whole value, for lines
+    whose short names would coincide."""
+    parts = []
+    for axis in axes:
+        value = row[axis]
+        if value is None or (isinstance(value, float) and math.isnan(value)) or str(value) in (NOT_APPLICABLE, DEFAULT_SYNC):
+            continue
+        if axis == "sync" and not full:
+            period = re.search(r"period=(\d+)", str(value))
+            parts.append(f"H={period.group(1)}" if period else str(value))
+        elif axis == "delta":
+            if str(value) != "dense":  # a synchronising scheme sends its delta dense unless told
+                ratio = row.get("delta_ratio", NOT_APPLICABLE)
+                parts.append(f"{value} delta" + (f" (ratio={ratio:g})" if isinstance(ratio, float) else ""))
+        else:
+            parts.append(_label(axis, value))
+    return ", ".join(parts)
+
+
+def _with_lines(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with a ``line`` column: the scheme's name and its own settings that vary
+    (``LINE_AXES``). A synchronising run's ratio is its delta's: it moves from ``ratio`` (a panel
+    or marker axis of the per-step compressors) into its line."""
+    frame = frame.copy()
+    syncing = _synchronises(frame)
+    if syncing.any() and "ratio" in frame:
+        frame["ratio"] = frame["ratio"].astype(object)
+        frame["delta_ratio"] = frame["ratio"].where(syncing, NOT_APPLICABLE)
+        frame.loc[syncing, "ratio"] = NOT_APPLICABLE
+    axes = [a for a in LINE_AXES if a in varying_axes(frame)]
+    names = frame["scheme"].map(lambda s: SCHEME_NAMES.get(s, str(s)))
+
+    def lines(full: bool) -> pd.Series:
+        if not axes or frame.empty:
+            return names
+        return (names + " " + frame.apply(lambda row: _variant(row, axes, full), axis=1)).str.strip()
+
+    frame["line"] = lines(full=False)
+    if axes:  # two settings with one short name (outer steps at one period): say each in full
+        keys = frame[["scheme", *axes]].astype(str).agg("|".join, axis=1)
+        if (keys.groupby(frame["line"]).nunique() > 1).any():
+            frame["line"] = lines(full=True)
+    return frame
+
+
+def _wrap(title: str, width: int = 50) -> str:
+    """A long panel title over lines, broken between its ``axis=value`` parts, so that it never
+    runs into the next panel's."""
+    lines: list[str] = []
+    for part in title.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += ", " + part
+        else:
+            lines.append(part)
+    return ",\n".join(lines)
+
+
 def _facets(frame: pd.DataFrame, axes: list[str]) -> list[tuple[str, pd.DataFrame]]:
     if not axes:
         return [("", frame)]
@@ -154,6 +232,11 @@ def _facets(frame: pd.DataFrame, axes: list[str]) -> list[tuple[str, pd.DataFram
     for key in keys.itertuples(index=False):
         mask = (frame[axes] == pd.Series(dict(zip(axes, key, strict=False)))).all(axis=1)
         out.append((", ".join(_label(a, v) for a, v in zip(axes, key, strict=False)), frame[mask]))
+    # expand_dense copies dense SGD to every value of each axis it ignores, also to combinations
+    # that no other run has: a panel of dense alone is left out where dense shows beside others
+    alone = [bool((panel["scheme"] == DENSE).all()) for _, panel in out]
+    if any(not lone and (panel["scheme"] == DENSE).any() for lone, (_, panel) in zip(alone, out, strict=True)):
+        out = [facet for lone, facet in zip(alone, out, strict=True) if not lone]
     if len(out) > MAX_PANELS:
         raise ValueError(
             f"{len(out)} panels (one per {', '.join(axes)}): select fewer runs before plotting"
@@ -170,8 +253,8 @@ def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", 
         if curves.empty or metric not in curves:
             fig, axes = _new_figure()
             return _empty(fig, axes[0, 0], "no epoch records")
-        curves = curves.dropna(subset=[metric])
-        facet = facet if facet is not None else varying_axes(curves, exclude=("scheme",))
+        curves = _with_lines(curves.dropna(subset=[metric]))
+        facet = facet if facet is not None else varying_axes(curves, exclude=("scheme", *LINE_AXES))
         curves = expand_dense(curves, facet)
         panels = _facets(curves, facet)
         ncols = min(len(panels), 3)
@@ -181,9 +264,10 @@ def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", 
         untrained = curves["status"] == DID_NOT_TRAIN if "status" in curves else pd.Series(False, curves.index)
         for ax, (title, panel) in zip(axes.flat, panels, strict=False):
             for scheme in _scheme_sort(panel["scheme"].unique()):
+                variants = sorted(panel.loc[panel["scheme"] == scheme, "line"].unique(), key=_natural)
                 # runs that did not train: their own dashed line, never averaged with the others
-                for failed in (False, True):
-                    lines = panel[(panel["scheme"] == scheme) & (untrained[panel.index] == failed)]
+                for (i, line), failed in itertools.product(enumerate(variants), (False, True)):
+                    lines = panel[(panel["line"] == line) & (untrained[panel.index] == failed)]
                     if lines.empty:
                         continue
                     per_seed = lines.groupby([REPLICATE, "epoch"], dropna=False)[metric].mean().reset_index()
@@ -191,13 +275,12 @@ def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", 
                     color = scheme_color(scheme)
                     n = int(stats["count"].max())
                     note = ", did not train" if failed else ""
-                    ax.plot(stats["epoch"], stats["mean"] * scale, color=color, marker="o", markersize=3,
-                            linestyle="--" if failed else "-",
-                            label=f"{SCHEME_NAMES.get(scheme, scheme)} (n={n}{note})")
+                    ax.plot(stats["epoch"], stats["mean"] * scale, color=color, marker=MARKERS[i % len(MARKERS)],
+                            markersize=3, linestyle="--" if failed else "-", label=f"{line} (n={n}{note})")
                     std = stats["std"].fillna(0.0)
                     ax.fill_between(stats["epoch"], (stats["mean"] - std) * scale,
                                     (stats["mean"] + std) * scale, color=color, alpha=0.15, linewidth=0)
-            ax.set_title(title)
+            ax.set_title(_wrap(title))
             ax.set_xlabel("epoch")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_ylabel(LABELS.get(metric, metric))
@@ -269,8 +352,9 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
         ax = axes[0, 0]
         if done.empty:
             return _empty(fig, ax, "no completed runs with accuracy and bytes")
-        others = varying_axes(done, exclude=("scheme",))
-        data = summarize(done, ["scheme", *others], ["test_accuracy", metric])
+        done = _with_lines(done)
+        others = varying_axes(done, exclude=("scheme", *LINE_AXES))
+        data = summarize(done, ["scheme", "line", *others], ["test_accuracy", metric])
         marker_axes = [a for a in others if a != "ratio"]
         markers = _style_keys(data, marker_axes)
         for _, row in data.iterrows():
@@ -279,8 +363,13 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
                         yerr=0.0 if math.isnan(row["test_accuracy_std"]) else row["test_accuracy_std"] * 100,
                         fmt=MARKERS[markers[key] % len(MARKERS)], color=scheme_color(row["scheme"]),
                         capsize=3, markersize=6)
-            if "ratio" in others and row["scheme"] != DENSE and row["ratio"] != NOT_APPLICABLE:
-                ax.annotate(f"{row['ratio']:g}", (row[f"{metric}_mean"], row["test_accuracy_mean"] * 100),
+            # beside the point: its ratio where ratios vary, and its own settings (line) where they do
+            ratio = [f"{row['ratio']:g}"] if ("ratio" in others and row["scheme"] != DENSE
+                                               and row["ratio"] != NOT_APPLICABLE) else []
+            own = row["line"].removeprefix(SCHEME_NAMES.get(row["scheme"], str(row["scheme"]))).strip()
+            text = ", ".join(ratio + ([own] if own else []))
+            if text:
+                ax.annotate(text, (row[f"{metric}_mean"], row["test_accuracy_mean"] * 100),
                             textcoords="offset points", xytext=(5, 3), fontsize=7)
         ax.set_xscale("log")
         ax.set_xlabel("wire bytes per step per worker (ring: AllReduce 2(W-1)/W x buffer, "
