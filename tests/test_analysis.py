@@ -611,6 +611,13 @@ def test_dense_sgd_joins_the_panels_of_other_runs_not_combinations_of_its_own(tm
     panels = {ax.get_title(): sorted(line.get_label() for line in ax.get_lines()) for ax in fig.axes if ax.get_title()}
     assert panels == {"error feedback: off, warm-up steps=2": ["dense SGD (n=2)", "top-k (n=2)"],
                       "error feedback: on, warm-up steps=0": ["dense SGD (n=2)", "top-k (n=2)"]}, panels
+    # a dense run that shows nowhere else keeps its panel: 4 workers, where only dense ran
+    write_sweep(tmp_path / "w4", {"seed": "0,1", "scheme": "none"}, "mine", {"ratio": 1.0, "world_size": 4})
+    fig = plot_accuracy_vs_epoch(sa.curves_of(sa.load_runs(tmp_path)))
+    panels = {ax.get_title(): sorted(line.get_label() for line in ax.get_lines()) for ax in fig.axes if ax.get_title()}
+    four = [title for title in panels if "workers=4" in title]
+    assert len(four) == 1 and panels[four[0]] == ["dense SGD (n=2)"], panels
+    assert len(panels) == 3, panels
 
 
 def test_an_error_feedback_split_has_legend_entries_that_say_what_they_are(tmp_path):

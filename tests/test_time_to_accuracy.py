@@ -359,6 +359,20 @@ def test_local_sgd_pays_the_latency_once_a_period(tmp_path):
     assert every_step - step_ms == pytest.approx(1e3 * 6 * ALPHA * 7 / 8, rel=1e-9)
 
 
+def test_the_break_even_summary_names_a_synchronising_scheme_by_its_period_and_delta():
+    """The summary and the map's cells name a local point short: its scheme, period and compressed
+    delta, not its sync node's whole text (the full name stays in each target's own table)."""
+    from sparsetrain.analysis.break_even import _short
+
+    sync = "sync=PeriodicSync(nesterov=True, outer_lr=0.7, outer_momentum=0.9, period=14)"
+    assert _short(f"DiLoCo, ratio=0.1, error feedback: on, {sync}, delta=TopK, exchange=trainer") == \
+        "DiLoCo, ratio=0.1, H=14, TopK delta"
+    assert _short("local SGD, ratio=1.0, sync=PeriodicSync(outer_lr=1.0, outer_momentum=0.0, period=66), "
+                  "delta=dense") == "local SGD, H=66"
+    assert _short("top-k, ratio=0.01, sync=every step, delta=-") == "top-k, ratio=0.01"
+    assert _short(None) == "none reached"
+
+
 def _stopped_at_target(run: Path, rate_bits: float, step: int, train_s: float, reached: bool = True) -> None:
     """Make a fake run one that ran on an emulated link and stopped at a target."""
     summary = json.loads((run / "summary.json").read_text())

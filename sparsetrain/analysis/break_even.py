@@ -176,13 +176,22 @@ def targets_table(evens: dict[float, Table]) -> Table:
 
 
 def _short(name) -> str:
-    """A configuration's name as the summary shows it: its scheme, and its ratio where it sends
-    part of the entries (the full names are in each target's own map)."""
+    """A configuration's name as the summary shows it: its scheme, its ratio where it sends part
+    of the entries, and a synchronising scheme's period and compressed delta (``local SGD, H=66``;
+    the full names are in each target's own map)."""
     if not isinstance(name, str) or not name:
         return "none reached"
     parts = re.split(r", (?![^()]*\))", name)  # commas inside a scheme's parentheses stay
-    ratio = [p for p in parts[1:] if p.startswith("ratio=") and p != "ratio=1.0"]
-    return ", ".join([parts[0], *ratio])
+    kept = [parts[0]]
+    for part in parts[1:]:
+        period = re.search(r"period=(\d+)", part) if part.startswith("sync=") else None
+        if part.startswith("ratio=") and part != "ratio=1.0":
+            kept.append(part)
+        elif period:
+            kept.append(f"H={period.group(1)}")
+        elif part.startswith("delta=") and part not in ("delta=dense", "delta=-"):
+            kept.append(f"{part.removeprefix('delta=')} delta")
+    return ", ".join(kept)
 
 
 def _with_time(name: str | None, seconds: float) -> str:
@@ -192,7 +201,7 @@ def _with_time(name: str | None, seconds: float) -> str:
 def plot_break_even(table: Table) -> object:
     """Workers (rows) x bandwidth (columns); each cell coloured by log2 of the speed-up of the
     best compressed configuration over the best dense baseline (blue: compression pays, red: it
-    costs) and labelled with that configuration's scheme and the speed-up."""
+    costs) and labelled with that configuration's short name (``_short``) and the speed-up."""
     with style():
         data = table.data
         fig, axes = _new_figure(width=6.4, height=3.6)
@@ -210,7 +219,7 @@ def plot_break_even(table: Table) -> object:
         for _, row in data.iterrows():
             y, x = workers.index(row["workers"]), bandwidths.index(row["bandwidth_gbit"])
             text = "no pair" if math.isnan(row["speedup"]) else (
-                f"{str(row['best_compressed']).replace(', ', chr(10))}\n{row['speedup']:.2f}x")
+                f"{_short(row['best_compressed']).replace(', ', chr(10))}\n{row['speedup']:.2f}x")
             ax.text(x, y, text, ha="center", va="center", fontsize=7)
         ax.grid(False)
         ax.set_xticks(range(len(bandwidths)), [f"{b:g}" for b in bandwidths])

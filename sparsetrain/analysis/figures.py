@@ -233,10 +233,18 @@ def _facets(frame: pd.DataFrame, axes: list[str]) -> list[tuple[str, pd.DataFram
         mask = (frame[axes] == pd.Series(dict(zip(axes, key, strict=False)))).all(axis=1)
         out.append((", ".join(_label(a, v) for a, v in zip(axes, key, strict=False)), frame[mask]))
     # expand_dense copies dense SGD to every value of each axis it ignores, also to combinations
-    # that no other run has: a panel of dense alone is left out where dense shows beside others
-    alone = [bool((panel["scheme"] == DENSE).all()) for _, panel in out]
-    if any(not lone and (panel["scheme"] == DENSE).any() for lone, (_, panel) in zip(alone, out, strict=True)):
-        out = [facet for lone, facet in zip(alone, out, strict=True) if not lone]
+    # that no other run has: a panel of dense alone is left out when each of its runs already
+    # shows in another panel (beside other schemes first), so that no run's curve is lost
+    if "run_dir" in frame:
+        alone = [bool((panel["scheme"] == DENSE).all()) for _, panel in out]
+        shown = set().union(*(set(panel["run_dir"]) for lone, (_, panel) in zip(alone, out, strict=True) if not lone))
+        kept = []
+        for lone, (title, panel) in zip(alone, out, strict=True):
+            if lone and set(panel["run_dir"]) <= shown:
+                continue
+            shown |= set(panel["run_dir"])
+            kept.append((title, panel))
+        out = kept
     if len(out) > MAX_PANELS:
         raise ValueError(
             f"{len(out)} panels (one per {', '.join(axes)}): select fewer runs before plotting"
