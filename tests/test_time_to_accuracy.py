@@ -301,6 +301,39 @@ def test_loader_wire_bytes_from_summary_or_config(tmp_path):
     assert fig.axes[0].get_xlabel().startswith("wire bytes per step per worker")
 
 
+def test_a_target_reached_at_the_first_evaluation_bounds_the_speed_up_from_one_side(tmp_path):
+    """Steps to a target crossed at the first evaluation are only an upper bound: with both sides
+    there the speed-up is step time alone and is not judged; a bounded compressed side still
+    "pays" when its bound does (it is at least that fast), never "costs"."""
+    from sparsetrain.analysis.break_even import (
+        FIRST_EVALUATION,
+        _verdict,
+        break_even_table,
+        plot_break_even,
+        targets_table,
+    )
+
+    runs = sa.load_runs(_sweep(tmp_path / "r"))  # fake runs: accuracy rises linearly from epoch 1
+    model = tta.default_model(ALPHA)
+    first = min(c[0][1] for c in (tta.accuracy_curve(r) for r in runs["run_dir"]))
+    table = tta.time_to_accuracy_table(runs, first * 0.99, [0.01, 100], [8], model)  # everyone, at once
+    assert (table.frames["per_seed"]["at_first_evaluation"] == 1).all()
+    assert table.display["steps to target"].str.endswith("(first evaluation)").all()
+    even = break_even_table(table)
+    assert set(even.data["compression"]) == {FIRST_EVALUATION}, even.data["compression"]
+    cells = [text.get_text() for text in plot_break_even(even).axes[0].texts]
+    assert cells and all(text.endswith("not judged") for text in cells), cells
+    later = break_even_table(tta.time_to_accuracy_table(runs, 0.5, [0.01, 100], [8], model))
+    assert FIRST_EVALUATION not in set(later.data["compression"])
+    assert targets_table({0.5: even, 0.6: even}).display["ranking"].iloc[0] == FIRST_EVALUATION
+    # one side bounded: its bound keeps the verdict it cannot overturn
+    assert _verdict(1.2, 1.1, 1.3, compressed_bound=True) == "pays"
+    assert _verdict(0.8, 0.7, 0.9, compressed_bound=True) == FIRST_EVALUATION
+    assert _verdict(0.8, 0.7, 0.9, dense_bound=True) == "costs"
+    assert _verdict(1.0, 0.9, 1.1, dense_bound=True) == FIRST_EVALUATION
+    assert _verdict(1.2, 1.1, 1.3) == "pays"
+
+
 def test_cluster_check_command(tmp_path, capsys):
     data = json.loads((DATA / "bench_check.json").read_text())
     (tmp_path / "step.json").write_text(json.dumps(data["step"]))

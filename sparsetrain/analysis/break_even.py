@@ -47,6 +47,16 @@ def _name(row: pd.Series, axes: list[str]) -> str:
                      for a in axes if row[a] != "-")
 
 
+def _reached(per_seed: pd.DataFrame, keys: list[str], config: pd.Series) -> pd.DataFrame:
+    """``config``'s per-seed rows that reached the target."""
+    return per_seed[(per_seed[keys] == config[keys]).all(axis=1) & (per_seed["reached"] > 0)]
+
+
+def _matched_seeds(per_seed: pd.DataFrame, keys: list[str], a: pd.Series, b: pd.Series) -> list:
+    """The seeds on which both configurations reached the target."""
+    return sorted(set(_reached(per_seed, keys, a)["seed"]) & set(_reached(per_seed, keys, b)["seed"]))
+
+
 def matched_speedup(per_seed: pd.DataFrame, keys: list[str], dense: pd.Series,
                     compressed: pd.Series) -> tuple[float, float, float, int]:
     """``(speed-up, low, high, seeds)``: the geometric mean over the seeds both configurations
@@ -55,8 +65,7 @@ def matched_speedup(per_seed: pd.DataFrame, keys: list[str], dense: pd.Series,
     from scipy import stats
 
     def times(config: pd.Series) -> pd.Series:
-        mask = (per_seed[keys] == config[keys]).all(axis=1) & (per_seed["reached"] > 0)
-        rows = per_seed[mask]
+        rows = _reached(per_seed, keys, config)
         return pd.Series(rows["time_to_target_s"].to_numpy(dtype=float), index=rows["seed"].to_numpy())
 
     a, b = times(dense), times(compressed)
@@ -72,12 +81,35 @@ def matched_speedup(per_seed: pd.DataFrame, keys: list[str], dense: pd.Series,
     return centre, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), len(shared)
 
 
-def _verdict(speedup: float, low: float, high: float) -> str:
+# A verdict that a first-evaluation bound leaves open (``_verdict``).
+FIRST_EVALUATION = "not judged: target at the first evaluation"
+
+
+def at_first_evaluation(per_seed: pd.DataFrame, keys: list[str], config: pd.Series, seeds) -> bool:
+    """Whether ``config`` reached the target at its first evaluation on any of ``seeds``: its
+    steps to target there are only an upper bound (it may have crossed the target any time
+    before)."""
+    if "at_first_evaluation" not in per_seed:
+        return False
+    mask = (per_seed[keys] == config[keys]).all(axis=1) & per_seed["seed"].isin(list(seeds))
+    return bool((per_seed.loc[mask, "at_first_evaluation"] > 0).any())
+
+
+def _verdict(speedup: float, low: float, high: float, dense_bound: bool = False,
+             compressed_bound: bool = False) -> str:
+    """pays / costs / not told apart from the interval. A side that reached the target at its first
+    evaluation has only an upper bound on its time: the compressed side's bound leaves "pays"
+    standing (the speed-up is at least this), the dense side's "costs"; any other outcome, or
+    both bounded, is not judged."""
     if math.isnan(speedup):
         return "no pair"
     if math.isnan(low):
         return "one seed: not judged"
-    return "pays" if low > 1 else "costs" if high < 1 else "not told apart"
+    verdict = "pays" if low > 1 else "costs" if high < 1 else "not told apart"
+    if (dense_bound and compressed_bound) or (dense_bound and verdict != "costs") \
+            or (compressed_bound and verdict != "pays"):
+        return FIRST_EVALUATION
+    return verdict
 
 
 def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -> Table:
@@ -90,7 +122,10 @@ def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -
              "seeds both reached the target with, and its 95% t interval on their logarithms; pays / costs: "
              "the interval above / below 1. Dense baselines: " + ", ".join(_display_axis("scheme", s) for s in baselines)
              + ". A configuration competes only where every seed reached the target; the best of each "
-             "kind is the one with the lowest mean time over its seeds.",
+             "kind is the one with the lowest mean time over its seeds. A side that reached the target at "
+             "its first evaluation on a matched seed has only an upper bound on its time: then only \"pays\" "
+             "(the compressed side bounded) or \"costs\" (the dense side bounded) stands, anything else is "
+             f"\"{FIRST_EVALUATION}\".",
              *tta.notes]
     per_seed, keys = tta.frames.get("per_seed"), tta.frames.get("keys")
     data = tta.data
@@ -111,19 +146,22 @@ def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -
                 row = part.loc[part["time_to_target_s_mean"].idxmin()]
                 best[key] = (_name(row, axes), float(row["time_to_target_s_mean"]))
         speedup = low = high = math.nan
-        seeds = 0
+        seeds, bounds = 0, (False, False)
         if per_seed is not None and not dense.empty and not compressed.empty:
-            speedup, low, high, seeds = matched_speedup(
-                per_seed, keys, dense.loc[dense["time_to_target_s_mean"].idxmin()],
-                compressed.loc[compressed["time_to_target_s_mean"].idxmin()])
+            sides = (dense.loc[dense["time_to_target_s_mean"].idxmin()],
+                     compressed.loc[compressed["time_to_target_s_mean"].idxmin()])
+            speedup, low, high, seeds = matched_speedup(per_seed, keys, *sides)
+            shared = _matched_seeds(per_seed, keys, *sides)
+            bounds = tuple(at_first_evaluation(per_seed, keys, side, shared) for side in sides)
         elif per_seed is None:  # a table built without its per-seed rows: the ratio of means
             speedup = best["dense"][1] / best["compressed"][1]
+        verdict = _verdict(speedup, low, high, *bounds)
         rows.append({"bandwidth_gbit": float(gbit), "workers": int(workers),
                      "fastest": best["fastest"][0], "fastest_s": best["fastest"][1],
                      "best_dense": best["dense"][0], "best_dense_s": best["dense"][1],
                      "best_compressed": best["compressed"][0], "best_compressed_s": best["compressed"][1],
                      "speedup": speedup, "speedup_low": low, "speedup_high": high, "matched_seeds": seeds,
-                     "compression": _verdict(speedup, low, high),
+                     "compression": verdict,
                      "configurations": len(cell), "competing": len(cell_ok)})
         shown = "—" if math.isnan(speedup) else f"{speedup:.2f}x" + (
             f" [{low:.2f}, {high:.2f}]" if not math.isnan(low) else "") + f" (n={seeds})"
@@ -133,7 +171,7 @@ def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -
             "best dense baseline (s)": _with_time(*best["dense"]),
             "best compressed (s)": _with_time(*best["compressed"]),
             "speed-up (matched seeds)": shown,
-            "compression": _verdict(speedup, low, high),
+            "compression": verdict,
         })
     return Table("break_even", title, pd.DataFrame(display), pd.DataFrame(rows), tta.missing, notes)
 
@@ -158,7 +196,8 @@ def targets_table(evens: dict[float, Table]) -> Table:
     for (gbit, workers), cell in data.groupby(["bandwidth_gbit", "workers"], sort=True):
         cell = cell.set_index("target").reindex(targets)
         fastest, does = list(cell["fastest"]), list(cell["compression"])
-        holds = len(set(map(str, fastest))) == 1 and len(set(does)) == 1
+        # a fastest configuration that only a first evaluation ranks is no ranking
+        holds = len(set(map(str, fastest))) == 1 and len(set(does)) == 1 and does[0] != FIRST_EVALUATION
         entry = {"bandwidth (Gbit/s)": f"{gbit:g}", LABELS.get("workers", "workers"): int(workers)}
         for t, name in zip(targets, names, strict=True):
             row = cell.loc[t]
@@ -167,6 +206,7 @@ def targets_table(evens: dict[float, Table]) -> Table:
                 f"{_short(row['fastest'])}; " + ("—" if pd.isna(sp) else
                 f"{_short(row['best_compressed'])} {sp:.2f}x, {row['compression']}"))
         entry["ranking"] = (f"holds: {_short(fastest[0])} fastest, compression {does[0]}" if holds
+                            else FIRST_EVALUATION if set(does) == {FIRST_EVALUATION}
                             else "decided by the target")
         rows.append({"bandwidth_gbit": float(gbit), "workers": int(workers), "holds": holds,
                      **{f"fastest_{round(100 * t)}": f for t, f in zip(targets, fastest, strict=True)},
@@ -201,7 +241,8 @@ def _with_time(name: str | None, seconds: float) -> str:
 def plot_break_even(table: Table) -> object:
     """Workers (rows) x bandwidth (columns); each cell coloured by log2 of the speed-up of the
     best compressed configuration over the best dense baseline (blue: compression pays, red: it
-    costs) and labelled with that configuration's short name (``_short``) and the speed-up."""
+    costs) and labelled with that configuration's short name (``_short``) and the speed-up, "not
+    judged" where a first evaluation leaves it open."""
     with style():
         data = table.data
         fig, axes = _new_figure(width=6.4, height=3.6)
@@ -219,7 +260,8 @@ def plot_break_even(table: Table) -> object:
         for _, row in data.iterrows():
             y, x = workers.index(row["workers"]), bandwidths.index(row["bandwidth_gbit"])
             text = "no pair" if math.isnan(row["speedup"]) else (
-                f"{_short(row['best_compressed']).replace(', ', chr(10))}\n{row['speedup']:.2f}x")
+                f"{_short(row['best_compressed']).replace(', ', chr(10))}\n{row['speedup']:.2f}x"
+                + ("\nnot judged" if row["compression"] == FIRST_EVALUATION else ""))
             ax.text(x, y, text, ha="center", va="center", fontsize=7)
         ax.grid(False)
         ax.set_xticks(range(len(bandwidths)), [f"{b:g}" for b in bandwidths])
