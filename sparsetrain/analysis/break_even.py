@@ -85,7 +85,7 @@ def matched_speedup(per_seed: pd.DataFrame, keys: list[str], dense: pd.Series,
 FIRST_EVALUATION = "not judged: target at the first evaluation"
 
 
-def at_first_evaluation(per_seed: pd.DataFrame, keys: list[str], config: pd.Series, seeds) -> bool:
+def _at_first_evaluation(per_seed: pd.DataFrame, keys: list[str], config: pd.Series, seeds) -> bool:
     """Whether ``config`` reached the target at its first evaluation on any of ``seeds``: its
     steps to target there are only an upper bound (it may have crossed the target any time
     before)."""
@@ -152,7 +152,7 @@ def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -
                      compressed.loc[compressed["time_to_target_s_mean"].idxmin()])
             speedup, low, high, seeds = matched_speedup(per_seed, keys, *sides)
             shared = _matched_seeds(per_seed, keys, *sides)
-            bounds = tuple(at_first_evaluation(per_seed, keys, side, shared) for side in sides)
+            bounds = tuple(_at_first_evaluation(per_seed, keys, side, shared) for side in sides)
         elif per_seed is None:  # a table built without its per-seed rows: the ratio of means
             speedup = best["dense"][1] / best["compressed"][1]
         verdict = _verdict(speedup, low, high, *bounds)
