@@ -28,7 +28,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from .figures import _empty, _label, _new_figure, style
+from .figures import _empty, _label, _new_figure, period_name, style
 from .group import _display_axis
 from .stats import ALPHA
 from .table import LABELS, Table
@@ -91,8 +91,8 @@ def _at_first_evaluation(per_seed: pd.DataFrame, keys: list[str], config: pd.Ser
     before)."""
     if "at_first_evaluation" not in per_seed:
         return False
-    mask = (per_seed[keys] == config[keys]).all(axis=1) & per_seed["seed"].isin(list(seeds))
-    return bool((per_seed.loc[mask, "at_first_evaluation"] > 0).any())
+    rows = _reached(per_seed, keys, config)
+    return bool((rows.loc[rows["seed"].isin(list(seeds)), "at_first_evaluation"] > 0).any())
 
 
 def _verdict(speedup: float, low: float, high: float, dense_bound: bool = False,
@@ -224,11 +224,11 @@ def _short(name) -> str:
     parts = re.split(r", (?![^()]*\))", name)  # commas inside a scheme's parentheses stay
     kept = [parts[0]]
     for part in parts[1:]:
-        period = re.search(r"period=(\d+)", part) if part.startswith("sync=") else None
+        period = period_name(part) if part.startswith("sync=") else None
         if part.startswith("ratio=") and part != "ratio=1.0":
             kept.append(part)
         elif period:
-            kept.append(f"H={period.group(1)}")
+            kept.append(period)
         elif part.startswith("delta=") and part not in ("delta=dense", "delta=-"):
             kept.append(f"{part.removeprefix('delta=')} delta")
     return ", ".join(kept)

@@ -165,6 +165,13 @@ def _synchronises(frame: pd.DataFrame) -> pd.Series:
     return frame["sync"].notna() & ~frame["sync"].astype(str).isin((DEFAULT_SYNC, NOT_APPLICABLE))
 
 
+def period_name(sync) -> str | None:
+    """``H=66`` for a synchronising scheme's sync node (its text, with its ``period``); None for a
+    text without one (``every step``). The figures' lines and the break-even map's short names."""
+    period = re.search(r"period=(\d+)", str(sync))
+    return f"H={period.group(1)}" if period else None
+
+
 def _variant(row, axes: list[str], full: bool = False) -> str:
     """A line's settings beyond its scheme (``axes``: the LINE_AXES that vary): ``H=66``,
     ``H=14, TopK delta (ratio=0.1)``, ``rank=1``; ``full``: each axis's whole value, for lines
@@ -175,8 +182,7 @@ def _variant(row, axes: list[str], full: bool = False) -> str:
         if value is None or (isinstance(value, float) and math.isnan(value)) or str(value) in (NOT_APPLICABLE, DEFAULT_SYNC):
             continue
         if axis == "sync" and not full:
-            period = re.search(r"period=(\d+)", str(value))
-            parts.append(f"H={period.group(1)}" if period else str(value))
+            parts.append(period_name(value) or str(value))
         elif axis == "delta":
             if str(value) != "dense":  # a synchronising scheme sends its delta dense unless told
                 ratio = row.get("delta_ratio", NOT_APPLICABLE)
