@@ -64,6 +64,11 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	@# The timing half, where the results tree holds it (a tree of one's own sweeps may not).
 	$(if $(wildcard $(RESULTS)/bench/step.json),$(PY) -m sparsetrain.benchmarks.step --report $(RESULTS)/bench/step.json --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/step.json: step report skipped")
 	$(if $(wildcard $(RESULTS)/bench/collectives.json),$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/bench,@echo "figures: no $(RESULTS)/bench/collectives.json: cost model skipped")
+	@# Time to a target measured end to end on the emulated cluster against the model (issue 37, item 5:
+	@# scripts/e2e.sh), with the collectives refitted at its rates (results/e2e_bench, calibrated by the
+	@# step benchmark). cluster_check exits 1 when a point lies outside 15%: a result, not a failure.
+	$(if $(wildcard $(RESULTS)/e2e_bench/collectives.json),$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/e2e_bench --step $(RESULTS)/bench/step.json > /dev/null,@true)
+	$(if $(wildcard $(RESULTS)/e2e),$(PY) -m sparsetrain.analysis.cluster_check --runs $(RESULTS)/e2e $(if $(wildcard $(RESULTS)/e2e_bench/collectives.json),--costmodel $(RESULTS)/e2e_bench/costmodel.json) --figure $(FIGURES)/e2e/e2e > /dev/null; test $$? -le 1,@echo "figures: no $(RESULTS)/e2e yet: end-to-end check skipped")
 
 $(VENV)/.notebooks: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[notebooks]'

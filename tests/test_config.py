@@ -138,6 +138,22 @@ def test_world_size_must_match_launcher_environment():
         check_launch_environment(make("world_size=2").world_size, slurm)
 
 
+def test_ranks_on_netclusters_namespaces_share_one_machine():
+    """torchrun in each of netcluster's namespaces says LOCAL_WORLD_SIZE=1, but all its ranks share
+    this machine's cores: the rank's local world (its default threads: cores / local ranks) is
+    netcluster's node count, so 4 ranks on 2 cores take 1 thread each, not 2 (5-6x slower)."""
+    from sparsetrain.launch.env import rank_info
+    from sparsetrain.launch.netcluster import Cluster, node_env
+
+    torchrun = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1", "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1"}
+    assert rank_info(torchrun).local_world_size == 1
+    node = node_env(Cluster("tst", 4, "10.77.0", "1gbit", "0ms", None, "100ms", 1500), 1, torchrun)
+    assert node["ST_NETNS_HOST_RANKS"] == "4"
+    info = rank_info(node)
+    assert info.local_world_size == 4 and info.local_rank == 0 and info.link["rate_bits"] == 1e9
+
+
 def test_slurm_task_resolvers():
     cfg = make("world_size=8", "dist.ranks_per_node=4")
     assert OmegaConf.select(cfg, "dist.ranks_per_node") == 4

@@ -134,3 +134,28 @@ def test_the_model_takes_bytes_from_the_built_reducer():
     sc = scheme_costs(sent)
     assert sc["blockk"].nbytes == 485_020 and sc["topk"].nbytes == 931_600  # as sent, 1-D whole
     assert sc["dense"].nbytes == 4 * 11_173_962 and sc["topk"].collective == "allgather"
+
+
+def test_a_refit_in_its_own_folder_takes_the_step_benchmark_from_step(tmp_path, capsys):
+    """collectives --model-only --out DIR refits DIR/collectives.json; the cost model needs a step
+    benchmark to calibrate its latency: --step names one elsewhere, and without one the run says
+    that costmodel.json was not written instead of leaving it silently absent."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from sparsetrain.benchmarks import collectives
+
+    bench = Path(__file__).resolve().parents[1] / "results" / "bench"
+    shutil.copy(bench / "collectives.json", tmp_path / "collectives.json")
+    assert collectives.main(["--model-only", "--out", str(tmp_path)]) == 0
+    assert "costmodel.json and the map not written" in capsys.readouterr().out
+    assert not (tmp_path / "costmodel.json").exists()
+
+    assert collectives.main(["--model-only", "--out", str(tmp_path), "--step", str(bench / "step.json")]) == 0
+    doc = json.loads((tmp_path / "costmodel.json").read_text())
+    assert doc["fit_rate_bits"] > 0 and set(doc["collectives"]) == {"allreduce", "allgather"}
+    assert doc["checks"] and all(c["predicted_exchange_ms"] > 0 for c in doc["checks"])
+
+    assert collectives.main(["--model-only", "--out", str(tmp_path), "--step", str(tmp_path / "nope.json")]) == 2
+    assert "--step: " in capsys.readouterr().err

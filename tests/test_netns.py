@@ -264,6 +264,7 @@ def test_training_run_measures_its_time_to_a_target_on_the_emulated_link(tmp_pat
     s = json.loads((run / "summary.json").read_text())
     assert s["link"] == {"rate": "200mbit", "rate_bits": 2e8, "delay_us": 0.0}
     assert s["target"]["reached"] and s["steps"] == s["target"]["step"] > 0
+    assert s["load"]["local_ranks"] == 2  # both namespaces' ranks share this machine (1 thread each here)
     check = subprocess.run([sys.executable, "-m", "sparsetrain.analysis.cluster_check", "--runs", str(run)],
                            capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert check.returncode in (0, 1), check.stderr

@@ -449,6 +449,7 @@ def test_e2e_check_sets_measured_time_to_target_against_the_prediction(tmp_path)
     assert proc.returncode in (0, 1), proc.stderr
     assert "end to end" in proc.stdout and "within 15%" in proc.stdout
     assert (fig.parent / "e2e.png").stat().st_size > 0
+    assert (fig.parent / "e2e.txt").read_text().strip() == proc.stdout.strip().rsplit("\n", 1)[0]  # the table, as printed
 
 
 def test_a_run_that_recorded_every_rank_is_predicted_from_its_slowest(tmp_path):

@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=None, help="default 0.2 per step, 0.15 end to end")
     parser.add_argument("--ddp", type=Path, metavar="DDP_JSON",
                         help="the overlap table of a DDP benchmark's ddp.json (benchmarks.ddp) instead")
-    parser.add_argument("--figure", type=Path, help="with --runs: write predicted-vs-measured as FIGURE.png and .pdf")
+    parser.add_argument("--figure", type=Path, help="with --runs: write predicted-vs-measured as FIGURE.png and .pdf, "
+                        "the table as FIGURE.txt")
     args = parser.parse_args(argv)
     if args.ddp or args.runs:  # a fit given, else the model's defaults
         model = fitted_model(args.costmodel) if args.costmodel else default_model()
@@ -272,15 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         shown = [c for c in (*E2E_AXES, "status", "rate_bits", "workers", "target", "reached", "steps", "measured_s",
                              "measured_wall_s", "predicted_s", "predicted_to_measured", "within", "modelled_exchange_ms",
                              "measured_exchange_ms", "rank_compute_spread_ms", "load_mean") if c in check]
-        print(f"end to end, exchange model: {model.source}")
-        print(check[shown].to_string(index=False, float_format=_fmt))
         hit = check.dropna(subset=["predicted_to_measured"])
         pm = hit["predicted_to_measured"]
-        print(f"{int(hit['within'].sum())}/{len(hit)} within {tolerance:.0%}"
-              + (f"; predicted / measured {pm.min():.3f}..{pm.max():.3f}" if len(hit) else ""))
-        if args.figure:
+        report = "\n".join([f"end to end, exchange model: {model.source}",
+                            check[shown].to_string(index=False, float_format=_fmt),
+                            f"{int(hit['within'].sum())}/{len(hit)} within {tolerance:.0%}"
+                            + (f"; predicted / measured {pm.min():.3f}..{pm.max():.3f}" if len(hit) else "")])
+        print(report)
+        if args.figure:  # the figure, and the table it draws beside it (FIGURE.txt)
             save_figure(plot_e2e(check, tolerance), args.figure.parent, args.figure.stem)
-            print(f"wrote {args.figure}")
+            args.figure.with_suffix(".txt").write_text(report + "\n")
+            print(f"wrote {args.figure}.png, .pdf, .txt")
         return 0 if len(hit) and hit["within"].all() else 1
     if args.folder is None:
         parser.error("give a benchmark folder, or --runs")

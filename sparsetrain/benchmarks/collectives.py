@@ -6,17 +6,21 @@
    receives (N-1) x that: the 256 MB of the issue would take minutes per point at 1 Gbit/s on this
    2-core box), median of a few repetitions.
 2. Fits alpha and beta per collective and rate (sparsetrain.costmodel.fit).
-3. With results/bench/step.json (sparsetrain.benchmarks.step) present: predicts every scheme's exchange
-   time at each measured rate from the fit at --fit-rate and reports the error against the
-   measured exchange phase (goal: within 20%), and draws the break-even map: step time of each
-   sparse scheme / dense for 2..1024 workers and 1..100 Gbit/s, from this box's measured compute
-   and compression times.
+3. With a step benchmark's step.json (sparsetrain.benchmarks.step; --step, default <out>/step.json):
+   writes the cost model (costmodel.json: the fit, each collective's latency calibrated in situ
+   from the step's sparse exchanges), predicts every scheme's exchange time at each measured rate
+   from the fit at --fit-rate, reports the error against the measured exchange phase (goal:
+   within 20%), and draws the break-even map: step time of each sparse scheme / dense for 2..1024
+   workers and 1..100 Gbit/s, from this box's measured compute and compression times.
 
     sudo .venv/bin/python -m sparsetrain.benchmarks.collectives --rates 1gbit,250mbit --out results/bench
     .venv/bin/python -m sparsetrain.benchmarks.collectives --model-only   # refit/redraw from saved JSON
+    .venv/bin/python -m sparsetrain.benchmarks.collectives --model-only --out results/e2e_bench \
+        --step results/bench/step.json     # a refit in its own folder, calibrated by the step benchmark
 
-Writes <out>/collectives.json, <out>/costmodel.json, <out>/break_even.png. The kernel here has no
-sch_netem: only bandwidth is emulated, latency is what veth + gloo give (tens of microseconds).
+Writes <out>/collectives.json, and with a step.json <out>/costmodel.json and <out>/break_even.png.
+The kernel here has no sch_netem: only bandwidth is emulated, latency is what veth + gloo give
+(tens of microseconds).
 """
 
 from __future__ import annotations
@@ -227,11 +231,18 @@ def main(argv=None) -> int:
     ap.add_argument("--max-mb", type=float, default=64)
     ap.add_argument("--out", default=str(REPO / "results" / "bench"))
     ap.add_argument("--model-only", action="store_true", help="reuse <out>/collectives.json")
+    ap.add_argument("--step", default=None, help="the step benchmark's step.json that calibrates the "
+                    "cost model (default: <out>/step.json; without one, costmodel.json is not written)")
     a = ap.parse_args(argv)
     if a.worker:
         worker(a)
         return 0
     out = Path(a.out)
+    step = Path(a.step) if a.step else out / "step.json"
+    if a.step and not step.is_file():  # before minutes of measuring, not after
+        print(f"--step: {step} is not a file (the step benchmark's step.json: python -m "
+              "sparsetrain.benchmarks.step)", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     if a.model_only:
         meas = json.loads((out / "collectives.json").read_text())["measurements"]
@@ -254,8 +265,10 @@ def main(argv=None) -> int:
         print(f"\n{m['rate']} measured (bytes per rank: seconds)")
         for coll in ("allreduce", "allgather"):
             print(f"  {coll:<10} " + "  ".join(f"{n}:{t * 1e3:.2f}ms" for n, t in m[coll]))
-    step = out / "step.json"
-    if step.exists():
+    if not step.is_file():
+        print(f"\nno {step}: costmodel.json and the map not written (their in-situ latency comes from the "
+              "step benchmark's exchanges: --step PATH names a step.json elsewhere)")
+    else:
         fit_bits = meas[0]["rate_bits"] if a.fit_rate is None else next(
             m["rate_bits"] for m in meas if m["rate"] == a.fit_rate)
         doc = check_and_map(fits, json.loads(step.read_text()), fit_bits, out)

@@ -62,6 +62,17 @@ def emulated_link(env: Mapping[str, str] | None = None) -> dict | None:
             "delay_us": float(env.get("ST_NETNS_DELAY_US", 0) or 0)}
 
 
+def host_ranks(env: Mapping[str, str]) -> int:
+    """How many ranks share this machine's CPUs (``RankInfo.local_world_size``: each rank's
+    default torch threads, the load it expects): torchrun's ``LOCAL_WORLD_SIZE``, except on
+    netcluster, whose namespaces all run on this one machine though torchrun sees one process a
+    node (``ST_NETNS_HOST_RANKS``). With 2 threads a rank, 4 such ranks on 2 cores ran their
+    steps 5.5-6x slower than with 1 (2026-12-05, dense SGD, experiment=e2e, A/B of train.threads)."""
+    if "ST_NETNS_HOST_RANKS" in env:
+        return int(env["ST_NETNS_HOST_RANKS"])
+    return int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))
+
+
 def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
     """Rank and world of this process; exports MASTER_ADDR/PORT etc. for SLURM tasks."""
     env = os.environ if env is None else env
@@ -78,7 +89,7 @@ def rank_info(env: Mapping[str, str] | None = None) -> RankInfo:
             int(env["RANK"]),
             int(env["WORLD_SIZE"]),
             int(env.get("LOCAL_RANK", 0)),
-            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            host_ranks(env),
             "torchrun" if kind == "torchrun" else "spawn",
             env.get("SLURM_JOB_ID"),
             link=emulated_link(env),

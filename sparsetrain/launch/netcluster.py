@@ -348,6 +348,9 @@ def node_env(cl: Cluster, node: int, base: dict[str, str]) -> dict[str, str]:
             "ST_NETNS_RATE_BITS": f"{cl.rate_bps:.0f}",
             "ST_NETNS_DELAY_US": f"{cl.delay_us:g}",
             "ST_NETNS_PREFIX": cl.p,
+            # every namespace is on this one machine: its CPUs are shared by all cl.n ranks, which
+            # torchrun's LOCAL_WORLD_SIZE (1 per node) does not say (launch.env.rank_info reads it)
+            "ST_NETNS_HOST_RANKS": str(cl.n),
         }
     )
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cl.n)))
