@@ -15,7 +15,7 @@ RATES=${RATES:-2627mbit 250mbit}   # the step benchmark's paper-like rate and a 
 SEEDS=${SEEDS:-0 1}
 POINTS=${POINTS:-dense frontier_fp16 frontier_topk_low frontier_powersgd frontier_signsgd}
 OUT=${OUT:-results/e2e}
-COSTMODEL=${COSTMODEL:-results/bench/costmodel.json}
+COSTMODEL=${COSTMODEL:-results/e2e_bench/costmodel.json}  # the refit at these rates (docs/performance.md)
 mkdir -p "$OUT"
 for seed in $SEEDS; do
   for rate in $RATES; do
