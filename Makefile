@@ -43,6 +43,9 @@ TTA_RESULTS = $(wildcard $(RESULTS)/baseline $(RESULTS)/rq1_scope)
 # (The frontier's time to 85% across the compression families is one of its study figures:
 # sparsetrain.analysis.report.TIME_TO_ACCURACY, written by --studies.)
 
+# the end-to-end grid's refit needs its collectives and the step benchmark that calibrates them
+E2E_FIT = $(and $(wildcard $(RESULTS)/e2e_bench/collectives.json),$(wildcard $(RESULTS)/bench/step.json))
+
 figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(FIGURES), benchmarks in place
 	@# Each study from the sweeps that hold its points (sparsetrain.analysis.report.SOURCES: dense
 	@# SGD from baseline, ...), the same assembly the notebooks show; the frontier's time to
@@ -67,8 +70,8 @@ figures: venv  ## every table and figure from $(RESULTS) alone: studies into $(F
 	@# Time to a target measured end to end on the emulated cluster against the model (issue 37, item 5:
 	@# scripts/e2e.sh), with the collectives refitted at its rates (results/e2e_bench, calibrated by the
 	@# step benchmark). cluster_check exits 1 when a point lies outside 15%: a result, not a failure.
-	$(if $(wildcard $(RESULTS)/e2e_bench/collectives.json),$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/e2e_bench --step $(RESULTS)/bench/step.json > /dev/null,@true)
-	$(if $(wildcard $(RESULTS)/e2e),$(PY) -m sparsetrain.analysis.cluster_check --runs $(RESULTS)/e2e $(if $(wildcard $(RESULTS)/e2e_bench/collectives.json),--costmodel $(RESULTS)/e2e_bench/costmodel.json) --figure $(FIGURES)/e2e/e2e > /dev/null; test $$? -le 1,@echo "figures: no $(RESULTS)/e2e yet: end-to-end check skipped")
+	$(if $(E2E_FIT),$(PY) -m sparsetrain.benchmarks.collectives --model-only --out $(RESULTS)/e2e_bench --step $(RESULTS)/bench/step.json > /dev/null,@true)
+	$(if $(wildcard $(RESULTS)/e2e),$(PY) -m sparsetrain.analysis.cluster_check --runs $(RESULTS)/e2e $(if $(E2E_FIT),--costmodel $(RESULTS)/e2e_bench/costmodel.json) --figure $(FIGURES)/e2e/e2e > /dev/null; test $$? -le 1,@echo "figures: no $(RESULTS)/e2e yet: end-to-end check skipped")
 
 $(VENV)/.notebooks: $(VENV)/.installed pyproject.toml
 	$(PY) -m pip install -q -e '.[notebooks]'
