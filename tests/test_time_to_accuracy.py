@@ -205,6 +205,23 @@ def test_not_reached_and_untrained_runs(tmp_path):
     assert "Missing (1 runs" in table.to_markdown()
 
 
+def test_the_title_names_the_split_the_completed_runs_read(tmp_path):
+    """A sweep still running (a job that left no accuracy) times validation targets all the same."""
+    root = _sweep(tmp_path / "r")
+    for run in root.iterdir():
+        summary = json.loads((run / "summary.json").read_text())
+        summary["val_accuracy"] = None if run.name == "topk1" else 0.9
+        if run.name == "topk1":
+            summary["status"] = "running"
+        (run / "summary.json").write_text(json.dumps(summary))
+    table = tta.time_to_accuracy_table(sa.load_runs(root), 0.5, [1], [8], tta.default_model())
+    assert table.title.startswith("Time to 50% validation accuracy")
+    (root / "topk0" / "summary.json").write_text(
+        json.dumps({**json.loads((root / "topk0" / "summary.json").read_text()), "val_accuracy": None}))
+    table = tta.time_to_accuracy_table(sa.load_runs(root), 0.5, [1], [8], tta.default_model())
+    assert table.title.startswith("Time to 50% test accuracy")  # a completed run without the split
+
+
 def test_fitted_model_from_costmodel_json(tmp_path):
     fit = json.loads((DATA / "bench_check.json").read_text())["costmodel"]
     (tmp_path / "costmodel.json").write_text(json.dumps(fit))

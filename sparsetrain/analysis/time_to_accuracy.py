@@ -367,7 +367,9 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     model = model or default_model()
     done = completed(runs)
     missing = not_completed(runs).reset_index(drop=True)
-    split = "validation" if "val_accuracy" in runs and runs["val_accuracy"].notna().all() else "test"
+    # the split the completed runs' curves read (a run that never completed has no accuracy at all)
+    split = "validation" if not done.empty and "val_accuracy" in done and done["val_accuracy"].notna().all() \
+        else "test"
     title = f"Time to {target * 100:g}% {split} accuracy: measured compute + predicted exchange"
     notes = [
         f"Exchange: {model.source}.",
