@@ -373,8 +373,8 @@ def test_speed_up_pairs_matched_seeds_and_a_ranking_holds_only_at_every_target()
              for s, t in zip(range(5), (9.0, 11.0, 10.5, 1.0, 1.0))]  # seeds 3-4: lucky, unmatched
     per_seed = pd.DataFrame(rows)
     dense, sign = per_seed.iloc[0], per_seed.iloc[3]
-    speedup, low, high, n = matched_speedup(per_seed, keys, dense, sign)
-    assert n == 3  # seeds 3-4 of signSGD have no dense partner and do not count
+    speedup, low, high, seeds = matched_speedup(per_seed, keys, dense, sign)
+    assert seeds == [0, 1, 2]  # seeds 3-4 of signSGD have no dense partner and do not count
     assert speedup == pytest.approx(math.exp(sum(math.log(a / b) for a, b in ((10, 9), (12, 11), (11, 10.5))) / 3))
     assert low < speedup < high
     # three targets: the same fastest and verdict at each is a ranking; otherwise the target decides

@@ -52,16 +52,11 @@ def _reached(per_seed: pd.DataFrame, keys: list[str], config: pd.Series) -> pd.D
     return per_seed[(per_seed[keys] == config[keys]).all(axis=1) & (per_seed["reached"] > 0)]
 
 
-def _matched_seeds(per_seed: pd.DataFrame, keys: list[str], a: pd.Series, b: pd.Series) -> list:
-    """The seeds on which both configurations reached the target."""
-    return sorted(set(_reached(per_seed, keys, a)["seed"]) & set(_reached(per_seed, keys, b)["seed"]))
-
-
 def matched_speedup(per_seed: pd.DataFrame, keys: list[str], dense: pd.Series,
-                    compressed: pd.Series) -> tuple[float, float, float, int]:
+                    compressed: pd.Series) -> tuple[float, float, float, list]:
     """``(speed-up, low, high, seeds)``: the geometric mean over the seeds both configurations
-    reached the target with of dense's time / compressed's time, and its 95 % t interval (NaN
-    with fewer than two such seeds; all NaN with none)."""
+    reached the target with (``seeds``, sorted) of dense's time / compressed's time, and its 95 %
+    t interval (NaN with fewer than two such seeds; all NaN with none)."""
     from scipy import stats
 
     def times(config: pd.Series) -> pd.Series:
@@ -71,14 +66,14 @@ def matched_speedup(per_seed: pd.DataFrame, keys: list[str], dense: pd.Series,
     a, b = times(dense), times(compressed)
     shared = sorted(set(a.index) & set(b.index))
     if not shared:
-        return math.nan, math.nan, math.nan, 0
+        return math.nan, math.nan, math.nan, []
     logs = np.log(a.loc[shared].to_numpy() / b.loc[shared].to_numpy())
     centre = float(np.exp(logs.mean()))
     if len(logs) < 2 or np.allclose(logs, logs[0]):
         spread = 0.0 if len(logs) >= 2 else math.nan
-        return centre, centre if spread == 0.0 else math.nan, centre if spread == 0.0 else math.nan, len(shared)
+        return centre, centre if spread == 0.0 else math.nan, centre if spread == 0.0 else math.nan, shared
     half = stats.t.ppf(1 - ALPHA / 2, len(logs) - 1) * logs.std(ddof=1) / math.sqrt(len(logs))
-    return centre, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), len(shared)
+    return centre, float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half)), shared
 
 
 # A verdict that a first-evaluation bound leaves open (``_verdict``).
@@ -146,15 +141,15 @@ def break_even_table(tta: Table, baselines: tuple[str, ...] = DENSE_BASELINES) -
                 row = part.loc[part["time_to_target_s_mean"].idxmin()]
                 best[key] = (_name(row, axes), float(row["time_to_target_s_mean"]))
         speedup = low = high = math.nan
-        seeds, bounds = 0, (False, False)
+        shared, bounds = [], (False, False)
         if per_seed is not None and not dense.empty and not compressed.empty:
             sides = (dense.loc[dense["time_to_target_s_mean"].idxmin()],
                      compressed.loc[compressed["time_to_target_s_mean"].idxmin()])
-            speedup, low, high, seeds = matched_speedup(per_seed, keys, *sides)
-            shared = _matched_seeds(per_seed, keys, *sides)
+            speedup, low, high, shared = matched_speedup(per_seed, keys, *sides)
             bounds = tuple(_at_first_evaluation(per_seed, keys, side, shared) for side in sides)
         elif per_seed is None:  # a table built without its per-seed rows: the ratio of means
             speedup = best["dense"][1] / best["compressed"][1]
+        seeds = len(shared)
         verdict = _verdict(speedup, low, high, *bounds)
         rows.append({"bandwidth_gbit": float(gbit), "workers": int(workers),
                      "fastest": best["fastest"][0], "fastest_s": best["fastest"][1],
