@@ -194,8 +194,9 @@ def _variant(row, axes: list[str], full: bool = False) -> str:
 
 def _with_lines(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with a ``line`` column: the scheme's name and its own settings that vary
-    (``LINE_AXES``). A synchronising run's ratio is its delta's: it moves from ``ratio`` (a panel
-    or marker axis of the per-step compressors) into its line."""
+    (``LINE_AXES``), those settings alone in ``variant`` ("" where none vary). A synchronising
+    run's ratio is its delta's: it moves from ``ratio`` (a panel or marker axis of the per-step
+    compressors) into its line."""
     frame = frame.copy()
     syncing = _synchronises(frame)
     if syncing.any() and "ratio" in frame:
@@ -205,16 +206,20 @@ def _with_lines(frame: pd.DataFrame) -> pd.DataFrame:
     axes = [a for a in LINE_AXES if a in varying_axes(frame)]
     names = frame["scheme"].map(lambda s: SCHEME_NAMES.get(s, str(s)))
 
-    def lines(full: bool) -> pd.Series:
+    def variants(full: bool) -> pd.Series:
         if not axes or frame.empty:
-            return names
-        return (names + " " + frame.apply(lambda row: _variant(row, axes, full), axis=1)).str.strip()
+            return pd.Series("", index=frame.index, dtype=object)
+        return frame.apply(lambda row: _variant(row, axes, full), axis=1).astype(str).str.strip()
 
-    frame["line"] = lines(full=False)
+    def set_lines(full: bool) -> None:
+        frame["variant"] = variants(full)
+        frame["line"] = (names + " " + frame["variant"]).str.strip()
+
+    set_lines(full=False)
     if axes:  # two settings with one short name (outer steps at one period): say each in full
         keys = frame[["scheme", *axes]].astype(str).agg("|".join, axis=1)
         if (keys.groupby(frame["line"]).nunique() > 1).any():
-            frame["line"] = lines(full=True)
+            set_lines(full=True)
     return frame
 
 
@@ -368,7 +373,7 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
             return _empty(fig, ax, "no completed runs with accuracy and bytes")
         done = _with_lines(done)
         others = varying_axes(done, exclude=("scheme", *LINE_AXES))
-        data = summarize(done, ["scheme", "line", *others], ["test_accuracy", metric])
+        data = summarize(done, ["scheme", "line", "variant", *others], ["test_accuracy", metric])
         marker_axes = [a for a in others if a != "ratio"]
         markers = _style_keys(data, marker_axes)
         for _, row in data.iterrows():
@@ -380,8 +385,7 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
             # beside the point: its ratio where ratios vary, and its own settings (line) where they do
             ratio = [f"{row['ratio']:g}"] if ("ratio" in others and row["scheme"] != DENSE
                                                and row["ratio"] != NOT_APPLICABLE) else []
-            own = row["line"].removeprefix(SCHEME_NAMES.get(row["scheme"], str(row["scheme"]))).strip()
-            text = ", ".join(ratio + ([own] if own else []))
+            text = ", ".join(ratio + ([row["variant"]] if row["variant"] else []))
             if text:
                 ax.annotate(text, (row[f"{metric}_mean"], row["test_accuracy_mean"] * 100),
                             textcoords="offset points", xytext=(5, 3), fontsize=7)
