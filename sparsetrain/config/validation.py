@@ -164,10 +164,25 @@ def scheme_compressor(scheme: Any) -> Any:
         for option in (k for k in node if k not in ("_target_", "_partial_")):
             check_compressor_option(option, target, f"scheme.compressor.{option}={node.get(option)!r}")
     try:
-        return instantiate(node)
+        factory = instantiate(node)
     except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"scheme.compressor of scheme={scheme.name} cannot be built: {reason}") from None
+    _check_implemented(factory, target)
+    return factory
+
+
+def _check_implemented(factory: Any, target: str | None) -> None:
+    """A compressor class that lacks a method it must implement (``Compressor.unimplemented``)
+    stops here, before any rank starts, rather than at its first step."""
+    from sparsetrain.compress import Compressor
+    from sparsetrain.compress.base import unwrap_partial
+
+    cls = unwrap_partial(factory)
+    if isinstance(cls, type) and issubclass(cls, Compressor):
+        problem = cls.unimplemented()
+        if problem:
+            raise ConfigError(f"scheme.compressor._target_={target or cls.__qualname__} is not allowed: {problem}")
 
 
 def scheme_memory(scheme: Any) -> Any:
