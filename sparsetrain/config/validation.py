@@ -70,6 +70,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
     _check_milestones(list(cfg.optim.milestones))
+    _check_momentum(cfg.optim)
     levels = cfg.scheme.get("levels")
     if levels is not None and not 1 <= levels <= 65535:  # QSGD's levels (an int: the schema says so)
         raise ConfigError(f"scheme.levels={levels} is not allowed; it must be an integer in [1, 65535]")
@@ -134,6 +135,15 @@ def _check_milestones(milestones: list[float]) -> None:
         shown = "[" + ",".join(f"{m:g}" for m in milestones) + "]"
         raise ConfigError(f"optim.milestones={shown} is not allowed; give fractions of train.epochs, "
                           "each in (0, 1), increasing, e.g. optim.milestones=[0.5,0.8333]")
+
+
+def _check_momentum(optim: Any) -> None:
+    """torch's SGD refuses these only once a rank builds it, in its own words."""
+    if not optim.momentum >= 0:
+        raise ConfigError(f"optim.momentum={optim.momentum:g} is not allowed; it must be >= 0 (0: plain SGD)")
+    if optim.nesterov and optim.momentum == 0:
+        raise ConfigError(f"optim.momentum={optim.momentum:g} is not allowed with optim.nesterov=true: Nesterov "
+                          "momentum needs optim.momentum > 0; add optim.nesterov=false for plain SGD")
 
 
 def _check_ddp(cfg: Any) -> None:
@@ -227,6 +237,10 @@ def _class_node(scheme: Any, key: str, class_of, base: str, example: str) -> Any
     try:
         factory = instantiate(node)
         class_of(factory)
+        for option in (k for k in node if k not in ("_target_", "_partial_")):  # one line, not a TypeError at start
+            check_compressor_option(option, target, f"scheme.{key}.{option}={node.get(option)!r}", key)
+    except ConfigError:
+        raise
     except TypeError:
         raise ConfigError(f"scheme.{key}._target_={target} is not allowed: it is not a subclass of "
                           f"{base} built with _partial_: true") from None
