@@ -333,7 +333,7 @@ class Quantizer(Compressor):
         raise NotImplementedError(_MUST["decode_add"].format(name=type(self).__name__))
 
     @classmethod
-    def unimplemented(cls, fused_decode: bool | None = None) -> str | None:  # type: ignore[override]
+    def unimplemented(cls, fused_decode: bool | None = None) -> str | None:
         """The one line saying what the class must still implement (None: nothing): ``encode``
         and ``decode_add``, and ``decode_many`` where ``fused_decode`` (the class's, unless
         given) is True. ``config.validate`` asks before any rank starts; the constructor too."""
