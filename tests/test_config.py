@@ -1,7 +1,7 @@
 """Config composition, schema rejection and semantic checks (no ranks started)."""
 
 import pytest
-from conftest import SCHEME_CLASSES, SCHEME_TARGETS, SCHEMES, compressor_for
+from conftest import ROOT, SCHEME_CLASSES, SCHEME_TARGETS, SCHEMES, compressor_for
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -111,6 +111,10 @@ def test_schema_rejects_typos_and_types(override):
         (["scheme=powersgd", "scope=global"], "scope='global' is not allowed for scheme='powersgd'"),
         (["scheme=blockk", "scheme.block_size=0"], "scheme.block_size=0 is not allowed"),
         (["dist.ddp=true", "dist.bucket_cap_mb=0"], "dist.bucket_cap_mb=0.0"),
+        (["optim.momentum=0"], "optim.momentum=0 is not allowed with optim.nesterov=true: Nesterov momentum "
+                               "needs optim.momentum > 0; add optim.nesterov=false for plain SGD"),
+        (["scheme=localsgd", "optim.momentum=0.0"], "optim.momentum=0 is not allowed with optim.nesterov=true"),
+        (["optim.momentum=-0.5", "optim.nesterov=false"], "optim.momentum=-0.5 is not allowed; it must be >= 0"),
     ],
 )
 def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
@@ -118,6 +122,56 @@ def test_semantic_errors_name_key_value_and_allowed(overrides, needle):
         validate(make(*overrides), env={})
     msg = str(info.value)
     assert needle in msg and "\n" not in msg
+
+
+def test_plain_sgd_is_momentum_0_without_nesterov():
+    validate(make("optim.momentum=0", "optim.nesterov=false"), env={})
+
+
+DGC = ("--config-dir", str(ROOT / "examples" / "dgc" / "conf"))
+
+
+def test_a_memory_or_sync_option_is_checked_against_its_class(monkeypatch):
+    """``scheme.memory.<option>`` and ``scheme.sync.<option>`` as ``scheme.compressor.<option>``:
+    an argument of the class the scheme's node names, with or without ``+``, in one line before
+    Hydra composes (which would say it in 7 lines, or add the key for a TypeError at start)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples" / "dgc"))
+    refused = {
+        ("scheme=topk", "scheme.memory.foo=1"):
+            "scheme.memory.foo=1: scheme=topk has no memory (scheme.memory is null: error feedback, which takes "
+            "no options; a memory of one's own is named in the scheme's yaml, docs/own_compressor.md)",
+        ("scheme=topk", "+scheme.memory.foo=1"): "+scheme.memory.foo=1: scheme=topk has no memory",
+        (*DGC, "scheme=dgc_randk", "scheme.memory.foo=1"):
+            "scheme.memory.foo=1: dgc.MomentumCorrection takes no argument 'foo'; it takes momentum "
+            "(scheme.memory.<option>=...)",
+        (*DGC, "scheme=dgc_randk", "+scheme.memory.foo=1"): "+scheme.memory.foo=1: dgc.MomentumCorrection takes no argument",
+        ("scheme=diloco", "scheme.sync.foo=1"):
+            "scheme.sync.foo=1: sparsetrain.comm.periodic.PeriodicSync takes no argument 'foo'; it takes period, "
+            "outer_lr, outer_momentum, nesterov (scheme.sync.<option>=...)",
+        ("scheme=topk", "scheme.sync.period=4"):
+            "scheme.sync.period=4: scheme=topk has no sync (scheme.sync is null: every step's exchange; "
+            "periodic synchronisation is scheme=localsgd or scheme=diloco)",
+    }
+    for args, needle in refused.items():
+        with pytest.raises(ConfigError) as info:
+            check_overrides(list(args))
+        assert str(info.value).startswith(needle) and "\n" not in str(info.value), (args, str(info.value))
+    # a yaml's node is checked too (what check_overrides does not see: the yaml itself)
+    with pytest.raises(ConfigError, match=r"^scheme.sync.foo=1: .*PeriodicSync takes no argument 'foo'; it takes period"):
+        validate(make("scheme=diloco", "++scheme.sync.foo=1"), env={})
+    # an option the class takes is added to the node whether the yaml sets it or not, with or without +
+    from sparsetrain.launch.cli import _class_option
+
+    assert [_class_option(a) for a in ("scheme.sync.period=4", "+scheme.memory.momentum=0.5",
+                                       "scheme.memory._target_=x.Y", "~scheme.memory", "optim.lr=1")] == [
+        "++scheme.sync.period=4", "++scheme.memory.momentum=0.5", "scheme.memory._target_=x.Y", "~scheme.memory",
+        "optim.lr=1"]
+    for args in ([*DGC, "scheme=dgc_randk", "+scheme.memory.momentum=0.5"], ["scheme=diloco", "scheme.sync.period=4"]):
+        check_overrides(args)
+    for overrides in (["scheme=diloco", "scheme.sync.period=4", "+scheme.sync.nesterov=false"],):
+        cfg = make(*(_class_option(a) for a in overrides))
+        validate(cfg, env={})
+        assert cfg.scheme.sync.period == 4 and cfg.scheme.sync.nesterov is False
 
 
 def test_unknown_group_option_is_one_line():

@@ -199,3 +199,176 @@ def test_the_resume_command_keeps_pythonpath_and_the_config_dir(monkeypatch, tmp
     assert command.endswith(" hydra.run.dir=outputs/run"), command
     monkeypatch.delenv("PYTHONPATH")
     assert not cli._resume_command(tmp_path / "outputs" / "run", multirun=False).startswith("PYTHONPATH")
+
+
+# ---- 4. a quantizer of one's own (issue 62) ----------------------------------------------------
+NATURAL_YAML = """\
+defaults:
+  - base_scheme
+  - _self_
+name: natural
+compressor:
+  _target_: natural.Natural
+  _partial_: true
+"""
+
+
+def _docs_quantizer() -> str:
+    """docs/own_compressor.md's natural-compression quantizer, as written there."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "own_compressor.md").read_text(), flags=re.S)
+    (code,) = [b for b in blocks if "class Natural(Quantizer)" in b]
+    return code
+
+
+def test_a_quantizer_written_from_the_docs_trains_through_the_trainer(tmp_path, monkeypatch):
+    """The docs' 9-bit quantizer (encode and decode_add, nothing else): validated, then a few
+    steps of the trainer, whose gathered messages go through decode_add (9 bits: no compiled
+    decode), and what it decodes is unbiased."""
+    import math
+
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from sparsetrain.compress import Layout, packed_nbytes
+    from sparsetrain.config import CONF_DIR, register, validate
+    from sparsetrain.rank import RankInfo
+    from sparsetrain.train import Trainer
+
+    (tmp_path / "conf" / "scheme").mkdir(parents=True)
+    (tmp_path / "conf" / "scheme" / "natural.yaml").write_text(NATURAL_YAML)
+    (tmp_path / "natural.py").write_text(_docs_quantizer())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from natural import Natural
+
+    q = Natural(1.0, Layout.from_sizes([5, 700, 3]))
+    assert q.fused_decode is False and q.num_positions == packed_nbytes(708, 9)
+    x = torch.randn(q.numel, dtype=torch.float64)
+    x[3] = 0
+    mean = torch.zeros_like(x)
+    for seed in range(400):
+        sent = q.compress(x, seed)
+        one = q.decompress(sent.values, sent.positions)
+        assert torch.equal(one[3], one.new_zeros(())) and torch.equal(one.sign(), x.sign())
+        mean += one / 400
+    assert (mean - x).abs().max() < 0.2 * x.abs().max()  # unbiased: the mean of 400 draws near x
+    memory = x.clone()
+    q.forget(memory, sent)
+    assert torch.equal(memory, x - one)  # error feedback: acc - decoded, exactly
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            f"hydra.searchpath=[file://{tmp_path / 'conf'}]", *TINY, "scheme=natural", "world_size=1",
+            "train.max_steps=3", "train.checkpoint=false", "train.eval_every=1"])
+    validate(cfg)
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    trainer = Trainer(cfg, RankInfo(0, 1, 0, 1, "single"), tmp_path / "run", torch.device("cpu"))
+    compressor = trainer.reducer.compressor
+    assert type(compressor).__name__ == "Natural" and compressor.fused_decode is False
+    trainer.fit()
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["status"] == "completed" and summary["steps"] == 3, summary
+    assert math.isfinite(summary["train_loss_final"]), summary
+
+
+BYTE_QUANTIZER = """\
+import torch
+
+from sparsetrain.compress import Quantizer
+
+
+class Bytes(Quantizer):
+    '''The sign and 7 bits of |acc| over its tensor's largest, rounded down: 8 bits an entry.'''
+    bits_per_entry = 8
+
+    def encode(self, acc, seed, values, wire):
+        values.copy_(self.per_segment(acc, lambda t: t.abs().max()))
+        scale = values.to(acc.dtype)[self.entry_table("segment", acc.device)]
+        level = torch.where(scale > 0, acc.abs() / scale * 127, 0).floor().to(torch.int32)
+        wire.copy_(level | (acc < 0).int() << 7)
+
+    def decode_add(self, values, wire, out):
+        code = wire.to(torch.int32)
+        mag = (code & 127).to(out.dtype) / 127 * values[self.entry_table("segment", out.device)]
+        out.add_(torch.where(code >= 128, -mag, mag))
+
+
+class NoDecode(Quantizer):
+    bits_per_entry = 8
+    encode = Bytes.encode
+
+
+class FusedWithoutDecodeMany(Bytes):
+    fused_decode = True
+
+
+class NoEncode(Quantizer):
+    def decode_add(self, values, wire, out):
+        pass
+
+
+class NoBits(Bytes):
+    bits_per_entry = 0
+"""
+
+
+@pytest.fixture
+def quantizers(tmp_path, monkeypatch):
+    """``myq``: an 8-bit quantizer with encode and decode_add, and variants that lack a part."""
+    (tmp_path / "myq.py").write_text(BYTE_QUANTIZER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+
+    import myq
+
+    return importlib.reload(myq)
+
+
+def test_a_quantizer_without_decode_many_decodes_gathered_messages_one_by_one(quantizers):
+    """8 bits an entry, on the CPU with the compiled kernels in use: the gathered messages go
+    through decode_add, in rank order (the class has no decode_many to fuse them)."""
+    import torch
+
+    from sparsetrain.compress import Layout
+
+    q = quantizers.Bytes(1.0, Layout.from_sizes([9, 40]))
+    sent = [q.compress(torch.randn(q.numel), seed) for seed in range(3)]
+    messages = [(p.values / 3, p.positions, None) for p in sent]
+    loop = torch.zeros(q.numel)
+    for values, wire, _ in messages:
+        q.decompress_add(values, wire, loop)
+    assert torch.equal(q.decompress_many(messages, torch.zeros(q.numel)), loop)
+    assert q.fused_decode is False
+
+
+def test_a_quantizer_missing_a_method_says_which_in_one_line(quantizers):
+    """Before any rank starts (validate's build of the compressor node) and at construction:
+    one line naming the class and what it must implement."""
+    from omegaconf import OmegaConf
+
+    from sparsetrain.compress import Layout
+    from sparsetrain.config import ConfigError
+    from sparsetrain.config.validation import scheme_compressor
+
+    layout = Layout.from_sizes([9, 40])
+    wanted = {
+        "NoDecode": "NoDecode must implement decode_add(values, wire, out): out += the message, decoded",
+        "NoEncode": "NoEncode must implement encode(acc, seed, values, wire): fill values",
+        "FusedWithoutDecodeMany": "FusedWithoutDecodeMany must implement decode_many(values, wires, out) "
+                                  "or set fused_decode = False",
+    }
+    for name, needle in wanted.items():
+        with pytest.raises(TypeError) as built:
+            getattr(quantizers, name)(1.0, layout)
+        assert needle in str(built.value) and "\n" not in str(built.value), str(built.value)
+        node = {"name": "mine", "compressor": {"_target_": f"myq.{name}", "_partial_": True}}
+        with pytest.raises(ConfigError) as checked:
+            scheme_compressor(OmegaConf.create(node))
+        assert str(checked.value).startswith(f"scheme.compressor._target_=myq.{name} is not allowed: {needle}")
+        assert "\n" not in str(checked.value)
+    with pytest.raises(ValueError, match=r"^NoBits.bits_per_entry=0 is not allowed; it must be an integer >= 1"):
+        quantizers.NoBits(1.0, layout)
+    scheme_compressor(OmegaConf.create({"name": "mine", "compressor": {"_target_": "myq.Bytes", "_partial_": True}}))

@@ -459,6 +459,15 @@ def test_compiled_kernels_are_recorded_and_can_be_turned_off(monkeypatch):
         kernels.available()
 
 
+def test_the_compiled_decode_names_the_code_widths_it_takes():
+    """A quantizer of its own calling the compiled decode with codes across bytes (9 bits):
+    one line, not the table's KeyError (issue 62)."""
+    for bits in (3, 9):
+        with pytest.raises(ValueError, match=rf"^decode_table: bits={bits} is not allowed; the compiled decode "
+                                             r"takes whole codes in a byte: 1, 2, 4, 8 bits an entry$"):
+            kernels.decode_table(bits)
+
+
 @NUMBA
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_compiled_abs_sum_is_numpys_pairwise_sum(dtype):

@@ -8,7 +8,8 @@ it too. Per worker, on the compressed entries::
     v = v + u               # what has not been sent yet, momentum included
     send C(v);  v = v - sent (as decoded);  u = 0 where sent   # factor masking
 
-Run it with the optimizer's own momentum off (``optim.momentum=0``): the memory holds it.
+Run it with the optimizer's own momentum off (``optim.momentum=0 optim.nesterov=false``): the memory
+holds it.
 This file is the whole method; conf/scheme/dgc_randk.yaml puts it beside random-k.
 """
 

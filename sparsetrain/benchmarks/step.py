@@ -99,7 +99,7 @@ PHASE_COLUMNS = ("forward", "backward", "compress", "exchange", "decompress", "s
 def add_rows(specs: list[str]) -> None:
     """``--row NAME=OVERRIDES`` (space-separated Hydra overrides): a row of one's own, e.g. a
     scheme from another config folder (``--override 'hydra.searchpath=[file://DIR]'`` finds it,
-    PYTHONPATH its module): ``--row 'dgc=scheme=dgc_randk optim.momentum=0'``."""
+    PYTHONPATH its module): ``--row 'dgc=scheme=dgc_randk optim.momentum=0 optim.nesterov=false'``."""
     for spec in specs:
         name, sep, overrides = spec.partition("=")
         name = name.strip()

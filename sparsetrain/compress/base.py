@@ -189,6 +189,11 @@ class StepState:
     scratch: dict = field(default_factory=dict)
 
 
+_MUST_SELECT = ("{name} must implement select(acc, seed) -> (positions, indices) (a sparsifier), or subclass "
+                "Quantizer (encode, decode_add), or send its own rounds (rounds, send, receive); "
+                "see docs/own_compressor.md")
+
+
 class Compressor:
     """Base class. Subclasses set ``shared_positions`` and implement ``select``/``indices``.
 
@@ -250,7 +255,15 @@ class Compressor:
 
     def select(self, acc: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(positions, indices)`` for this step (both int64)."""
-        raise NotImplementedError
+        raise NotImplementedError(_MUST_SELECT.format(name=type(self).__name__))
+
+    @classmethod
+    def unimplemented(cls) -> str | None:
+        """The one line saying what the class must still implement, None when nothing:
+        ``config.validate`` asks before any rank starts. Here: ``select``, unless the class
+        sends otherwise (its own ``compress`` or ``send``). ``Quantizer`` checks its own."""
+        sends = any(getattr(cls, m) is not getattr(Compressor, m) for m in ("select", "compress", "send"))
+        return None if sends else _MUST_SELECT.format(name=cls.__name__)
 
     def indices(self, positions: torch.Tensor) -> torch.Tensor:
         """Expand wire positions to the k entry indices (int64), in the order of values."""

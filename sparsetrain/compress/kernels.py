@@ -87,11 +87,18 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
+#: the code widths ``decode_many`` (and ``warm``) take: whole codes in each byte
+WHOLE_CODE_BITS = (1, 2, 4, 8)
+
+
 @functools.cache
 def decode_table(bits: int, signs: bool = False) -> np.ndarray:
     """``decode_many``'s table: for each byte, its ``8 // bits`` values as int8 in one word
     (uint8, 16, 32 or 64 for 8, 4, 2 or 1 bits): the code's two's complement value, or with
     ``signs`` (signSGD's one bit) +1 for bit 0 and -1 for bit 1."""
+    if bits not in WHOLE_CODE_BITS:
+        raise ValueError(f"decode_table: bits={bits!r} is not allowed; the compiled decode takes whole codes "
+                         f"in a byte: {', '.join(map(str, WHOLE_CODE_BITS))} bits an entry")
     per = 8 // bits
     codes = (np.arange(256)[:, None] >> (bits * np.arange(per))) & ((1 << bits) - 1)
     values = 1 - 2 * codes if signs else np.where(codes >= 1 << (bits - 1), codes - (1 << bits), codes)

@@ -237,7 +237,9 @@ class Quantizer(Compressor):
     """Base of the quantizers: every entry is sent (``k = numel``; ``ratio`` does not apply), in
     ``bits_per_entry`` bits, with one float per segment (per tensor, or one with
     ``scope="global"``). Subclasses implement ``encode`` (codes and per-segment floats) and
-    ``decode`` (the dense vector of a message)."""
+    ``decode_add`` (``out +=`` a message, decoded); ``decode_many`` (several messages in one
+    pass) is optional: without it ``fused_decode`` is False and every message goes through
+    ``decode_add`` (docs/own_compressor.md, "A quantizer")."""
 
     shared_positions = False
     sends_entries = False
@@ -251,8 +253,17 @@ class Quantizer(Compressor):
         self.ks = list(self.layout.sizes)
         self.k = self.numel  # every entry is sent
         self._segment_bounds = self._bounds(self.spans())  # the kernels' segments (signSGD's scales)
+        bits = self.bits_per_entry
+        if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
+            raise ValueError(f"{type(self).__name__}.bits_per_entry={bits!r} is not allowed; it must be an "
+                             "integer >= 1 (the bits of one entry's code)")
+        if self.fused_decode is None:  # the fused pass where the class has one
+            self.fused_decode = _implements(type(self), "decode_many")
+        problem = type(self).unimplemented(self.fused_decode)
+        if problem:
+            raise TypeError(problem)
         if self.fused_decode and kernels.available() and self.device.type == "cpu":
-            kernels.warm(self.bits_per_entry, signs=isinstance(self, SignSGD))
+            self.warm_kernels()
 
     # --- the message's two sections ------------------------------------------------------------
     @property
@@ -315,11 +326,29 @@ class Quantizer(Compressor):
     # --- what subclasses provide ---------------------------------------------------------------
     def encode(self, acc: torch.Tensor, seed: int, values: torch.Tensor, wire: torch.Tensor) -> None:
         """Fill ``values`` (one float per segment) and ``wire`` (the packed codes) from ``acc``."""
-        raise NotImplementedError
+        raise NotImplementedError(_MUST["encode"].format(name=type(self).__name__))
 
     def decode_add(self, values: torch.Tensor, wire: torch.Tensor, out: torch.Tensor) -> None:
         """``out += `` the message, decoded (``values`` in ``out``'s dtype)."""
-        raise NotImplementedError
+        raise NotImplementedError(_MUST["decode_add"].format(name=type(self).__name__))
+
+    @classmethod
+    def unimplemented(cls, fused_decode: bool | None = None) -> str | None:
+        """The one line saying what the class must still implement (None: nothing): ``encode``
+        and ``decode_add``, and ``decode_many`` where ``fused_decode`` (the class's, unless
+        given) is True. ``config.validate`` asks before any rank starts; the constructor too."""
+        fused = cls.fused_decode if fused_decode is None else fused_decode
+        for method in ("encode", "decode_add"):
+            if not _implements(cls, method):
+                return _MUST[method].format(name=cls.__name__)
+        if fused and not _implements(cls, "decode_many"):
+            return _MUST["decode_many"].format(name=cls.__name__)
+        return None
+
+    def warm_kernels(self) -> None:
+        """Compile what ``decode_many`` (and ``encode``) will run, at construction rather than in
+        a timed step; called where ``fused_decode`` is True and the compiled kernels are in use
+        on the CPU. Default: nothing (the built-in quantizers warm ``compress.kernels``)."""
 
     # --- the Compressor interface --------------------------------------------------------------
     def select(self, acc, seed):
@@ -358,13 +387,18 @@ class Quantizer(Compressor):
             return out
         return super().decompress_many(messages, out)
 
-    #: whether ``decode_many`` (the compiled kernels) takes this compressor's messages
-    fused_decode = True
+    #: whether ``decode_many`` decodes the gathered messages in one pass (on the CPU, float32 or
+    #: float64, where the compiled kernels are in use: ``_kernel_ok``); False: ``decode_add``
+    #: of each in turn. None (the default): True exactly where the class implements
+    #: ``decode_many``. A class or constructor may set it (QSGD: for 2, 4 or 8 bits only).
+    fused_decode: ClassVar[bool | None] = None
 
     def decode_many(self, values: torch.Tensor, wires: torch.Tensor, out: torch.Tensor) -> None:
-        """``out +=`` W messages, decoded, by the compiled kernel: ``values`` [W, num_values] in
-        ``out``'s dtype, ``wires`` [W, num_positions]."""
-        raise NotImplementedError
+        """``out +=`` W messages, decoded, in one pass (the built-in quantizers: the compiled
+        kernel), each entry receiving ``+= m_0``, then ``+= m_1``, ...: the floats of
+        ``decode_add`` of each in turn. ``values`` [W, num_values] in ``out``'s dtype, ``wires``
+        [W, num_positions]. Optional (see ``fused_decode``)."""
+        raise NotImplementedError(_MUST["decode_many"].format(name=type(self).__name__))
 
     def _bounds(self, spans) -> np.ndarray:
         """``spans``' starts, then the last one's end (int64): a kernel's segment or bucket bounds."""
@@ -379,12 +413,32 @@ class Quantizer(Compressor):
         return f"{type(self).__name__}(scope={self.scope!r}, bits={self.bits_per_entry}, n={self.numel})"
 
 
+#: what each method a quantizer implements does, said where it is missing (``{name}``: the class)
+_MUST = {
+    "encode": "{name} must implement encode(acc, seed, values, wire): fill values (num_values floats) and "
+              "wire (the packed codes, num_positions bytes) from acc; see docs/own_compressor.md",
+    "decode_add": "{name} must implement decode_add(values, wire, out): out += the message, decoded; "
+                  "see docs/own_compressor.md",
+    "decode_many": "{name} must implement decode_many(values, wires, out) or set fused_decode = False: "
+                   "fused_decode = True decodes every rank's message in one decode_many call; "
+                   "see docs/own_compressor.md",
+}
+
+
+def _implements(cls: type, method: str) -> bool:
+    """Whether ``cls`` (or a base below ``Quantizer``) defines ``method``."""
+    return getattr(cls, method) is not getattr(Quantizer, method)
+
+
 class SignSGD(Quantizer):
     """The scaled sign of EF-SGD: per segment ``mean(|acc|) * sign(acc)``, with an exact zero
     sent as + (bit 0). One bit per entry and one float per segment (tensor, or the whole buffer
     with ``scope="global"``). Use with error feedback (the scheme's default)."""
 
     bits_per_entry = 1
+
+    def warm_kernels(self):
+        kernels.warm(1, signs=True)
 
     def encode(self, acc, seed, values, wire):
         if _kernel_ok(acc, wire):  # the CPU's compiled kernel: the numpy path's bytes, one pass each
@@ -478,6 +532,9 @@ class QSGD(Quantizer):
             self._cuts.append((o, n // size, size, n % size))
         self._num_buckets = sum(full + (tail > 0) for _, full, _, tail in self._cuts)
         self._bucket_bounds = self._bounds(self.bucket_spans())
+
+    def warm_kernels(self):
+        kernels.warm(self.bits_per_entry)
 
     @property
     def num_values(self) -> int:

@@ -19,6 +19,7 @@ Both checks raise ``ConfigError`` with one line naming the key, the value and wh
 
 from sparsetrain.config.help import GROUP_HELP, HELP, help_text
 from sparsetrain.config.overrides import (
+    CLASS_NODES,
     FREE_FORM,
     check_compressor_option,
     check_overrides,
@@ -64,7 +65,7 @@ from sparsetrain.config.validation import (
 from sparsetrain.errors import ConfigError
 
 __all__ = [
-    "CONF_DIR", "FREE_FORM", "GROUPS", "GROUP_HELP", "HELP", "SCHEME_SCHEMAS", "TUNED_DIR", "BlockKConfig",
+    "CLASS_NODES", "CONF_DIR", "FREE_FORM", "GROUPS", "GROUP_HELP", "HELP", "SCHEME_SCHEMAS", "TUNED_DIR", "BlockKConfig",
     "Config", "ConfigError", "DataConfig", "DistConfig", "ModelConfig", "NamedConfig", "OptimConfig",
     "PowerSGDConfig", "QSGDConfig", "SchemeConfig", "TrainConfig", "WandbConfig", "check_compressor_option",
     "check_overrides", "compose", "compressor_arguments", "compressor_class", "did_you_mean", "group_options",

@@ -233,7 +233,8 @@ def check_overrides(args: list[str]) -> None:
             continue
         if key.count(".") == 1 and key.startswith("scheme.") and not _known(key, keys):
             _compressor_hint(item, key, text, _chosen_compressors(parsed, multirun, dirs))
-        if key.startswith("scheme.compressor.") and key.split(".")[2] not in ("_target_", "_partial_"):
+        node = key.split(".")[1] if key.count(".") >= 2 and key.startswith("scheme.") else None
+        if node in CLASS_NODES and key.split(".")[2] not in ("_target_", "_partial_"):
             options.append((item, key))
         if not _known(key, keys):
             hint = did_you_mean(key, [*keys, *GROUPS])
@@ -267,12 +268,13 @@ def check_overrides(args: list[str]) -> None:
             except OmegaConfBaseException as exc:
                 reason = _wanted(key, str(exc).splitlines()[0], value, default)
                 raise ConfigError(f"{key}={value!r} is not allowed: {reason}") from None
-    if options:  # scheme.compressor.<option>: an argument of each chosen scheme's class
-        for item, key in options:
-            for scheme, target in _chosen_compressors(parsed, multirun, dirs):
-                if target is None:
-                    raise ConfigError(f"{item}: scheme={scheme} has no compressor (scheme.compressor is null)")
-                check_compressor_option(key.split(".")[2], target, item)
+    # scheme.compressor.<option> (memory, sync): an argument of the class each chosen scheme's node names
+    for item, key in options:
+        _, node, option = key.split(".")[:3]
+        for scheme, target in _chosen_compressors(parsed, multirun, dirs, node):
+            if target is None:
+                raise ConfigError(f"{item}: scheme={scheme} has no {node} (scheme.{node} is null{_NULL_NODE[node]})")
+            check_compressor_option(option, target, item, node)
     if own:  # a scheme's own key (scheme.block_size) goes with that scheme only
         chosen = _chosen_schemes([o for _, o in parsed], multirun, dirs)
         for item, key in own:
@@ -283,28 +285,30 @@ def check_overrides(args: list[str]) -> None:
                     raise ConfigError(f"{item}: scheme={scheme} has no key {leaf!r}; {leaf} belongs to {belongs}")
 
 
-def _chosen_compressors(parsed: list, multirun: bool, dirs: tuple[Path, ...]) -> list[tuple[str, str | None]]:
-    """``(scheme, compressor._target_)`` for each scheme the command line runs: the target that
-    ``scheme.compressor._target_=`` sets, else the one its yaml (conf/ or an extra folder) names."""
-    target = next((str(o.value()) for _, o in parsed if o.key_or_group == "scheme.compressor._target_"
+def _chosen_compressors(parsed: list, multirun: bool, dirs: tuple[Path, ...],
+                        node: str = "compressor") -> list[tuple[str, str | None]]:
+    """``(scheme, <node>._target_)`` for each scheme the command line runs (``node``: compressor,
+    memory or sync): the target that ``scheme.<node>._target_=`` sets, else the one its yaml
+    (conf/ or an extra folder) names."""
+    target = next((str(o.value()) for _, o in parsed if o.key_or_group == f"scheme.{node}._target_"
                    and not o.is_delete() and not o.is_sweep_override()), None)
-    return [(scheme, target or scheme_target(scheme, dirs))
+    return [(scheme, target or scheme_target(scheme, dirs, node))
             for scheme in _chosen_schemes([o for _, o in parsed], multirun, dirs)]
 
 
-def scheme_target(scheme: str, dirs: tuple[Path, ...] = ()) -> str | None:
-    """The ``compressor._target_`` of conf/scheme/<scheme>.yaml (the first folder that has it, as
-    Hydra searches them); None for a scheme without a compressor."""
+def scheme_target(scheme: str, dirs: tuple[Path, ...] = (), node: str = "compressor") -> str | None:
+    """The ``<node>._target_`` (compressor, memory or sync) of conf/scheme/<scheme>.yaml (the
+    first folder that has it, as Hydra searches them); None for a scheme without that node."""
     for conf in (CONF_DIR, *dirs):
         path = conf / "scheme" / f"{scheme}.yaml"
         if path.is_file():
-            target = OmegaConf.select(OmegaConf.load(path), "compressor._target_", default=None)
+            target = OmegaConf.select(OmegaConf.load(path), f"{node}._target_", default=None)
             return None if target is None else str(target)
     return None
 
 
-def compressor_class(target: str) -> type:
-    """The class ``scheme.compressor._target_`` names; ``ConfigError`` (one line) when its module
+def compressor_class(target: str, node: str = "compressor") -> type:
+    """The class ``scheme.<node>._target_`` names; ``ConfigError`` (one line) when its module
     cannot be imported (the usual cause: a researcher's module not on PYTHONPATH)."""
     import importlib
 
@@ -313,25 +317,44 @@ def compressor_class(target: str) -> type:
         found = importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001  (whatever the module raises on import)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"cannot import {module or target} for scheme.compressor._target_={target}: "
+        raise ConfigError(f"cannot import {module or target} for scheme.{node}._target_={target}: "
                           f"{reason}; is its folder on PYTHONPATH?") from None
     if not isinstance(getattr(found, name, None), type):
-        raise ConfigError(f"scheme.compressor._target_={target} is not allowed: {module} has no class {name!r}")
+        raise ConfigError(f"scheme.{node}._target_={target} is not allowed: {module} has no class {name!r}")
     return getattr(found, name)
 
 
-# What comm.build passes to every compressor (ratio, layout, scope, device): not options.
-_BUILT_WITH = ("self", "ratio", "layout", "scope", "device")
+#: The scheme's nodes that name a class and take its options (``scheme.<node>.<option>``): the
+#: base class whose ``__init__`` ends the search for options, and what the harness passes
+#: itself, which is no option (comm.build: a compressor's ratio, layout, scope, device; a
+#: memory's numel, enabled, device, dtype; train.components: a sync's params, buffers, inner
+#: reducer, warmup_steps, gradients).
+CLASS_NODES = {
+    "compressor": ("sparsetrain.compress.base.Compressor", ("ratio", "layout", "scope", "device")),
+    "memory": ("sparsetrain.compress.feedback.Memory", ("numel", "enabled", "device", "dtype")),
+    "sync": ("sparsetrain.comm.periodic.PeriodicSync",
+             ("params", "buffers", "inner", "warmup_steps", "group", "gradients")),
+}
+# What a null node means, said where an option is given to one.
+_NULL_NODE = {
+    "compressor": "",
+    "memory": ": error feedback, which takes no options; a memory of one's own is named in the scheme's "
+              "yaml, docs/own_compressor.md",
+    "sync": ": every step's exchange; periodic synchronisation is scheme=localsgd or scheme=diloco",
+}
 
 
-def compressor_arguments(cls: type) -> list[str] | None:
-    """The options ``cls`` takes (``scheme.compressor.<option>``): the keyword arguments of its
-    ``__init__`` and, through ``**kw``, of its bases' up to ``Compressor`` (which refuses any
-    other). None when a ``**kw`` goes where it cannot be read (any option may then be right)."""
+def compressor_arguments(cls: type, node: str = "compressor") -> list[str] | None:
+    """The options ``cls`` takes (``scheme.<node>.<option>``): the keyword arguments of its
+    ``__init__`` and, through ``**kw``, of its bases' up to the node's base (``Compressor``,
+    ``Memory``, ``PeriodicSync``), less what the harness passes itself. None when a ``**kw``
+    goes where it cannot be read (any option may then be right)."""
+    import importlib
     import inspect
 
-    from sparsetrain.compress.base import Compressor
-
+    where, built_with = CLASS_NODES[node]
+    module, _, name = where.rpartition(".")
+    base = getattr(importlib.import_module(module), name)
     named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     out: list[str] = []
     for klass in cls.__mro__:
@@ -340,19 +363,19 @@ def compressor_arguments(cls: type) -> list[str] | None:
         if "__init__" not in vars(klass):
             continue
         params = list(inspect.signature(klass.__init__).parameters.values())
-        out += [p.name for p in params if p.kind in named and p.name not in (*_BUILT_WITH, *out)]
-        if klass is Compressor or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        out += [p.name for p in params if p.kind in named and p.name not in ("self", *built_with, *out)]
+        if klass is base or not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
             return out
     return None
 
 
-def check_compressor_option(option: str, target: str, item: str) -> None:
-    """``item`` (``scheme.compressor.<option>=...``) names an argument the class takes, else
+def check_compressor_option(option: str, target: str, item: str, node: str = "compressor") -> None:
+    """``item`` (``scheme.<node>.<option>=...``) names an argument the class takes, else
     ``ConfigError`` naming the key, the class and the arguments it does take."""
-    accepted = compressor_arguments(compressor_class(target))
+    accepted = compressor_arguments(compressor_class(target, node), node)
     if accepted is not None and option not in accepted:
         raise ConfigError(f"{item}: {target} takes no argument {option!r}; it takes "
-                          f"{', '.join(accepted) or 'no options'} (scheme.compressor.<option>=...)")
+                          f"{', '.join(accepted) or 'no options'} (scheme.{node}.<option>=...)")
 
 
 def _compressor_hint(item: str, key: str, text: str, chosen: list[tuple[str, str | None]]) -> None:

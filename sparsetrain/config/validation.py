@@ -70,6 +70,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         if not value > 0:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
     _check_milestones(list(cfg.optim.milestones))
+    _check_momentum(cfg.optim)
     levels = cfg.scheme.get("levels")
     if levels is not None and not 1 <= levels <= 65535:  # QSGD's levels (an int: the schema says so)
         raise ConfigError(f"scheme.levels={levels} is not allowed; it must be an integer in [1, 65535]")
@@ -136,6 +137,15 @@ def _check_milestones(milestones: list[float]) -> None:
                           "each in (0, 1), increasing, e.g. optim.milestones=[0.5,0.8333]")
 
 
+def _check_momentum(optim: Any) -> None:
+    """torch's SGD refuses these only once a rank builds it, in its own words."""
+    if not optim.momentum >= 0:
+        raise ConfigError(f"optim.momentum={optim.momentum:g} is not allowed; it must be >= 0 (0: plain SGD)")
+    if optim.nesterov and optim.momentum == 0:
+        raise ConfigError(f"optim.momentum={optim.momentum:g} is not allowed with optim.nesterov=true: Nesterov "
+                          "momentum needs optim.momentum > 0; add optim.nesterov=false for plain SGD")
+
+
 def _check_ddp(cfg: Any) -> None:
     """``dist.ddp`` needs a process group; torch's hooks (scheme=torch_powersgd, fp16) need DDP."""
     from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES
@@ -164,10 +174,25 @@ def scheme_compressor(scheme: Any) -> Any:
         for option in (k for k in node if k not in ("_target_", "_partial_")):
             check_compressor_option(option, target, f"scheme.compressor.{option}={node.get(option)!r}")
     try:
-        return instantiate(node)
+        factory = instantiate(node)
     except Exception as exc:  # noqa: BLE001  (Hydra's InstantiationException and what it wraps)
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"scheme.compressor of scheme={scheme.name} cannot be built: {reason}") from None
+    _check_implemented(factory, target)
+    return factory
+
+
+def _check_implemented(factory: Any, target: str | None) -> None:
+    """A compressor class that lacks a method it must implement (``Compressor.unimplemented``)
+    stops here, before any rank starts, rather than at its first step."""
+    from sparsetrain.compress import Compressor
+    from sparsetrain.compress.base import unwrap_partial
+
+    cls = unwrap_partial(factory)
+    if isinstance(cls, type) and issubclass(cls, Compressor):
+        problem = cls.unimplemented()
+        if problem:
+            raise ConfigError(f"scheme.compressor._target_={target or cls.__qualname__} is not allowed: {problem}")
 
 
 def scheme_memory(scheme: Any) -> Any:
@@ -212,6 +237,10 @@ def _class_node(scheme: Any, key: str, class_of, base: str, example: str) -> Any
     try:
         factory = instantiate(node)
         class_of(factory)
+        for option in (k for k in node if k not in ("_target_", "_partial_")):  # one line, not a TypeError at start
+            check_compressor_option(option, target, f"scheme.{key}.{option}={node.get(option)!r}", key)
+    except ConfigError:
+        raise
     except TypeError:
         raise ConfigError(f"scheme.{key}._target_={target} is not allowed: it is not a subclass of "
                           f"{base} built with _partial_: true") from None

@@ -24,7 +24,15 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from sparsetrain.config import CONF_DIR, check_overrides, help_text, register, search_dirs, validate
+from sparsetrain.config import (
+    CLASS_NODES,
+    CONF_DIR,
+    check_overrides,
+    help_text,
+    register,
+    search_dirs,
+    validate,
+)
 from sparsetrain.errors import CheckpointError, ConfigError, Preempted, one_line_error, print_error
 from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
 from sparsetrain.launch.report import end_of_run, end_of_sweep
@@ -354,13 +362,16 @@ def _slurm_logs(sweep_dir: Path, run_dir: Path, summary: dict) -> str | None:
     return f"{folders[0]}/ (*_<rank>_log.err/.out)" if folders else None
 
 
-def _compressor_option(arg: str) -> str:
-    """``scheme.compressor.<option>=v`` as ``++scheme.compressor.<option>=v``: an option of the
-    class (check_overrides made sure of it) that the scheme's yaml leaves at the class's default
-    is not in the node, and Hydra would refuse to add it without a ``+``."""
-    key = arg.partition("=")[0]
-    if "=" in arg and key.startswith("scheme.compressor.") and key.split(".")[2] not in ("_target_", "_partial_"):
-        return f"++{arg}"
+def _class_option(arg: str) -> str:
+    """``scheme.compressor.<option>=v`` (memory, sync; with a ``+`` or without) as
+    ``++scheme.compressor.<option>=v``: an option of the class (check_overrides made sure of it)
+    that the scheme's yaml leaves at the class's default is not in the node, and Hydra would
+    refuse to add it without a ``+``, or to add one the yaml sets with one."""
+    key = arg.partition("=")[0].lstrip("+")
+    parts = key.split(".")
+    if ("=" in arg and len(parts) >= 3 and parts[0] == "scheme" and parts[1] in CLASS_NODES
+            and parts[2] not in ("_target_", "_partial_") and not arg.startswith("~")):
+        return f"++{arg.lstrip('+')}"
     return arg
 
 
@@ -379,7 +390,7 @@ def main() -> None:
     except ConfigError as exc:
         _error(str(exc))
         sys.exit(2)
-    sys.argv[1:] = args = [_compressor_option(a) for a in args]
+    sys.argv[1:] = args = [_class_option(a) for a in args]
     run_dirs = [a.lstrip("+") for a in args if a.lstrip("+").startswith("hydra.run.dir=")]
     if ("-m" in args or "--multirun" in args) and run_dirs:  # Hydra would sweep into a new dated folder
         folder = run_dirs[0].partition("=")[2]
