@@ -190,7 +190,7 @@ def test_the_untuned_verdicts_stand_beside_the_declared_ones(tmp_path):
     assert scope["outcome"] == "agrees"  # the declared runs: layer-wise 3 points above global
     # the same untuned cell beside each budget's row; the rule says what the column is
     assert rows.loc[("topk_layerwise vs topk_global", 8), "untuned, 4 epochs: outcome"] == "reversed"
-    assert "headline study's runs" in verdicts.notes[1]
+    assert "headline study's runs" in verdicts.notes[-1]
     # without the headline runs the columns are left out, not shown empty
     assert "untuned, 4 epochs" not in declared.tables(decl, declared.runs_of(decl, root))[0].data.columns
 
@@ -332,3 +332,44 @@ def test_a_p_value_near_alpha_is_flagged_at_the_threshold():
     assert not declared.at_threshold(float("nan"))
     assert declared._threshold_cell(**{"p (Holm)": 0.04996, "TOST p (Holm)": 0.2}) == \
         "at the threshold: p (Holm) 0.04996"
+
+
+def _with_format(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "v2.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_format_2_refuses_a_pair_compared_twice(tmp_path):
+    # the committed file compares block-k and random-k layer-wise in rq2_order (">") and, reversed,
+    # in rq2_random ("="): under format 2 that is one clear error naming the pair and the findings
+    text = DECLARATION.read_text()
+    with pytest.raises(ValueError) as refused:
+        declared.load(_with_format(tmp_path, "format: 2\n" + text))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert ("blockk_layerwise vs randk_layerwise is compared 2 times (in findings rq2_order, rq2_random); "
+            "format 2 allows each pair once, in either order") in message
+    # twice in one finding, in the same order, is refused too
+    once = text.replace("      - [randk_layerwise, blockk_layerwise, \"=\"]\n", "")
+    twice = once.replace("      - [topk_layerwise, topk_global, \">\"]\n",
+                         "      - [topk_layerwise, topk_global, \">\"]\n      - [topk_layerwise, topk_global, \"?\"]\n")
+    with pytest.raises(ValueError, match="topk_layerwise vs topk_global is compared 2 times .in findings "
+                                         "rq1_scope, rq1_scope."):
+        declared.load(_with_format(tmp_path, "format: 2\n" + twice))
+    # each pair once: it loads, with no note
+    decl = declared.load(_with_format(tmp_path, "format: 2\n" + once))
+    assert decl.version == 2 and decl.notes == ()
+    with pytest.raises(ValueError, match="format 3; allowed: 1, 2"):
+        declared.load(_with_format(tmp_path, "format: 3\n" + once))
+
+
+def test_the_format_1_declaration_loads_and_says_a_pair_counts_twice(tmp_path):
+    decl = declared.load(DECLARATION)
+    assert decl.version == 1
+    assert decl.notes == ("Note: verdicts.yaml (format 1, written before a pair could be compared only once) "
+                          "compares blockk_layerwise and randk_layerwise 2 times (in rq2_order, rq2_random: "
+                          "blockk_layerwise vs randk_layerwise; randk_layerwise vs blockk_layerwise); that pair "
+                          "counts in each of those Holm families.",)
+    verdicts, comparisons, _, effect = declared.tables(decl, pd.DataFrame())
+    assert all(decl.notes[0] in table.notes for table in (verdicts, comparisons, effect))

@@ -4,16 +4,19 @@ A declaration names the study's sweeps, its budgets (epochs), seeds, the equival
 ``=`` claims, how many looks at the data have been taken, its points (a name for a set of axis
 values) and its findings: each a Holm family of comparisons between two points, with what the
 paper claims (``>``, ``=``, ``?`` for no claim); optionally ``reference_sweeps``, earlier sweeps
-whose runs the new points are judged against, taken as they are. It is committed before the
-study's first run; the analysis checks that with git (the commit that added the file must be an
+whose runs the new points are judged against, taken as they are; optionally ``format: 2``, under
+which a pair of points (in either order) may be compared only once in the whole file (``load``
+refuses a pair in two findings or twice in one; a format 1 file loads, and its tables note each
+pair it counts twice). It is committed before the study's first run; the analysis checks that with git (the commit that added the file must be an
 ancestor of every run's commit) and says so above the verdicts, with every later change to the
 file.
 
 Every comparison is judged at each budget on its own (``findings.measure``: the difference with
 its 95 % interval and paired t, Holm within the finding at that budget, each p times the looks
-taken; an ``=`` claim by TOST at the margin). A verdict that is the same at every budget is the
-verdict; one that differs is **budget-dependent**, never a finding (requiring it at both budgets
-is an intersection of tests: it needs no further correction). Each point's change from the first
+taken; an ``=`` claim by TOST at the margin). A comparison is **budget-dependent** only where
+an interaction test says so (``budget_effects``: the last budget's paired A - B minus the first's,
+paired t, Holm within the finding); one with the same outcome at every budget holds (requiring it
+at both budgets is an intersection of tests: it needs no further correction). Each point's change from the first
 budget to the last, paired by seed, replaces any "plateau" claim.
 
 Beside each verdict stands the untuned one: the same comparisons, families and test applied to
@@ -69,11 +72,19 @@ class Declaration:
     references: tuple[str, ...] = ()
     # What the tables must say of the declaration itself (a format 1 file comparing a pair twice).
     notes: tuple[str, ...] = ()
+    # 1: as first written; 2 (``format: 2``): each pair of points compared once, in either order
+    version: int = 1
 
     @property
     def experiments(self) -> list[str]:
         """What a run's ``experiment`` may be: the study's sweeps and its references."""
         return [*self.sweeps, *self.references]
+
+
+# The declaration formats: 1, the first (verdicts.yaml, local.yaml); 2 adds one rule, that a pair
+# of points (in either order) is compared in one finding, once: a pair in two families is counted
+# in two Holm corrections and can carry two claims (block-k vs random-k layer-wise: ">" and "=").
+FORMATS = (1, 2)
 
 
 def load(path: str | Path) -> Declaration:
@@ -83,11 +94,16 @@ def load(path: str | Path) -> Declaration:
     for key in ("study", "sweeps", "budgets", "seeds", "margin", "looks", "points", "findings"):
         if key not in doc:
             raise ValueError(f"{path}: no {key!r}")
+    version = doc.get("format", 1)
+    if version not in FORMATS:
+        raise ValueError(f"{path}: format {version!r}; allowed: {', '.join(map(str, FORMATS))}")
     points = {name: dict(axes) for name, axes in doc["points"].items()}
     findings = []
+    compared: dict[frozenset, list[tuple[str, str, str]]] = {}  # each pair, in either order: where
     for f in doc["findings"]:
         comparisons = []
         for a, b, expect in f["comparisons"]:
+            compared.setdefault(frozenset((a, b)), []).append((f["key"], a, b))
             for name in (a, b):
                 if name not in points:
                     raise ValueError(f"{path}: finding {f['key']}: no point {name!r}; points: {', '.join(points)}")
@@ -95,10 +111,24 @@ def load(path: str | Path) -> Declaration:
                 raise ValueError(f"{path}: finding {f['key']}: expect {expect!r}; allowed: >, =, ?")
             comparisons.append(Comparison(f"{a} vs {b}", points[a], points[b], expect))
         findings.append(Finding(f["key"], f.get("claim", ""), tuple(comparisons)))
+    repeated = [where for where in compared.values() if len(where) > 1]
+    notes = ()
+    if repeated and version >= 2:  # one pair, two claims or two families: the declaration contradicts itself
+        where = repeated[0]
+        _, a, b = where[0]
+        others = f" ({len(repeated) - 1} more pair(s) likewise)" if len(repeated) > 1 else ""
+        raise ValueError(f"{path}: {a} vs {b} is compared {len(where)} times (in findings "
+                         f"{', '.join(k for k, *_ in where)}){others}; format 2 allows each pair once, in "
+                         f"either order")
+    if repeated:  # a format 1 file predates the rule: it loads, and its tables say so
+        notes = tuple(f"Note: {path.name} (format 1, written before a pair could be compared only once) compares "
+                      f"{where[0][1]} and {where[0][2]} {len(where)} times (in {', '.join(k for k, *_ in where)}: "
+                      f"{'; '.join(f'{a} vs {b}' for _, a, b in where)}); that pair counts in each of those "
+                      f"Holm families." for where in repeated)
     return Declaration(path, doc["study"], tuple(doc["sweeps"]), tuple(int(b) for b in doc["budgets"]),
                        tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
                        dict(doc.get("setting") or {}), points, tuple(findings),
-                       tuple(doc.get("reference_sweeps") or ()))
+                       tuple(doc.get("reference_sweeps") or ()), notes, version)
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
