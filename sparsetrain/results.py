@@ -28,6 +28,11 @@ SUMMARY = "summary.json"
 PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
 METRICS = "metrics.jsonl"
 HEARTBEAT = "heartbeat.json"
+# Each test image's class as the final evaluation predicted it (rank 0's model, the model that
+# test_accuracy scores), beside its label, in the test set's order: an .npz of two arrays,
+# ``predicted`` and ``label``, uint8 where the classes fit (int32 otherwise). Written by rank 0
+# after training (no random number is drawn for it); read by ``read_test_predictions``.
+TEST_PREDICTIONS = "test_predictions.npz"
 # Rank 0 rewrites heartbeat.json from a thread while a run trains: at most every
 # HEARTBEAT_MIN_S when the step moved on, at least every HEARTBEAT_EVERY_S (long evaluations and
 # checkpoints keep beating). A run still marked running whose heartbeat is older than
@@ -249,6 +254,40 @@ def replace_error(run_dir: str | Path, error: str, **fields: Any) -> None:
     summary.update(status="failed", error=error)
     summary.setdefault("finished_at", now_iso())
     write_json_atomic(Path(run_dir) / SUMMARY, summary)
+
+
+def write_test_predictions(run_dir: str | Path, predicted, label, num_classes: int) -> Path:
+    """``TEST_PREDICTIONS`` in ``run_dir`` (atomically: a reader never sees half a file) from two
+    integer sequences of the test set's length."""
+    import numpy as np
+
+    dtype = np.uint8 if num_classes <= 256 else np.int32
+    predicted, label = np.asarray(predicted).astype(dtype), np.asarray(label).astype(dtype)
+    if predicted.shape != label.shape or predicted.ndim != 1:
+        raise ValueError(f"predictions {predicted.shape} and labels {label.shape}: one of each per test image")
+    path = Path(run_dir) / TEST_PREDICTIONS
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, predicted=predicted, label=label)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_test_predictions(run_dir: str | Path):
+    """``(predicted, label)`` of a run's ``TEST_PREDICTIONS`` (numpy arrays), or None where the
+    run wrote none (runs before the file existed, runs that did not complete)."""
+    import numpy as np
+
+    path = Path(run_dir) / TEST_PREDICTIONS
+    if not path.is_file():
+        return None
+    with np.load(path) as f:
+        return f["predicted"], f["label"]
 
 
 def read_heartbeat(run_dir: str | Path) -> dict | None:

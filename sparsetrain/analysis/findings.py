@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from sparsetrain.results import BLEW_UP_RECOVERED
+from sparsetrain.results import BLEW_UP_RECOVERED, read_test_predictions
 
 from .loader import completed, select
 from .stats import (
@@ -252,6 +252,20 @@ def side_accuracy(side: pd.DataFrame) -> pd.Series:
     """Final test accuracy (%) per seed of a side's completed runs."""
     done = completed(side)
     return per_seed(done["test_accuracy"] * 100, done["seed"])
+
+
+def correct_by_seed(side: pd.DataFrame) -> dict:
+    """Each seed's per-image correctness (``{seed: bool array}``, the test set's order) from its
+    completed runs' ``test_predictions.npz`` (``sparsetrain.results.TEST_PREDICTIONS``), for
+    ``stats.with_test_error``. A seed whose run wrote no predictions is left out; a seed run twice
+    counts its first run."""
+    out = {}
+    for _, run in completed(side).sort_values("run_dir").iterrows():
+        found = read_test_predictions(run["run_dir"])
+        if found is not None and run["seed"] not in out:
+            predicted, label = found
+            out[run["seed"]] = predicted == label
+    return out
 
 
 def _show(values: pd.Series, side: pd.DataFrame) -> str:

@@ -36,6 +36,7 @@ from sparsetrain.results import (
     logged_losses,
     relative_run_dir,
     stability_of,
+    write_test_predictions,
 )
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
@@ -179,6 +180,11 @@ class RunRecord:
         if self.info.is_main and self.checkpoint_path.exists():
             self.checkpoint_path.unlink()
         return self.writer.summary
+
+    def save_test_predictions(self, predicted: torch.Tensor | None, label: torch.Tensor, num_classes: int) -> None:
+        """``test_predictions.npz`` (``sparsetrain.results.TEST_PREDICTIONS``), rank 0 only."""
+        if self.info.is_main and predicted is not None:
+            write_test_predictions(self.run_dir, predicted.numpy(), label.cpu().numpy(), num_classes)
 
     # ---- metrics ---------------------------------------------------------------------------
     def log_step(self, step: int, loss: torch.Tensor, stats: Any, lr: float | None) -> None:
