@@ -28,6 +28,11 @@ SUMMARY = "summary.json"
 PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
 METRICS = "metrics.jsonl"
 HEARTBEAT = "heartbeat.json"
+# Each test image's class as the final evaluation predicted it (rank 0's model, the model that
+# test_accuracy scores), beside its label, in the test set's order: an .npz of two arrays,
+# ``predicted`` and ``label``, uint8 where the classes fit (int32 otherwise). Written by rank 0
+# after training (no random number is drawn for it); read by ``read_test_predictions``.
+TEST_PREDICTIONS = "test_predictions.npz"
 # Rank 0 rewrites heartbeat.json from a thread while a run trains: at most every
 # HEARTBEAT_MIN_S when the step moved on, at least every HEARTBEAT_EVERY_S (long evaluations and
 # checkpoints keep beating). A run still marked running whose heartbeat is older than
@@ -48,28 +53,99 @@ def logged_step(steps_done: int, log_every: int) -> bool:
     return log_every > 0 and (steps_done % log_every == 0 or steps_done == 1)
 
 
-# A run's stability, from its final numbers and its largest batch loss from this step on (the
-# first steps of a fresh network sit near ln C and are not a blow-up).
+# A run's stability, from its final numbers and its batch losses from this step on (the first
+# steps of a fresh network sit near ln C and are not a blow-up).
 STABILITY_FROM_STEP = 20
 MIN_TRAINED_ACCURACY = 0.20
 TRAINED_THROUGHOUT, BLEW_UP_RECOVERED, DID_NOT_TRAIN = (
     "trained throughout", "blew up, recovered", "did not train")
+# A blow-up (docs/stability.md) is a batch loss, from step STABILITY_FROM_STEP on, above
+# SPIKE_LEVEL x ln C, or above ln C and SPIKE_RISE x the lowest loss recorded before it. A rise
+# just past ln C while the network has not yet learned (top-k layer-wise: 2.6 at steps 21-24 from
+# about 2.4) is an early blip; block-k global's 10-14 at steps 40-70, or random-k global back at
+# 4.5 from 1.2, is a spike.
+SPIKE_LEVEL = 2.0
+SPIKE_RISE = 2.0
+
+
+def is_spike(loss: float | None, lowest_before: float | None = None, num_classes: int = 10) -> bool:
+    """Whether a batch loss is a blow-up: above ``SPIKE_LEVEL`` x ln(classes), or above ln(classes)
+    and ``SPIKE_RISE`` x ``lowest_before`` (the lowest loss recorded before it; None: not known).
+
+    >>> is_spike(2.6, 2.4), is_spike(4.7), is_spike(2.7, 1.1), is_spike(2.2, 0.5)
+    (False, True, True, False)
+    """
+    if loss is None or math.isnan(loss):
+        return False
+    bound = math.log(num_classes)
+    if loss > SPIKE_LEVEL * bound:
+        return True
+    return lowest_before is not None and loss > bound and loss > SPIKE_RISE * lowest_before
+
+
+def blow_up(peak_loss: float | None, peak_step: int | None = None, logged: list | tuple = (),
+            num_classes: int = 10) -> tuple[int | None, float, float | None] | None:
+    """The first blow-up (``is_spike``) among the recorded losses from step ``STABILITY_FROM_STEP``
+    on: the run's largest (``peak_loss`` at ``peak_step``, summary.json's ``train_loss_peak``) and
+    each logged step's (``logged``: (step, loss) pairs, metrics.jsonl's step records). Each is
+    held against the lowest logged loss at an earlier step (the logged steps are every
+    ``train.log_every``-th, so that lowest is an upper bound: the rule errs towards "blip").
+    Returns (step, loss, lowest before) or None."""
+    logged = sorted((int(step), float(loss)) for step, loss in logged
+                    if loss is not None and not math.isnan(float(loss)))
+
+    def lowest(before: int | None) -> float | None:
+        earlier = [loss for step, loss in logged if before is None or step < before]
+        return min(earlier) if earlier and before is not None else None
+
+    candidates = [(step, loss) for step, loss in logged if step >= STABILITY_FROM_STEP]
+    if peak_loss is not None:
+        candidates.append((peak_step, float(peak_loss)))
+    for step, loss in sorted(candidates, key=lambda c: (c[0] is None, c[0] or 0)):
+        if is_spike(loss, lowest(step), num_classes):
+            return step, loss, lowest(step)
+    return None
 
 
 def stability_of(final_train_loss: float | None, test_accuracy: float | None,
-                 peak_loss: float | None, num_classes: int = 10) -> str:
+                 peak_loss: float | None, num_classes: int = 10, peak_step: int | None = None,
+                 logged: list | tuple = ()) -> str:
     """``did not train`` (``untrained_why``: final train loss not below a uniform guess, or test
-    accuracy below 20 %), ``blew up, recovered`` (trained, but its batch loss rose above
-    ln(classes) from step 20 on), or ``trained throughout``.
+    accuracy below 20 %), ``blew up, recovered`` (trained, but a batch loss from step 20 on blew
+    up: ``blow_up`` over the largest, ``peak_loss`` at ``peak_step``, and the ``logged`` steps'),
+    or ``trained throughout``.
 
     >>> stability_of(0.3, 0.9, 1.2), stability_of(0.3, 0.9, 7.9), stability_of(0.3, 0.15, 1.0)
     ('trained throughout', 'blew up, recovered', 'did not train')
+    >>> stability_of(0.3, 0.9, 2.6, peak_step=21, logged=[(1, 2.4), (20, 2.5)])  # an early blip
+    'trained throughout'
+    >>> stability_of(0.3, 0.9, 4.5, peak_step=140, logged=[(1, 2.4), (120, 1.2)])  # back from 1.2
+    'blew up, recovered'
     """
     if untrained_why(final_train_loss, test_accuracy, num_classes):
         return DID_NOT_TRAIN
-    if peak_loss is not None and peak_loss > math.log(num_classes):
+    if blow_up(peak_loss, peak_step, logged, num_classes) is not None:
         return BLEW_UP_RECOVERED
     return TRAINED_THROUGHOUT
+
+
+def logged_losses(path: str | Path) -> list[tuple[int, float]]:
+    """(step, train loss) of every step record in a ``metrics.jsonl`` (none: no file); a line
+    that does not parse (a run killed mid-write) is skipped."""
+    out = []
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and r.get("kind") == "step" and isinstance(r.get("train_loss"), (int, float)) \
+                and isinstance(r.get("step"), int):
+            out.append((r["step"], float(r["train_loss"])))
+    return out
 
 
 def relative_run_dir(run_dir: str | Path) -> str:
@@ -178,6 +254,40 @@ def replace_error(run_dir: str | Path, error: str, **fields: Any) -> None:
     summary.update(status="failed", error=error)
     summary.setdefault("finished_at", now_iso())
     write_json_atomic(Path(run_dir) / SUMMARY, summary)
+
+
+def write_test_predictions(run_dir: str | Path, predicted, label, num_classes: int) -> Path:
+    """``TEST_PREDICTIONS`` in ``run_dir`` (atomically: a reader never sees half a file) from two
+    integer sequences of the test set's length."""
+    import numpy as np
+
+    dtype = np.uint8 if num_classes <= 256 else np.int32
+    predicted, label = np.asarray(predicted).astype(dtype), np.asarray(label).astype(dtype)
+    if predicted.shape != label.shape or predicted.ndim != 1:
+        raise ValueError(f"predictions {predicted.shape} and labels {label.shape}: one of each per test image")
+    path = Path(run_dir) / TEST_PREDICTIONS
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, predicted=predicted, label=label)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_test_predictions(run_dir: str | Path):
+    """``(predicted, label)`` of a run's ``TEST_PREDICTIONS`` (numpy arrays), or None where the
+    run wrote none (runs before the file existed, runs that did not complete)."""
+    import numpy as np
+
+    path = Path(run_dir) / TEST_PREDICTIONS
+    if not path.is_file():
+        return None
+    with np.load(path) as f:
+        return f["predicted"], f["label"]
 
 
 def read_heartbeat(run_dir: str | Path) -> dict | None:

@@ -46,20 +46,26 @@ def test_the_committed_declaration_reads(tmp_path):
     decl = declared.load(DECLARATION)
     assert decl.budgets == (4, 8) and decl.seeds == (0, 1, 2, 3, 4) and decl.margin == 1.0
     assert [f.key for f in decl.findings] == ["rq1_scope", "rq2_order", "rq2_random", "dense_cost"]
-    verdicts, comparisons, change = declared.tables(decl, pd.DataFrame())  # before any run: pending
+    verdicts, comparisons, change, effect = declared.tables(decl, pd.DataFrame())  # before any run: pending
     assert verdicts.data["verdict"].str.startswith("pending").all()
-    assert len(comparisons.data) == 2 * 16 and len(change.data) == 8
+    assert len(comparisons.data) == 2 * 16 and len(change.data) == 8 and len(effect.data) == 16
 
 
 def test_declared_verdicts_per_budget_and_budget_dependence(tmp_path):
     decl = declared.load(DECLARATION)
     runs = declared.runs_of(decl, _study(tmp_path))
     assert len(runs) == 80
-    verdicts, comparisons, change = declared.tables(decl, runs)
+    verdicts, comparisons, change, effect = declared.tables(decl, runs)
     v = verdicts.data.set_index("finding")
-    # top-k's scope gap is 3 points at 4 epochs and 0.05 at 8: the verdict is budget-dependent
-    assert v.loc["rq1_scope", "verdict"].startswith("budget-dependent")
+    # top-k's scope gap is 3 points at 4 epochs and 0.05 at 8: not the same verdict at both, and
+    # the interaction test finds the gap itself changed (every seed by -2.95): budget-dependent
+    assert v.loc["rq1_scope", "verdict"].startswith("not the same at both budgets")
     assert "4 epochs: reproduced; 8 epochs: partly" in v.loc["rq1_scope", "verdict"]
+    assert v.loc["rq1_scope", "budget-dependent (interaction test)"].startswith(
+        "topk_layerwise vs topk_global: A − B -2.95 [-2.95, -2.95] from 4 to 8 epochs")
+    e = effect.data.set_index("comparison (A vs B)")
+    assert e.loc["topk_layerwise vs topk_global", "across the budgets"] == "budget-dependent"
+    assert e.loc["randk_layerwise vs randk_global", "change (points)"] == "+0.00"
     # random-k ~ block-k layer-wise within 0.1 point: equivalent within +-1 at both budgets
     rows = comparisons.data
     equal = rows[rows["comparison (A vs B)"] == "randk_layerwise vs blockk_layerwise"]
@@ -83,8 +89,9 @@ def test_a_budget_not_run_yet_leaves_the_verdict_pending(tmp_path):
     assert verdicts.loc["rq1_scope", "verdict"] == "pending: 8 epochs (0 of 30 runs ended)"
     # a family is judged whole: with one seed's run missing its comparisons wait, unread
     (root / "verdict_e4" / "0" / "summary.json").unlink()  # tuned_dense, seed 0: "no summary"
-    verdicts, comparisons, change = declared.tables(decl, declared.runs_of(decl, root))
+    verdicts, comparisons, change, effect = declared.tables(decl, declared.runs_of(decl, root))
     v = verdicts.data.set_index("finding")
+    assert set(effect.data.loc[effect.data["finding"] == "dense_cost", "across the budgets"]) == {"pending"}
     assert v.loc["dense_cost", "4 epochs"] == "pending (39 of 40 runs ended)"
     assert v.loc["rq1_scope", "4 epochs"] == "reproduced"  # no dense SGD in that family
     waiting = comparisons.data[comparisons.data["finding"] == "dense_cost"]
@@ -173,7 +180,7 @@ def test_the_untuned_verdicts_stand_beside_the_declared_ones(tmp_path):
     decl = declared.load(DECLARATION)
     before = declared.untuned_runs(root)
     assert len(before) == 20
-    verdicts, comparisons, _ = declared.tables(decl, declared.runs_of(decl, root), before)
+    verdicts, comparisons, *_ = declared.tables(decl, declared.runs_of(decl, root), before)
     v = verdicts.data.set_index("finding")
     assert v.loc["rq1_scope", "untuned, 4 epochs"].startswith("pending (1 of 3")
     rows = comparisons.data.set_index(["comparison (A vs B)", "budget (epochs)"])
@@ -183,7 +190,7 @@ def test_the_untuned_verdicts_stand_beside_the_declared_ones(tmp_path):
     assert scope["outcome"] == "agrees"  # the declared runs: layer-wise 3 points above global
     # the same untuned cell beside each budget's row; the rule says what the column is
     assert rows.loc[("topk_layerwise vs topk_global", 8), "untuned, 4 epochs: outcome"] == "reversed"
-    assert "headline study's runs" in verdicts.notes[1]
+    assert "headline study's runs" in verdicts.notes[-1]
     # without the headline runs the columns are left out, not shown empty
     assert "untuned, 4 epochs" not in declared.tables(decl, declared.runs_of(decl, root))[0].data.columns
 
@@ -250,3 +257,119 @@ def test_a_study_judged_against_earlier_runs(tmp_path):
     text = declared.provenance(declared.load(path), frame)
     assert f"before every run (1 runs on {late})" in text and "NOT before" not in text
     assert f"judged against 2 earlier runs of frontier, frontier_s34, headline, headline_dense (on {early})" in text
+
+
+def _two_point_study(tmp_path: Path, diffs: dict[int, list[float]], expect: str = ">",
+                     extra: str = "") -> tuple[declared.Declaration, pd.DataFrame]:
+    """A declaration of two points, x (top-k) and y (random-k), one finding [x, y, expect], judged
+    at 4 and 8 epochs over seeds 0-4, whose runs give A - B = ``diffs[budget][seed]`` (y at 85 %)."""
+    decl_path = tmp_path / "two.yaml"
+    decl_path.write_text(
+        "study: two\nsweeps: [two_e4, two_e8]\nbudgets: [4, 8]\nseeds: [0, 1, 2, 3, 4]\nmargin: 1.0\n"
+        "looks: 1\nsetting: {world_size: 2}\n" + extra +
+        "points:\n  x: {scheme: topk, scope: layerwise, ratio: 0.01}\n"
+        "  y: {scheme: randk, scope: layerwise, ratio: 0.01}\n"
+        f"findings:\n  - key: f\n    claim: x above y\n    comparisons:\n      - [x, y, \"{expect}\"]\n")
+    for budget, per_seed in diffs.items():
+        for seed, d in enumerate(per_seed):
+            for i, (scheme, acc) in enumerate((("topk", 85.0 + d), ("randk", 85.0))):
+                config = make_config(scheme=scheme, scope="layerwise", ratio=0.01, seed=seed, train__epochs=budget)
+                run = write_run(tmp_path / f"two_e{budget}" / f"{seed * 2 + i}", config, experiment=f"two_e{budget}")
+                summary = json.loads((run / "summary.json").read_text())
+                summary["test_accuracy"] = acc / 100
+                (run / "summary.json").write_text(json.dumps(summary))
+    decl = declared.load(decl_path)
+    return decl, declared.runs_of(decl, tmp_path)
+
+
+def test_budget_dependence_is_an_interaction_test_not_labels_that_differ(tmp_path):
+    from scipy import stats
+
+    # x beats y clearly at 4 epochs; at 8 the gap is noisy (within the noise), yet the change of
+    # the gap between the budgets is well inside its own noise: not budget-dependent
+    at4, at8 = [1.0, 1.2, 0.9, 1.1, 1.05], [1.3, -0.2, 2.1, 0.1, 0.4]
+    decl, runs = _two_point_study(tmp_path, {4: at4, 8: at8})
+    verdicts, comparisons, _, effect = declared.tables(decl, runs)
+    outcomes = comparisons.data.set_index("budget (epochs)")["outcome"]
+    assert (outcomes[4], outcomes[8]) == ("agrees", "within noise")
+    row = effect.data.iloc[0]
+    assert row["across the budgets"] == "not the same at both budgets, but the change is within the noise"
+    # the change is the paired t of (A - B at 8) - (A - B at 4), by hand
+    by_hand = stats.ttest_rel(at8, at4)
+    assert row["p"] == f"{by_hand.pvalue:.3f}" and row["change (points)"] == f"{(sum(at8) - sum(at4)) / 5:+.2f}"
+    low, high = by_hand.confidence_interval(0.95)
+    assert row["95% interval"] == f"[{low:+.2f}, {high:+.2f}]"
+    v = verdicts.data.iloc[0]
+    assert v["budget-dependent (interaction test)"] == "none" and v["held at both budgets"] == "none"
+    assert (row["4 epochs: A > B in seeds"], row["8 epochs: A > B in seeds"]) == ("5 of 5", "4 of 5")
+
+
+def test_a_result_held_at_both_budgets_is_reported_with_its_seeds_and_its_change(tmp_path):
+    # x above y at both budgets, in every seed; the gap halves, outside the noise: it holds, and
+    # its size depends on the budget
+    decl, runs = _two_point_study(tmp_path, {4: [4.0, 4.2, 3.9, 4.1, 4.05], 8: [2.0, 2.3, 1.8, 2.2, 2.0]})
+    verdicts, _, _, effect = declared.tables(decl, runs)
+    v = verdicts.data.iloc[0]
+    assert v["verdict"] == "reproduced"
+    assert v["held at both budgets"] == "x > y (5 of 5 seeds at both budgets; its size depends on the budget)"
+    assert v["budget-dependent (interaction test)"].startswith("x vs y: A − B -1.99 [")
+    assert effect.data.iloc[0]["across the budgets"] == "the same at both budgets: agrees; its size depends on the budget"
+
+
+def test_an_unclaimed_comparison_held_equal_at_both_budgets(tmp_path):
+    # no claim ("?"): inside +-1 point at both budgets, shown equivalent by TOST at each
+    decl, runs = _two_point_study(tmp_path, {4: [0.1, 0.2, -0.1, 0.0, 0.15], 8: [0.05, -0.1, 0.1, 0.0, 0.2]},
+                                  expect="?")
+    verdicts, comparisons, _, _ = declared.tables(decl, runs)
+    assert all(cell.startswith("p=") for cell in comparisons.data["equivalence (TOST, ±1 pt)"])
+    held = verdicts.data.iloc[0]["held at both budgets"]
+    assert held.startswith("x = y within ±1 (TOST p <0.001 at 4, <0.001 at 8")
+
+
+def test_a_p_value_near_alpha_is_flagged_at_the_threshold():
+    assert declared.at_threshold(0.04996) and declared.at_threshold(0.04) and declared.at_threshold(0.06)
+    assert not declared.at_threshold(0.0399) and not declared.at_threshold(0.0601)
+    assert not declared.at_threshold(float("nan"))
+    assert declared._threshold_cell(**{"p (Holm)": 0.04996, "TOST p (Holm)": 0.2}) == \
+        "at the threshold: p (Holm) 0.04996"
+
+
+def _with_format(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "v2.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_format_2_refuses_a_pair_compared_twice(tmp_path):
+    # the committed file compares block-k and random-k layer-wise in rq2_order (">") and, reversed,
+    # in rq2_random ("="): under format 2 that is one clear error naming the pair and the findings
+    text = DECLARATION.read_text()
+    with pytest.raises(ValueError) as refused:
+        declared.load(_with_format(tmp_path, "format: 2\n" + text))
+    message = str(refused.value)
+    assert "\n" not in message
+    assert ("blockk_layerwise vs randk_layerwise is compared 2 times (in findings rq2_order, rq2_random); "
+            "format 2 allows each pair once, in either order") in message
+    # twice in one finding, in the same order, is refused too
+    once = text.replace("      - [randk_layerwise, blockk_layerwise, \"=\"]\n", "")
+    twice = once.replace("      - [topk_layerwise, topk_global, \">\"]\n",
+                         "      - [topk_layerwise, topk_global, \">\"]\n      - [topk_layerwise, topk_global, \"?\"]\n")
+    with pytest.raises(ValueError, match="topk_layerwise vs topk_global is compared 2 times .in findings "
+                                         "rq1_scope, rq1_scope."):
+        declared.load(_with_format(tmp_path, "format: 2\n" + twice))
+    # each pair once: it loads, with no note
+    decl = declared.load(_with_format(tmp_path, "format: 2\n" + once))
+    assert decl.version == 2 and decl.notes == ()
+    with pytest.raises(ValueError, match="format 3; allowed: 1, 2"):
+        declared.load(_with_format(tmp_path, "format: 3\n" + once))
+
+
+def test_the_format_1_declaration_loads_and_says_a_pair_counts_twice(tmp_path):
+    decl = declared.load(DECLARATION)
+    assert decl.version == 1
+    assert decl.notes == ("Note: verdicts.yaml (format 1, written before a pair could be compared only once) "
+                          "compares blockk_layerwise and randk_layerwise 2 times (in rq2_order, rq2_random: "
+                          "blockk_layerwise vs randk_layerwise; randk_layerwise vs blockk_layerwise); that pair "
+                          "counts in each of those Holm families.",)
+    verdicts, comparisons, _, effect = declared.tables(decl, pd.DataFrame())
+    assert all(decl.notes[0] in table.notes for table in (verdicts, comparisons, effect))

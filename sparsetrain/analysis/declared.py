@@ -4,16 +4,19 @@ A declaration names the study's sweeps, its budgets (epochs), seeds, the equival
 ``=`` claims, how many looks at the data have been taken, its points (a name for a set of axis
 values) and its findings: each a Holm family of comparisons between two points, with what the
 paper claims (``>``, ``=``, ``?`` for no claim); optionally ``reference_sweeps``, earlier sweeps
-whose runs the new points are judged against, taken as they are. It is committed before the
-study's first run; the analysis checks that with git (the commit that added the file must be an
+whose runs the new points are judged against, taken as they are; optionally ``format: 2``, under
+which a pair of points (in either order) may be compared only once in the whole file (``load``
+refuses a pair in two findings or twice in one; a format 1 file loads, and its tables note each
+pair it counts twice). It is committed before the study's first run; the analysis checks that with git (the commit that added the file must be an
 ancestor of every run's commit) and says so above the verdicts, with every later change to the
 file.
 
 Every comparison is judged at each budget on its own (``findings.measure``: the difference with
 its 95 % interval and paired t, Holm within the finding at that budget, each p times the looks
-taken; an ``=`` claim by TOST at the margin). A verdict that is the same at every budget is the
-verdict; one that differs is **budget-dependent**, never a finding (requiring it at both budgets
-is an intersection of tests: it needs no further correction). Each point's change from the first
+taken; an ``=`` claim by TOST at the margin). A comparison is **budget-dependent** only where
+an interaction test says so (``budget_effects``: the last budget's paired A - B minus the first's,
+paired t, Holm within the finding); one with the same outcome at every budget holds (requiring it
+at both budgets is an intersection of tests: it needs no further correction). Each point's change from the first
 budget to the last, paired by seed, replaces any "plateau" claim.
 
 Beside each verdict stands the untuned one: the same comparisons, families and test applied to
@@ -48,7 +51,7 @@ from .findings import (
     verdict,
 )
 from .loader import AXES, COLUMNS_FIRST, load_runs
-from .stats import compare, holm
+from .stats import Difference, compare, holm, outside_noise
 from .table import Table, write_table
 
 
@@ -67,11 +70,21 @@ class Declaration:
     # Earlier sweeps whose runs the study is judged against (``reference_sweeps``): they ran before
     # the declaration, on their own commits, and are taken as they are.
     references: tuple[str, ...] = ()
+    # What the tables must say of the declaration itself (a format 1 file comparing a pair twice).
+    notes: tuple[str, ...] = ()
+    # 1: as first written; 2 (``format: 2``): each pair of points compared once, in either order
+    version: int = 1
 
     @property
     def experiments(self) -> list[str]:
         """What a run's ``experiment`` may be: the study's sweeps and its references."""
         return [*self.sweeps, *self.references]
+
+
+# The declaration formats: 1, the first (verdicts.yaml, local.yaml); 2 adds one rule, that a pair
+# of points (in either order) is compared in one finding, once: a pair in two families is counted
+# in two Holm corrections and can carry two claims (block-k vs random-k layer-wise: ">" and "=").
+FORMATS = (1, 2)
 
 
 def load(path: str | Path) -> Declaration:
@@ -81,11 +94,16 @@ def load(path: str | Path) -> Declaration:
     for key in ("study", "sweeps", "budgets", "seeds", "margin", "looks", "points", "findings"):
         if key not in doc:
             raise ValueError(f"{path}: no {key!r}")
+    version = doc.get("format", 1)
+    if version not in FORMATS:
+        raise ValueError(f"{path}: format {version!r}; allowed: {', '.join(map(str, FORMATS))}")
     points = {name: dict(axes) for name, axes in doc["points"].items()}
     findings = []
+    compared: dict[frozenset, list[tuple[str, str, str]]] = {}  # each pair, in either order: where
     for f in doc["findings"]:
         comparisons = []
         for a, b, expect in f["comparisons"]:
+            compared.setdefault(frozenset((a, b)), []).append((f["key"], a, b))
             for name in (a, b):
                 if name not in points:
                     raise ValueError(f"{path}: finding {f['key']}: no point {name!r}; points: {', '.join(points)}")
@@ -93,10 +111,24 @@ def load(path: str | Path) -> Declaration:
                 raise ValueError(f"{path}: finding {f['key']}: expect {expect!r}; allowed: >, =, ?")
             comparisons.append(Comparison(f"{a} vs {b}", points[a], points[b], expect))
         findings.append(Finding(f["key"], f.get("claim", ""), tuple(comparisons)))
+    repeated = [where for where in compared.values() if len(where) > 1]
+    notes = ()
+    if repeated and version >= 2:  # one pair, two claims or two families: the declaration contradicts itself
+        where = repeated[0]
+        _, a, b = where[0]
+        others = f" ({len(repeated) - 1} more pair(s) likewise)" if len(repeated) > 1 else ""
+        raise ValueError(f"{path}: {a} vs {b} is compared {len(where)} times (in findings "
+                         f"{', '.join(k for k, *_ in where)}){others}; format 2 allows each pair once, in "
+                         f"either order")
+    if repeated:  # a format 1 file predates the rule: it loads, and its tables say so
+        notes = tuple(f"Note: {path.name} (format 1, written before a pair could be compared only once) compares "
+                      f"{where[0][1]} and {where[0][2]} {len(where)} times (in {', '.join(k for k, *_ in where)}: "
+                      f"{'; '.join(f'{a} vs {b}' for _, a, b in where)}); that pair counts in each of those "
+                      f"Holm families." for where in repeated)
     return Declaration(path, doc["study"], tuple(doc["sweeps"]), tuple(int(b) for b in doc["budgets"]),
                        tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
                        dict(doc.get("setting") or {}), points, tuple(findings),
-                       tuple(doc.get("reference_sweeps") or ()))
+                       tuple(doc.get("reference_sweeps") or ()), notes, version)
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -185,19 +217,23 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
             f"declared seeds ({', '.join(map(str, decl.seeds))}); p two-sided, Holm-adjusted within each "
             f"finding at each budget, times the {decl.looks} look(s) taken (capped at 1); outside the noise: "
             f"adjusted p < 0.05. An A = B claim agrees only when TOST shows equivalence within "
-            f"±{decl.margin:g} point (90% interval inside the margin), else it is 'not told apart'. A verdict "
-            f"that differs between the budgets ({', '.join(map(str, decl.budgets))} epochs) is budget-dependent."
+            f"±{decl.margin:g} point (90% interval inside the margin), else it is 'not told apart'; a comparison "
+            f"with no claim gets the same TOST, Holm over the finding's unclaimed comparisons, shown beside its "
+            f"outcome. Across the budgets ({', '.join(map(str, decl.budgets))} epochs) a comparison is "
+            f"budget-dependent only where its A − B changes outside the noise (the interaction test: "
+            f"budget_effect); 'A > B in seeds': the seeds whose A − B is above 0; an adjusted p within "
+            f"[{THRESHOLD_BAND[0]:g}, {THRESHOLD_BAND[1]:g}] is flagged 'at the threshold'."
             if len(decl.budgets) > 1 else
             f"Final test accuracy at {decl.budgets[0]} epochs.")
     if untuned:
         rule += (f" '{UNTUNED}': the same comparisons, families and test on the headline study's runs (lr 0.05 "
                  "per worker and 0.3 epochs of warm-up for every scheme, 4 epochs, the same seeds, no validation "
                  "split).")
-    rows, verdict_rows = [], []
+    rows, verdict_rows, effect_rows = [], [], []
     base_seeds = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
     runs = _every_axis(runs)
     for finding in decl.findings:
-        by_budget, waiting = {}, {}
+        by_budget, waiting, judged_at = {}, {}, {}
         claimed = any(c.expect != "?" for c in finding.comparisons)
         for budget in decl.budgets:
             base = {**base_seeds, "epochs_planned": budget}
@@ -208,33 +244,45 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
                 rows += [{**_row(decl, finding, budget, c), **_untuned_cells(untuned, finding.key, i)}
                          for i, c in enumerate(finding.comparisons)]
                 continue
-            measured = measure(runs, finding, base, decl.margin, decl.looks)
+            measured = measure(runs, finding, base, decl.margin, decl.looks, equivalence_unclaimed=True)
+            judged_at[budget] = measured
             by_budget[budget] = [m["outcome"] for m in measured]
             rows += [{**_row(decl, finding, budget, m["comparison"], m), **_untuned_cells(untuned, finding.key, i)}
                      for i, m in enumerate(measured)]
         each = {b: waiting.get(b) or verdict(o, claimed) for b, o in by_budget.items()}
+        effects = budget_effects(decl, judged_at) if len(judged_at) == len(decl.budgets) > 1 else None
+        if len(decl.budgets) > 1:
+            effect_rows += _effect_rows(decl, finding, judged_at, effects)
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
                              **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed)}
                                 if untuned else {}),
-                             **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": _overall(each, by_budget)})
+                             **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": _overall(each, by_budget),
+                             **(_held_cells(decl, judged_at, effects) if len(decl.budgets) > 1 else {})})
     title = f"{decl.study}: declared comparisons"
     verdicts = pd.DataFrame(verdict_rows)
     comparisons = pd.DataFrame(rows)
-    judged = (Table("verdicts", f"{title}, verdicts", verdicts, verdicts, notes=[note, rule]),
-              Table("comparisons", f"{title}, every comparison", comparisons, comparisons, notes=[note, rule]))
+    notes = [note, *decl.notes, rule]
+    judged = (Table("verdicts", f"{title}, verdicts", verdicts, verdicts, notes=notes),
+              Table("comparisons", f"{title}, every comparison", comparisons, comparisons, notes=notes))
     if len(decl.budgets) == 1:
         return judged
     change = _budget_change(decl, runs)
+    effect = pd.DataFrame(effect_rows)
+    first, last = decl.budgets[0], decl.budgets[-1]
     return (*judged,
-            Table("budget_change", f"{decl.study}: each point from {decl.budgets[0]} to {decl.budgets[-1]} epochs",
+            Table("budget_change", f"{decl.study}: each point from {first} to {last} epochs",
                   change, change, notes=[note, "Test accuracy at the last budget minus the first, paired by seed "
-                                         "(paired t, 95% interval unadjusted, Holm over the points)."]))
+                                         "(paired t, 95% interval unadjusted, Holm over the points)."]),
+            Table("budget_effect", f"{decl.study}: each comparison across the budgets", effect, effect,
+                  notes=[note, *decl.notes, _effect_rule(decl)]))
 
 
 def _overall(each: dict[int, str], by_budget: dict[int, list[str]]) -> str:
     """A finding's verdict over its budgets (``each``: its verdict at each, ``by_budget``: its
     comparisons' outcomes at each): pending while any budget is; the verdict where every
-    comparison has the same outcome at every budget; budget-dependent otherwise."""
+    comparison has the same outcome at every budget; else "not the same at every budget", with
+    each budget's verdict. Whether a comparison depends on the budget is the interaction test's
+    to say (``budget_effects``), not a label that differs: see the columns beside it."""
     first = next(iter(each))
     unjudged = [b for b, v in each.items() if v.startswith(("pending", "not judged"))]
     if unjudged:
@@ -242,7 +290,178 @@ def _overall(each: dict[int, str], by_budget: dict[int, list[str]]) -> str:
             f"{b} epochs {each[b].removeprefix('pending ')}" for b in unjudged)
     if all(len(set(outcomes)) == 1 for outcomes in zip(*by_budget.values())):
         return each[first]
-    return "budget-dependent: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items())
+    return f"not the same at {_every(each)}: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items())
+
+
+def _every(budgets) -> str:
+    return "both budgets" if len(budgets) == 2 else "every budget"
+
+
+# An adjusted p this close to alpha is flagged "at the threshold": the verdict on either side of
+# alpha rests on a hair (block-k's scope at 8 epochs: Holm p 0.04996).
+THRESHOLD_BAND = (0.04, 0.06)
+
+
+def at_threshold(p: float) -> bool:
+    """Whether ``p`` (adjusted) lies in ``THRESHOLD_BAND``, ends included."""
+    return not math.isnan(p) and THRESHOLD_BAND[0] <= p <= THRESHOLD_BAND[1]
+
+
+def _threshold_cell(**ps: float) -> str:
+    """The comparisons table's flag: each named adjusted p inside ``THRESHOLD_BAND``, to 5 places."""
+    near = [f"{name} {p:.5f}" for name, p in ps.items() if at_threshold(p)]
+    return "at the threshold: " + ", ".join(near) if near else "—"
+
+
+def paired_differences(m: dict) -> pd.Series:
+    """A comparison's A - B per seed (``findings.measure``'s per-seed accuracies), the seeds both
+    sides hold."""
+    return (m["acc_a"] - m["acc_b"]).dropna()
+
+
+def _seeds_cell(m: dict) -> str:
+    d = paired_differences(m)
+    return f"{int((d > 0).sum())} of {len(d)}" if len(d) else "—"
+
+
+def _seeds_toward(m: dict, margin: float) -> str:
+    """How many seeds go a held relation's way: A - B above 0 (``>``), below 0 (``<``), or inside
+    the margin (an equivalence)."""
+    d = paired_differences(m)
+    if m["outcome"] == "agrees" and m["comparison"].expect == "=":
+        k = (d.abs() < margin).sum()
+    else:
+        k = (d > 0).sum() if m["d"].diff > 0 else (d < 0).sum()
+    return f"{int(k)} of {len(d)}"
+
+
+@dataclass(frozen=True)
+class BudgetEffect:
+    """One comparison across the budgets: ``change`` is the interaction, (A - B at the last budget)
+    minus (A - B at the first), paired by seed (``stats.compare``: paired t on the per-seed
+    differences of differences, 95 % interval), ``p_holm`` its p Holm-adjusted over the finding's
+    comparisons (times the looks); ``dependent``: that adjusted p is below alpha."""
+
+    change: Difference
+    p_holm: float
+
+    @property
+    def dependent(self) -> bool:
+        return outside_noise(self.p_holm)
+
+
+def budget_effects(decl: Declaration, judged_at: dict[int, list[dict]]) -> list[BudgetEffect]:
+    """The interaction test of each of a finding's comparisons (``judged_at``: ``measure``'s
+    output at each budget): a comparison is budget-dependent only where A - B itself changes
+    between the first budget and the last, outside the noise, not where a label crosses 0.05."""
+    first, last = judged_at[decl.budgets[0]], judged_at[decl.budgets[-1]]
+    changes = [compare(paired_differences(b), paired_differences(a)) for a, b in zip(first, last, strict=True)]
+    adjusted = [min(1.0, decl.looks * p) if not math.isnan(p) else p for p in holm([c.p for c in changes])]
+    return [BudgetEffect(c, p) for c, p in zip(changes, adjusted, strict=True)]
+
+
+def _relation(m: dict, margin: float) -> str | None:
+    """What a judged comparison shows, as a relation between its points (None: nothing outside
+    the noise): ``a > b``, ``a < b``, or ``a = b (±margin)`` for an equivalence shown."""
+    a, b = m["comparison"].label.split(" vs ")
+    outcome = m["outcome"]
+    if outcome == "agrees" and m["comparison"].expect == "=":
+        return f"{a} = {b} (±{margin:g})"
+    if outcome in ("agrees", "reversed", "differs", "A higher", "B higher"):
+        return f"{a} > {b}" if m["d"].diff > 0 else f"{a} < {b}"
+    return None
+
+
+def _equivalent_unclaimed(m: dict) -> bool:
+    return m["comparison"].expect == "?" and outside_noise(m["p_equivalent"])
+
+
+def _held_cells(decl: Declaration, judged_at: dict[int, list[dict]], effects: list[BudgetEffect] | None) -> dict:
+    """The verdicts table's columns across the budgets: what held at every budget (the same
+    outcome at each, or for a ``?`` comparison equivalence at each), with how many seeds go its way
+    at each budget, and what depends on the budget by the interaction test."""
+    every = _every(decl.budgets)
+    held_col, dependent_col = f"held at {every}", "budget-dependent (interaction test)"
+    if effects is None:
+        return {held_col: "—", dependent_col: "—"}
+    held, dependent = [], []
+    for i, effect in enumerate(effects):
+        at = [judged_at[b][i] for b in decl.budgets]
+        change = effect.change
+        size = (f"A − B {change.diff:+.2f} [{change.low:+.2f}, {change.high:+.2f}] from {decl.budgets[0]} to "
+                f"{decl.budgets[-1]} epochs, {_p_is(change.p)}, Holm {_p(effect.p_holm)}")
+        relations = {_relation(m, decl.margin) for m in at}
+        if len({m["outcome"] for m in at}) == 1 and None not in relations:
+            seeds = [_seeds_toward(m, decl.margin) for m in at]
+            seeds_text = f"{seeds[0]} seeds at {every}" if len(set(seeds)) == 1 else "seeds " + ", ".join(
+                f"{s} at {b}" for s, b in zip(seeds, decl.budgets, strict=True))
+            held.append(f"{relations.pop()} ({seeds_text}" + ("; its size depends on the budget" if effect.dependent
+                                                               else "") + ")")
+        if all(_equivalent_unclaimed(m) for m in at):
+            a, b = at[0]["comparison"].label.split(" vs ")
+            held.append(f"{a} = {b} within ±{decl.margin:g} (TOST p " + ", ".join(
+                f"{_p(m['equivalence'].p)} at {bu}" for m, bu in zip(at, decl.budgets, strict=True)) + ", Holm " +
+                ", ".join(_p(m["p_equivalent"]) for m in at) + ")")
+        if effect.dependent:
+            dependent.append(f"{at[0]['comparison'].label}: {size}")
+    return {held_col: "; ".join(held) or "none", dependent_col: "; ".join(dependent) or "none"}
+
+
+def _effect_rows(decl: Declaration, finding: Finding, judged_at: dict[int, list[dict]],
+                 effects: list[BudgetEffect] | None) -> list[dict]:
+    """The budget-effect table's rows for one finding: each comparison's A - B with its interval
+    at every budget, the interaction test, and what it means across the budgets."""
+    rows = []
+    for i, comparison in enumerate(finding.comparisons):
+        row = {"finding": finding.key, "comparison (A vs B)": comparison.label,
+               "paper": {">": "A > B", "=": "A = B"}.get(comparison.expect, "no claim")}
+        for b in decl.budgets:
+            m = judged_at[b][i] if b in judged_at else None
+            row[f"{b} epochs: A − B [95%]"] = _effect_cell(m["d"]) if m else "pending"
+            row[f"{b} epochs: outcome"] = m["outcome"] if m else "pending"
+            row[f"{b} epochs: A > B in seeds"] = _seeds_cell(m) if m else "—"
+        if effects is None:
+            row.update({"change (points)": "—", "95% interval": "—", "test": "pending", "p": "—",
+                        f"p (Holm, x{decl.looks} looks)": "—", "across the budgets": "pending"})
+        else:
+            effect = effects[i]
+            c = effect.change
+            at = [judged_at[b][i] for b in decl.budgets]
+            same = len({m["outcome"] for m in at}) == 1
+            reading = (("the same at " + _every(decl.budgets) + ": " + at[0]["outcome"]
+                        + ("; its size depends on the budget" if effect.dependent else ""))
+                       if same else "budget-dependent" if effect.dependent else
+                       "not the same at " + _every(decl.budgets) + ", but the change is within the noise")
+            if at_threshold(effect.p_holm):
+                reading += f" (at the threshold: Holm p {effect.p_holm:.5f})"
+            row.update({"change (points)": _num(c.diff, signed=True),
+                        "95% interval": "—" if math.isnan(c.low) else f"[{c.low:+.2f}, {c.high:+.2f}]",
+                        "test": c.test + (f" (n={c.n_pairs})" if c.n_pairs else ""), "p": _p(c.p),
+                        f"p (Holm, x{decl.looks} looks)": _p(effect.p_holm), "across the budgets": reading})
+        rows.append(row)
+    return rows
+
+
+def _p_is(p: float) -> str:
+    shown = _p(p)
+    return "p" + ("" if shown.startswith("<") else "=") + shown
+
+
+def _effect_cell(d: Difference) -> str:
+    if math.isnan(d.diff):
+        return "—"
+    return f"{d.diff:+.2f}" + ("" if math.isnan(d.low) else f" [{d.low:+.2f}, {d.high:+.2f}]")
+
+
+def _effect_rule(decl: Declaration) -> str:
+    first, last = decl.budgets[0], decl.budgets[-1]
+    return (f"change: (A − B at {last} epochs) minus (A − B at {first}), paired by seed: a paired t on the "
+            f"per-seed differences of differences, its 95% interval unadjusted, p Holm-adjusted within the "
+            f"finding, times the {decl.looks} look(s) taken. A comparison is budget-dependent only where that "
+            f"change is outside the noise (adjusted p < 0.05); an outcome that differs between the budgets "
+            f"with the change inside the noise is 'not the same at {_every(decl.budgets)}', and one that is the "
+            f"same at each holds. 'A > B in seeds': the seeds whose A − B is above 0. An adjusted p within "
+            f"[{THRESHOLD_BAND[0]:g}, {THRESHOLD_BAND[1]:g}] is flagged 'at the threshold'.")
 
 
 # A run the study still holds open: resuming it (RESUME=1) ends it. Failed runs and runs that did
@@ -275,6 +494,9 @@ def _row(decl: Declaration, finding: Finding, budget: int, comparison: Compariso
         "p": _p(d.p) if m else "—", f"p (Holm, x{decl.looks} looks)": _p(m["p_holm"]) if m else "—",
         f"equivalence (TOST, ±{decl.margin:g} pt)": _equivalence_cell(m["equivalence"], m["p_equivalent"]) if m else "—",
         "outcome": m["outcome"] if m else "pending",
+        "A > B in seeds": _seeds_cell(m) if m else "—",
+        "how close to the threshold": _threshold_cell(**{"p (Holm)": m["p_holm"], "TOST p (Holm)": m["p_equivalent"]})
+        if m else "—",
     }
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from sparsetrain.results import BLEW_UP_RECOVERED
+from sparsetrain.results import BLEW_UP_RECOVERED, read_test_predictions
 
 from .loader import completed, select
 from .stats import (
@@ -254,6 +254,20 @@ def side_accuracy(side: pd.DataFrame) -> pd.Series:
     return per_seed(done["test_accuracy"] * 100, done["seed"])
 
 
+def correct_by_seed(side: pd.DataFrame) -> dict:
+    """Each seed's per-image correctness (``{seed: bool array}``, the test set's order) from its
+    completed runs' ``test_predictions.npz`` (``sparsetrain.results.TEST_PREDICTIONS``), for
+    ``stats.with_test_error``. A seed whose run wrote no predictions is left out; a seed run twice
+    counts its first run."""
+    out = {}
+    for _, run in completed(side).sort_values("run_dir").iterrows():
+        found = read_test_predictions(run["run_dir"])
+        if found is not None and run["seed"] not in out:
+            predicted, label = found
+            out[run["seed"]] = predicted == label
+    return out
+
+
 def _show(values: pd.Series, side: pd.DataFrame) -> str:
     n = len(values)
     text = "—" if n == 0 else f"{values.mean():.2f}" + (f" ± {values.std(ddof=1):.2f}" if n > 1 else "") + f" (n={n})"
@@ -337,17 +351,20 @@ def _equivalence_cell(e, p_adjusted: float) -> str:
 
 
 def measure(runs: pd.DataFrame, finding: Finding, base: dict, margin: float = EQUIVALENCE_MARGIN,
-            looks: int = 1) -> list[dict]:
+            looks: int = 1, equivalence_unclaimed: bool = False) -> list[dict]:
     """One finding's comparisons measured and judged: each a dict with the comparison, its sides'
     runs and per-seed accuracies, the ``Difference``, its Holm-adjusted p (times ``looks``, the
     analyses taken of the data so far, capped at 1), the equivalence test of a ``=`` claim with
-    its Holm-adjusted p (over the finding's ``=`` claims, times ``looks``) and the outcome."""
+    its Holm-adjusted p (over the finding's ``=`` claims, times ``looks``) and the outcome.
+    ``equivalence_unclaimed``: a ``?`` comparison gets the equivalence test too, Holm-adjusted over
+    the finding's ``?`` comparisons (shown beside its outcome, which it does not change)."""
     measured = []
     for comparison in finding.comparisons:
         setting = {**base, **comparison.setting}
         side_a, side_b = _side(runs, comparison.a, setting), _side(runs, comparison.b, setting)
         acc_a, acc_b = side_accuracy(side_a), side_accuracy(side_b)
-        eq = equivalence(acc_a, acc_b, margin) if comparison.expect == "=" else None
+        tested = comparison.expect == "=" or (equivalence_unclaimed and comparison.expect == "?")
+        eq = equivalence(acc_a, acc_b, margin) if tested else None
         measured.append({"comparison": comparison, "side_a": side_a, "side_b": side_b, "acc_a": acc_a,
                          "acc_b": acc_b, "d": compare(acc_a, acc_b), "equivalence": eq})
 
@@ -356,12 +373,14 @@ def measure(runs: pd.DataFrame, finding: Finding, base: dict, margin: float = EQ
 
     for m, p_adj in zip(measured, adjusted([m["d"].p for m in measured]), strict=True):
         m["p_holm"] = p_adj
-    equal = [m for m in measured if m["equivalence"] is not None]
-    for m, p_adj in zip(equal, adjusted([m["equivalence"].p for m in equal]), strict=True):
-        m["p_equivalent"] = p_adj
+    for expect in ("=", "?"):  # each kind its own family: a claim is not diluted by what no one claimed
+        equal = [m for m in measured if m["equivalence"] is not None and m["comparison"].expect == expect]
+        for m, p_adj in zip(equal, adjusted([m["equivalence"].p for m in equal]), strict=True):
+            m["p_equivalent"] = p_adj
     for m in measured:
         m.setdefault("p_equivalent", math.nan)
-        m["outcome"] = judge(m["d"], m["p_holm"], m["comparison"].expect, m["p_equivalent"])
+        expect = m["comparison"].expect
+        m["outcome"] = judge(m["d"], m["p_holm"], expect, m["p_equivalent"] if expect == "=" else math.nan)
     return measured
 
 

@@ -35,6 +35,7 @@ from sparsetrain.results import (  # stdlib only, no torch
     QUANTIZER_SCHEMES,
     STABILITY_FROM_STEP,
     TORCH_HOOK_SCHEMES,
+    blow_up,
     peak_loss_of,
     recorded_scheme,
     stability_of,
@@ -451,16 +452,31 @@ def _host_of(summary: dict) -> str:
     return ";".join(dict.fromkeys(labels))
 
 
-def _stability(row: dict) -> str | None:
-    """A finished run's stability (``sparsetrain.results.stability_of``), else None."""
+def _peak(row: dict) -> tuple[float | None, int | None]:
+    peak = None if math.isnan(row["loss_peak"]) else row["loss_peak"]
+    step = None if math.isnan(row.get("loss_peak_step", math.nan)) else int(row["loss_peak_step"])
+    return peak, step
+
+
+def _spike_fields(row: dict, logged: list[tuple[int, float]]) -> dict:
+    """``loss_spike`` / ``loss_spike_step``: the first blow-up among the recorded losses
+    (``sparsetrain.results.blow_up``: the peak and the logged steps), NaN where none."""
+    found = blow_up(*_peak(row), logged)
+    return {"loss_spike": found[1] if found else math.nan,
+            "loss_spike_step": math.nan if not found or found[0] is None else found[0]}
+
+
+def _stability(row: dict, logged: list[tuple[int, float]] = ()) -> str | None:
+    """A finished run's stability (``sparsetrain.results.stability_of``, over its peak and its
+    logged steps' losses), else None."""
     if row["status"] not in ("completed", DID_NOT_TRAIN):
         return None
     if row["status"] == DID_NOT_TRAIN:
         return DID_NOT_TRAIN
-    peak = None if math.isnan(row["loss_peak"]) else row["loss_peak"]
+    peak, step = _peak(row)
     loss = row["train_loss"] if math.isnan(row.get("train_loss_final", math.nan)) else row["train_loss_final"]
     accuracy = row["test_accuracy"] if math.isnan(row.get("val_accuracy", math.nan)) else row["val_accuracy"]
-    return stability_of(loss, accuracy, peak)
+    return stability_of(loss, accuracy, peak, peak_step=step, logged=logged)
 
 
 def collective_of(row: dict) -> str | None:
@@ -514,8 +530,11 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     if not (summary and summary.get("config")) and (run / ".hydra" / "config.yaml").is_file():
         config = _read_yaml(run / ".hydra" / "config.yaml")
     row = row_from_summary(summary, config)
-    row.update(_from_metrics(run / "metrics.jsonl", logged_peak=row.get("loss_peak_source") is None))
-    row["stability"] = _stability(row)
+    metrics = _from_metrics(run / "metrics.jsonl", logged_peak=row.get("loss_peak_source") is None)
+    logged = metrics.pop("logged_losses")
+    row.update(metrics)
+    row.update(_spike_fields(row, logged))
+    row["stability"] = _stability(row, logged)
     silent = unfinished_reason(run, summary, stale_after_s)
     if silent:  # says running, but rank 0 stopped beating long ago: it died without a word
         row.update(status="unfinished", error=silent)
@@ -541,17 +560,20 @@ def _from_metrics(path: Path, logged_peak: bool = False) -> dict:
     among the *logged* steps from ``STABILITY_FROM_STEP`` on (``loss_peak_source``: ``logged
     steps``; every ``train.log_every``-th step only, so a short spike between them can be missed).
     """
-    accuracies, peak = [], (math.nan, math.nan)
+    accuracies, peak, logged = [], (math.nan, math.nan), []
     if path.is_file():
         for r in _read_metrics(path, warn=False):
             if r.get("kind") == "epoch":
                 accuracies.append(_num(r.get("test_accuracy")))
-            elif logged_peak and r.get("kind") == "step" and _num(r.get("step")) >= STABILITY_FROM_STEP:
-                loss = _num(r.get("train_loss"))
-                if not math.isnan(loss) and not loss <= peak[0]:
-                    peak = (loss, _num(r.get("step")))
+            elif r.get("kind") == "step":
+                loss, step = _num(r.get("train_loss")), _num(r.get("step"))
+                if not (math.isnan(loss) or math.isnan(step)):
+                    logged.append((int(step), loss))
+                if logged_peak and step >= STABILITY_FROM_STEP and not math.isnan(loss) and not loss <= peak[0]:
+                    peak = (loss, step)
     gain = accuracies[-1] - accuracies[-2] if len(accuracies) >= 2 else math.nan
-    out = {"test_accuracy_gain_last_epoch": gain}
+    # every logged step's loss, for the blow-up rule (not a column)
+    out = {"test_accuracy_gain_last_epoch": gain, "logged_losses": logged}
     if logged_peak:
         out.update(loss_peak=peak[0], loss_peak_step=peak[1],
                    loss_peak_source="logged steps" if not math.isnan(peak[0]) else None)

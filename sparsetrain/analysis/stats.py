@@ -7,6 +7,9 @@
 - A side with one run (or a pairing with one seed) is **shown, never judged**: no interval, no p.
 - A finding's comparisons are corrected together for multiplicity with **Holm**'s step-down
   method; a difference is **outside the noise** when its Holm-adjusted p is below 0.05.
+- **Test-set sampling error** (``with_test_error``): from the runs' saved per-image predictions, an
+  interval for A - B over seeds and test images whose variance adds the test images' term
+  (McNemar's paired variance) to the seeds' (the paired t's).
 - "No difference" is a claim of its own: **equivalence** within a stated margin (+-1 point by
   default) by two one-sided t-tests (TOST, paired or Welch as above): equivalent when the larger
   of the two one-sided p-values is below 0.05, with the matching 90 % interval inside the margin.
@@ -141,3 +144,74 @@ def holm(pvalues: list[float]) -> list[float]:
 
 def outside_noise(p_adjusted: float, alpha: float = ALPHA) -> bool:
     return not math.isnan(p_adjusted) and p_adjusted < alpha
+
+
+TEST_IMAGES = "paired t + test images"
+
+
+@dataclass(frozen=True)
+class TestSetDifference:
+    """A minus B (points) over seeds and test images, with an interval that carries both the
+    seeds' noise and the test set's sampling error (``with_test_error``): ``se_seeds`` and
+    ``se_images`` are the two terms' standard errors (points), ``df`` Satterthwaite's degrees of
+    freedom for their sum."""
+
+    diff: float
+    low: float
+    high: float
+    p: float
+    se_seeds: float
+    se_images: float
+    df: float
+    n_seeds: int
+    n_images: int
+    test: str = TEST_IMAGES
+
+
+def with_test_error(correct_a: dict, correct_b: dict, confidence: float = 0.95) -> TestSetDifference:
+    """A - B in points from each seed's per-image correctness (``{seed: bool array over the test
+    images}``, the same images in the same order on both sides; paired by seed: the seeds both
+    hold), with an interval that includes the test set's sampling error.
+
+    Method: d[s, i] = correct_a[s][i] - correct_b[s][i], seeds s = 1..n crossed with images
+    i = 1..N; the estimate is the mean of d. Its variance, with seeds and test images both drawn
+    at random (two-way crossed random effects), is estimated from three mean squares: the seeds'
+    term (the variance over seeds of each seed's mean of d, over n: what the paired t uses), the
+    images' term (the variance over images of each image's mean of d over the seeds, over N:
+    McNemar's paired variance where n = 1), less the seed-by-image residual mean square over
+    n x N, which each of the two terms holds once (the sum alone would count it twice). The
+    interval is t-based with Satterthwaite's degrees of freedom; p two-sided against 0. With one
+    seed only the image term remains (df: N - 1). Where the estimate would fall below the larger
+    of the two terms, that term is used (a variance no smaller than either source alone)."""
+    import numpy as np
+
+    seeds = sorted(set(correct_a) & set(correct_b))
+    if not seeds:
+        raise ValueError("no seed on both sides: nothing to pair")
+    d = np.stack([np.asarray(correct_a[s], dtype=float) - np.asarray(correct_b[s], dtype=float) for s in seeds])
+    n, images = d.shape
+    if images < 2:
+        raise ValueError(f"{images} test image(s): the image term needs two or more")
+    diff = float(d.mean())
+    by_seed, by_image = d.mean(axis=1), d.mean(axis=0)
+    var_images = float(by_image.var(ddof=1)) / images
+    terms = [(var_images, images - 1)]  # (a variance term, its degrees of freedom)
+    var_seeds = 0.0
+    if n > 1:
+        var_seeds = float(by_seed.var(ddof=1)) / n
+        residual = d - by_seed[:, None] - by_image[None, :] + diff
+        var_residual = float((residual ** 2).sum()) / ((n - 1) * (images - 1)) / (n * images)
+        terms += [(var_seeds, n - 1), (-var_residual, (n - 1) * (images - 1))]
+    total = sum(v for v, _ in terms)
+    if total < max(var_seeds, var_images):  # a sampling low of the residual's subtraction
+        terms = [max((var_seeds, n - 1), (var_images, images - 1))]
+        total = terms[0][0]
+    if total == 0:  # every image and seed alike: no spread to test against
+        p = 0.0 if diff != 0 else 1.0
+        return TestSetDifference(100 * diff, 100 * diff, 100 * diff, p, 0.0, 0.0, math.inf, n, images)
+    df = total ** 2 / sum(v ** 2 / k for v, k in terms if v != 0)
+    se = math.sqrt(total)
+    half = float(stats.t.ppf(0.5 + confidence / 2, df)) * se
+    p = float(2 * stats.t.sf(abs(diff) / se, df))
+    return TestSetDifference(100 * diff, 100 * (diff - half), 100 * (diff + half), p,
+                             100 * math.sqrt(var_seeds), 100 * math.sqrt(var_images), df, n, images)

@@ -24,16 +24,18 @@ class Evaluator:
         self.world_size = world_size
         self.device = device
         self.bn_recalibrate = bn_recalibrate
+        self.test_predictions: torch.Tensor | None = None  # the last kept (rank 0's; CPU)
 
-    def evaluate(self, epoch: int) -> dict[str, float]:
+    def evaluate(self, epoch: int, predictions: bool = False) -> dict[str, float]:
         """With ``bn_recalibrate`` the model is scored twice: with the running batch-norm
         statistics from training (``test_accuracy_running_bn``, so every run measures what
-        recalibration changes) and then with recalibrated ones (the result)."""
+        recalibration changes) and then with recalibrated ones (the result). ``predictions``:
+        keep each test image's predicted class of the result (``test_predictions``)."""
         if self.bn_recalibrate <= 0:
-            return self.test()
+            return self.test(predictions)
         before = self.test()
         self.recalibrate_batch_norm(epoch)
-        return {**self.test(), "test_accuracy_running_bn": before["test_accuracy"]}
+        return {**self.test(predictions), "test_accuracy_running_bn": before["test_accuracy"]}
 
     def recalibrate_batch_norm(self, epoch: int) -> None:
         """Recompute batch-norm running statistics from ``bn_recalibrate`` training batches (the
@@ -61,17 +63,18 @@ class Evaluator:
                     dist.all_reduce(buf)
                     buf.div_(self.world_size)
 
-    def test(self) -> dict[str, float]:
+    def test(self, predictions: bool = False) -> dict[str, float]:
         """Rank 0's model (its batch-norm statistics broadcast) on the validation split (when there
         is one: ``val_loss``, ``val_accuracy``) and the test set (``test_loss``, ``test_accuracy``),
-        each sharded over the ranks."""
+        each sharded over the ranks. ``predictions``: rank 0 also keeps every test image's
+        predicted class, in the test set's order, as ``test_predictions`` (None on other ranks)."""
         self._rank0_eval()
         splits = [("test", self.data.test_x, self.data.test_y)]
         if self.data.has_validation:
             splits.insert(0, ("val", self.data.val_x, self.data.val_y))
         out: dict[str, float] = {}
         for name, x, y in splits:
-            out.update(self._score(name, x, y))
+            out.update(self._score(name, x, y, keep=predictions and name == "test"))
         self.model.train()
         return out
 
@@ -93,9 +96,12 @@ class Evaluator:
                 dist.broadcast(buf, src=0)
         self.model.eval()
 
-    def _score(self, name: str, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    def _score(self, name: str, x: torch.Tensor, y: torch.Tensor, keep: bool = False) -> dict[str, float]:
+        """``keep``: gather every image's predicted class on rank 0 (``test_predictions``)."""
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        total = len(y)
         x, y = x[self.rank :: self.world_size], y[self.rank :: self.world_size]
+        predicted = []
         with torch.no_grad():
             for xb, yb in eval_batches(x, y, 512):
                 xb, yb = xb.to(self.device), yb.to(self.device)
@@ -103,6 +109,30 @@ class Evaluator:
                 sums[0] += F.cross_entropy(logits, yb, reduction="sum").double()
                 sums[1] += (logits.argmax(1) == yb).sum()
                 sums[2] += len(yb)
+                if keep:
+                    predicted.append(logits.argmax(1))
         if self.world_size > 1:
             dist.all_reduce(sums)
+        if keep:
+            self.test_predictions = self._gather(predicted, total)
         return {f"{name}_loss": (sums[0] / sums[2]).item(), f"{name}_accuracy": (sums[1] / sums[2]).item()}
+
+    def _gather(self, predicted: list[torch.Tensor], total: int) -> torch.Tensor | None:
+        """Each rank's predictions for its shard (images rank, rank + W, ...) put back in the test
+        set's order on rank 0 (CPU, int64); None on other ranks. Shards differ by at most one
+        image, so each is padded to the longest for the all-gather."""
+        mine = torch.cat(predicted) if predicted else torch.zeros(0, dtype=torch.int64, device=self.device)
+        if self.world_size == 1:
+            return mine.cpu()
+        longest = -(-total // self.world_size)
+        padded = torch.zeros(longest, dtype=torch.int64, device=self.device)
+        padded[: len(mine)] = mine
+        shards = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(shards, padded)
+        if self.rank != 0:
+            return None
+        out = torch.empty(total, dtype=torch.int64)
+        for r, shard in enumerate(shards):
+            n = len(range(r, total, self.world_size))
+            out[r :: self.world_size] = shard[:n].cpu()
+        return out

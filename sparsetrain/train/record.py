@@ -26,14 +26,17 @@ from sparsetrain.errors import one_line_error
 from sparsetrain.provenance import code_version, describe, host
 from sparsetrain.rank import RankInfo
 from sparsetrain.results import (
+    METRICS,
     PHASES,
     STABILITY_FROM_STEP,
     Heartbeat,
     NullWriter,
     RunWriter,
     echo,
+    logged_losses,
     relative_run_dir,
     stability_of,
+    write_test_predictions,
 )
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
@@ -178,6 +181,11 @@ class RunRecord:
             self.checkpoint_path.unlink()
         return self.writer.summary
 
+    def save_test_predictions(self, predicted: torch.Tensor | None, label: torch.Tensor, num_classes: int) -> None:
+        """``test_predictions.npz`` (``sparsetrain.results.TEST_PREDICTIONS``), rank 0 only."""
+        if self.info.is_main and predicted is not None:
+            write_test_predictions(self.run_dir, predicted.numpy(), label.cpu().numpy(), num_classes)
+
     # ---- metrics ---------------------------------------------------------------------------
     def log_step(self, step: int, loss: torch.Tensor, stats: Any, lr: float | None) -> None:
         self._emit({
@@ -262,6 +270,12 @@ class RunRecord:
                         "scope": bool(getattr(red, "scope_applies", True))},
         }
 
+    def _logged_losses(self) -> list[tuple[int, float]]:
+        """The logged steps' losses in rank 0's metrics.jsonl (written line by line, so complete
+        up to now), which the blow-up rule reads beside the peak; none on other ranks."""
+        run_dir = getattr(self.writer, "run_dir", None)
+        return logged_losses(Path(run_dir) / METRICS) if run_dir is not None else []
+
     def _summary_fields(self, step: int, elapsed_s: float, reduce: bool = False) -> dict:
         """``reduce``: the ranks still meet (a completing run), so the final loss is every rank's."""
         timer, tally = self.parts.timer, self.tally
@@ -294,7 +308,9 @@ class RunRecord:
             "train_loss_peak": peaks,
             "stability": stability_of(final_loss if final_loss is not None else self.last_train_loss,
                                       chosen_on, peaks[f"after_step_{STABILITY_FROM_STEP}"]["train_loss"],
-                                      num_classes=self.parts.data.num_classes),
+                                      num_classes=self.parts.data.num_classes,
+                                      peak_step=peaks[f"after_step_{STABILITY_FROM_STEP}"]["step"],
+                                      logged=self._logged_losses()),
             "test_loss": ev.get("test_loss"),
             "time_ms": {phase: means.get(phase, 0.0) for phase in PHASES},
             # every rank's, where several ran: synchronous steps go at the slowest rank's pace

@@ -189,9 +189,15 @@ class Trainer:
             self.epoch += 1
             self.batch_in_epoch = 0
         train_loss, train_accuracy = self.tally.close_epoch()
-        if self._finished() or (full and self.epoch % self.cfg.train.eval_every == 0):
+        final = self._finished()
+        if final or (full and self.epoch % self.cfg.train.eval_every == 0):
             with self._synchronised():
-                self.record.last_eval = self.evaluator.evaluate(self.epoch)
+                # the final evaluation keeps each test image's prediction (after training: no
+                # random number is drawn for it)
+                self.record.last_eval = self.evaluator.evaluate(self.epoch, predictions=final)
+            if final:
+                self.record.save_test_predictions(self.evaluator.test_predictions, self.data.test_y,
+                                                  self.data.num_classes)
         self.record.log_epoch(self.epoch if full else self.step / len(self.loader), self.step,
                               train_loss, train_accuracy, self.elapsed_s)
 
