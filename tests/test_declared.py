@@ -373,3 +373,34 @@ def test_the_format_1_declaration_loads_and_says_a_pair_counts_twice(tmp_path):
                           "counts in each of those Holm families.",)
     verdicts, comparisons, _, effect = declared.tables(decl, pd.DataFrame())
     assert all(decl.notes[0] in table.notes for table in (verdicts, comparisons, effect))
+
+
+def test_equivalence_alpha_decides_an_equal_claim():
+    # verdicts2.yaml tests its "=" claim at 0.035 a side: a TOST p between 0.035 and 0.05 agrees at
+    # the default level and is "not told apart" at the declared one; the interval widens to match.
+    from sparsetrain.analysis.findings import Comparison, Finding, measure
+
+    finding = Finding("eq", "", (Comparison("a vs b", {"scheme": "topk"}, {"scheme": "randk"}, "="),))
+    rows = []
+    for seed, d in enumerate([0.33, -0.825, 1.485, -0.165, 0.99, -1.155]):  # TOST p 0.0435
+        for scheme, acc in (("topk", 90 + d / 2), ("randk", 90 - d / 2)):
+            rows.append({"scheme": scheme, "seed": seed, "status": "completed", "test_accuracy": acc / 100})
+    runs = pd.DataFrame(rows)
+    at_default, = measure(runs, finding, {})
+    at_declared, = measure(runs, finding, {}, equivalence_alpha=0.035)
+    p = at_default["p_equivalent"]
+    assert 0.035 < p < 0.05, p  # the data sit between the two levels
+    assert at_default["outcome"] == "agrees" and at_declared["outcome"] == "not told apart"
+    assert at_declared["equivalence"].high - at_declared["equivalence"].low > \
+        at_default["equivalence"].high - at_default["equivalence"].low
+
+
+def test_the_second_pass_declaration_loads_with_its_keys(tmp_path):
+    path = DECLARATION.parent / "verdicts2.yaml"
+    decl = declared.load(path)
+    assert decl.version == 2 and decl.equivalence_alpha == 0.035 and decl.budgets == (16,)
+    # a format 2 file may not hold a key the analysis would silently ignore
+    with pytest.raises(ValueError, match="key 'equivalence_alfa' is not read by the analysis"):
+        declared.load(_with_format(tmp_path, path.read_text() + "equivalence_alfa: 0.01\n"))
+    with pytest.raises(ValueError, match="alpha 0.1; allowed: 0.05"):
+        declared.load(_with_format(tmp_path, path.read_text().replace("alpha: 0.05", "alpha: 0.1")))

@@ -51,7 +51,7 @@ from .findings import (
     verdict,
 )
 from .loader import AXES, COLUMNS_FIRST, load_runs
-from .stats import Difference, compare, holm, outside_noise
+from .stats import ALPHA, Difference, compare, holm, outside_noise
 from .table import Table, write_table
 
 
@@ -74,6 +74,8 @@ class Declaration:
     notes: tuple[str, ...] = ()
     # 1: as first written; 2 (``format: 2``): each pair of points compared once, in either order
     version: int = 1
+    # each one-sided test of an "=" claim's TOST (``equivalence_alpha``; default alpha, 0.05)
+    equivalence_alpha: float = ALPHA
 
     @property
     def experiments(self) -> list[str]:
@@ -85,6 +87,11 @@ class Declaration:
 # of points (in either order) is compared in one finding, once: a pair in two families is counted
 # in two Holm corrections and can carry two claims (block-k vs random-k layer-wise: ">" and "=").
 FORMATS = (1, 2)
+# Every key a format 2 file may hold: one the analysis would not read is refused, not ignored.
+# ``seed_rule`` and ``tuning`` say how many seeds run and how the rates were chosen; the runs
+# carry their outcome, so the verdicts read neither.
+KEYS = {"study", "format", "sweeps", "reference_sweeps", "budgets", "seeds", "alpha", "margin", "looks",
+        "equivalence_alpha", "setting", "points", "findings", "seed_rule", "tuning"}
 
 
 def load(path: str | Path) -> Declaration:
@@ -97,6 +104,14 @@ def load(path: str | Path) -> Declaration:
     version = doc.get("format", 1)
     if version not in FORMATS:
         raise ValueError(f"{path}: format {version!r}; allowed: {', '.join(map(str, FORMATS))}")
+    unknown = sorted(set(doc) - KEYS)
+    if version >= 2 and unknown:
+        raise ValueError(f"{path}: key {unknown[0]!r} is not read by the analysis; allowed: {', '.join(sorted(KEYS))}")
+    if float(doc.get("alpha", ALPHA)) != ALPHA:
+        raise ValueError(f"{path}: alpha {doc['alpha']!r}; allowed: {ALPHA} (every verdict's level)")
+    eq_alpha = float(doc.get("equivalence_alpha", ALPHA))
+    if not 0 < eq_alpha <= ALPHA:
+        raise ValueError(f"{path}: equivalence_alpha {eq_alpha!r}; allowed: 0 < equivalence_alpha <= {ALPHA}")
     points = {name: dict(axes) for name, axes in doc["points"].items()}
     findings = []
     compared: dict[frozenset, list[tuple[str, str, str]]] = {}  # each pair, in either order: where
@@ -128,7 +143,7 @@ def load(path: str | Path) -> Declaration:
     return Declaration(path, doc["study"], tuple(doc["sweeps"]), tuple(int(b) for b in doc["budgets"]),
                        tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
                        dict(doc.get("setting") or {}), points, tuple(findings),
-                       tuple(doc.get("reference_sweeps") or ()), notes, version)
+                       tuple(doc.get("reference_sweeps") or ()), notes, version, eq_alpha)
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -201,7 +216,8 @@ def _untuned(decl: Declaration, before: pd.DataFrame) -> dict[str, list[dict]]:
         return {}
     base = {**SECOND_PASS, **HEADLINE, **decl.setting, "seed": list(decl.seeds)}
     before = _every_axis(before)
-    measured = {f.key: measure(before, f, base, decl.margin, decl.looks) for f in decl.findings}
+    measured = {f.key: measure(before, f, base, decl.margin, decl.looks, equivalence_alpha=decl.equivalence_alpha)
+                for f in decl.findings}
     if all(m["outcome"] == "pending" for ms in measured.values() for m in ms):
         return {}
     return measured
@@ -244,7 +260,8 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
                 rows += [{**_row(decl, finding, budget, c), **_untuned_cells(untuned, finding.key, i)}
                          for i, c in enumerate(finding.comparisons)]
                 continue
-            measured = measure(runs, finding, base, decl.margin, decl.looks, equivalence_unclaimed=True)
+            measured = measure(runs, finding, base, decl.margin, decl.looks, equivalence_unclaimed=True,
+                               equivalence_alpha=decl.equivalence_alpha)
             judged_at[budget] = measured
             by_budget[budget] = [m["outcome"] for m in measured]
             rows += [{**_row(decl, finding, budget, m["comparison"], m), **_untuned_cells(untuned, finding.key, i)}
@@ -373,7 +390,7 @@ def _relation(m: dict, margin: float) -> str | None:
 
 
 def _equivalent_unclaimed(m: dict) -> bool:
-    return m["comparison"].expect == "?" and outside_noise(m["p_equivalent"])
+    return m["comparison"].expect == "?" and outside_noise(m["p_equivalent"], m["equivalence"].alpha)
 
 
 def _held_cells(decl: Declaration, judged_at: dict[int, list[dict]], effects: list[BudgetEffect] | None) -> dict:

@@ -36,6 +36,7 @@ from sparsetrain.results import BLEW_UP_RECOVERED, read_test_predictions
 
 from .loader import completed, select
 from .stats import (
+    ALPHA,
     EQUIVALENCE_MARGIN,
     SHOWN,
     Difference,
@@ -280,9 +281,11 @@ def _show(values: pd.Series, side: pd.DataFrame) -> str:
     return text + (" [" + ", ".join(notes) + "]" if notes else "")
 
 
-def judge(d: Difference, p_adjusted: float, expect: str, p_equivalent: float = math.nan) -> str:
+def judge(d: Difference, p_adjusted: float, expect: str, p_equivalent: float = math.nan,
+          equivalence_alpha: float = ALPHA) -> str:
     """The outcome of one comparison from its difference, its Holm-adjusted p-value and, for an
-    ``=`` claim, its equivalence test's Holm-adjusted p-value (NaN: not tested)."""
+    ``=`` claim, its equivalence test's Holm-adjusted p-value (NaN: not tested), which shows
+    equivalence below ``equivalence_alpha``."""
     if d.n_a == 0 or d.n_b == 0:
         return "pending"
     if d.test == SHOWN:
@@ -291,7 +294,7 @@ def judge(d: Difference, p_adjusted: float, expect: str, p_equivalent: float = m
     if expect == "?":
         return ("A higher" if d.diff > 0 else "B higher") if apart else "within noise"
     if expect == "=":  # equivalent within the margin agrees, even where a smaller gap is detected
-        if outside_noise(p_equivalent):
+        if outside_noise(p_equivalent, equivalence_alpha):
             return "agrees"
         return "differs" if apart else "not told apart"
     if not apart:
@@ -347,24 +350,26 @@ def _equivalence_cell(e, p_adjusted: float) -> str:
         return "—"
     if not e.judged:
         return "not judged"
-    return f"p={_p(p_adjusted)} (Holm), 90% [{e.low:+.2f}, {e.high:+.2f}] vs ±{e.margin:g}"
+    return f"p={_p(p_adjusted)} (Holm), {100 * (1 - 2 * e.alpha):g}% [{e.low:+.2f}, {e.high:+.2f}] vs ±{e.margin:g}"
 
 
 def measure(runs: pd.DataFrame, finding: Finding, base: dict, margin: float = EQUIVALENCE_MARGIN,
-            looks: int = 1, equivalence_unclaimed: bool = False) -> list[dict]:
+            looks: int = 1, equivalence_unclaimed: bool = False,
+            equivalence_alpha: float = ALPHA) -> list[dict]:
     """One finding's comparisons measured and judged: each a dict with the comparison, its sides'
     runs and per-seed accuracies, the ``Difference``, its Holm-adjusted p (times ``looks``, the
     analyses taken of the data so far, capped at 1), the equivalence test of a ``=`` claim with
     its Holm-adjusted p (over the finding's ``=`` claims, times ``looks``) and the outcome.
     ``equivalence_unclaimed``: a ``?`` comparison gets the equivalence test too, Holm-adjusted over
-    the finding's ``?`` comparisons (shown beside its outcome, which it does not change)."""
+    the finding's ``?`` comparisons (shown beside its outcome, which it does not change).
+    ``equivalence_alpha``: each one-sided test's level (a declaration's ``equivalence_alpha``)."""
     measured = []
     for comparison in finding.comparisons:
         setting = {**base, **comparison.setting}
         side_a, side_b = _side(runs, comparison.a, setting), _side(runs, comparison.b, setting)
         acc_a, acc_b = side_accuracy(side_a), side_accuracy(side_b)
         tested = comparison.expect == "=" or (equivalence_unclaimed and comparison.expect == "?")
-        eq = equivalence(acc_a, acc_b, margin) if tested else None
+        eq = equivalence(acc_a, acc_b, margin, equivalence_alpha) if tested else None
         measured.append({"comparison": comparison, "side_a": side_a, "side_b": side_b, "acc_a": acc_a,
                          "acc_b": acc_b, "d": compare(acc_a, acc_b), "equivalence": eq})
 
@@ -380,7 +385,8 @@ def measure(runs: pd.DataFrame, finding: Finding, base: dict, margin: float = EQ
     for m in measured:
         m.setdefault("p_equivalent", math.nan)
         expect = m["comparison"].expect
-        m["outcome"] = judge(m["d"], m["p_holm"], expect, m["p_equivalent"] if expect == "=" else math.nan)
+        m["outcome"] = judge(m["d"], m["p_holm"], expect, m["p_equivalent"] if expect == "=" else math.nan,
+                             equivalence_alpha)
     return measured
 
 

@@ -92,6 +92,7 @@ class Equivalence:
     low: float
     high: float
     test: str
+    alpha: float = ALPHA  # each one-sided test's level: the interval is 1 - 2 alpha
 
     @property
     def judged(self) -> bool:
@@ -111,17 +112,17 @@ def equivalence(a: pd.Series, b: pd.Series, margin: float = EQUIVALENCE_MARGIN,
         d = a.to_numpy() - b.loc[a.index].to_numpy()
         if (d == d[0]).all():  # no spread: equivalent exactly when the one difference is inside
             inside = abs(d[0]) < margin
-            return Equivalence(margin, 0.0 if inside else 1.0, float(d[0]), float(d[0]), PAIRED)
+            return Equivalence(margin, 0.0 if inside else 1.0, float(d[0]), float(d[0]), PAIRED, alpha)
         lower = stats.ttest_1samp(d, -margin, alternative="greater")
         upper = stats.ttest_1samp(d, margin, alternative="less")
         ci = stats.ttest_1samp(d, 0.0).confidence_interval(confidence)
-        return Equivalence(margin, float(max(lower.pvalue, upper.pvalue)), float(ci.low), float(ci.high), PAIRED)
+        return Equivalence(margin, float(max(lower.pvalue, upper.pvalue)), float(ci.low), float(ci.high), PAIRED, alpha)
     if len(a) >= 2 and len(b) >= 2 and not (a.std(ddof=1) == 0 and b.std(ddof=1) == 0):
         x, y = a.to_numpy(), b.to_numpy()
         lower = stats.ttest_ind(x + margin, y, equal_var=False, alternative="greater")
         upper = stats.ttest_ind(x - margin, y, equal_var=False, alternative="less")
         ci = stats.ttest_ind(x, y, equal_var=False).confidence_interval(confidence)
-        return Equivalence(margin, float(max(lower.pvalue, upper.pvalue)), float(ci.low), float(ci.high), WELCH)
+        return Equivalence(margin, float(max(lower.pvalue, upper.pvalue)), float(ci.low), float(ci.high), WELCH, alpha)
     return Equivalence(margin, nan, nan, nan, SHOWN)
 
 
