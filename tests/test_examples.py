@@ -344,3 +344,25 @@ def test_ef21_trains_through_the_trainer_and_ddp_alike(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     steps = [r for r in read_jsonl(flat / "metrics.jsonl") if r["kind"] == "step"]
     assert all(r["memory_norm"] > 0 for r in steps)  # ||g_i||, logged as the memory's norm
+
+
+def test_ef21_reads_the_decoded_update_before_applying_g():
+    """With a compressor that gives the update every rank decoded (PowerSGD: P Q^T, in the buffer
+    the exchange then applies), the memory's forget reads it before its update replaces it with
+    g: on one rank g_i and g then both add up the decoded updates, and stay equal."""
+    from functools import partial
+
+    from sparsetrain.comm import build_reducer
+    from sparsetrain.compress import PowerSGD
+    from sparsetrain.timing import NULL_TIMER
+
+    ef21 = _module("ef21", EF21 / "ef21.py")
+    shapes = [(8, 6), (5, 4)]
+    red = build_reducer("powersgd", "layerwise", "allreduce", 0.5, [48, 20], world_size=1, rank=0, seed=0,
+                        dtype=torch.float64, compressor=partial(PowerSGD, rank=1), memory=ef21.EF21, shapes=shapes)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        flat = torch.randn(68, generator=gen, dtype=torch.float64)
+        red.reduce(flat, step, NULL_TIMER)
+        assert torch.equal(red.memory.g, flat)  # the update applied is g
+        assert torch.equal(red.memory.g_i, red.memory.g) and float(red.memory.g.norm()) > 0
