@@ -124,11 +124,13 @@ def test_a_memory_option_defines_the_run():
     assert config_differences({"scheme": {"name": "randk"}}, {"scheme": {"name": "randk", "memory": None}}) == []
 
 
-@pytest.mark.parametrize("example", ["dgc", "thc"])
+@pytest.mark.parametrize("example", ["dgc", "thc", "ef21"])
 def test_example_resumes_bit_for_bit_under_ddp(example, tmp_path):
     """Every buffer of the example's memory is checkpointed and re-homed across DDP's bucket
-    rebuild: SIGTERM in the second epoch, resume, the same weights and metrics as a straight run."""
-    scheme_args, env = (DGC_ARGS, _dgc_env()) if example == "dgc" else (THC_ARGS, _env(THC))
+    rebuild: SIGTERM in the second epoch, resume, the same weights and metrics as a straight run
+    (EF21: its g_i and its shared g, which is the update applied)."""
+    scheme_args, env = {"dgc": (DGC_ARGS, _dgc_env()), "thc": (THC_ARGS, _env(THC)),
+                        "ef21": (EF21_ARGS, _env(EF21))}[example]
     args = (*scheme_args, *TINY, "world_size=2", "train.epochs=2", "train.log_every=1", "train.save_model=true",
             "data.train_size=384", "dist.ddp=true", "dist.bucket_cap_mb=0.05")
     straight = run_cli(*args, f"hydra.run.dir={tmp_path / 'straight'}", env=env)
@@ -261,3 +263,106 @@ def test_thc_trains_through_the_trainer_and_ddp_alike_and_is_analysed(tmp_path):
     runs = load_runs(tmp_path)
     assert set(runs["aggregation"]) == {NOT_APPLICABLE} and set(runs["ratio"]) == {1.0}
     assert set(runs["collective"]) == {"allreduce"}
+
+
+# ---- EF21: a memory that changes the applied update (the shared estimate g) ----------------------
+EF21 = EXAMPLES / "ef21"
+EF21_ARGS = ("--config-dir", str(EF21 / "conf"), "scheme=ef21_topk")
+
+
+def _ranks_in_one_process(reducers, grads, step, monkeypatch):
+    """``reducers`` (one per rank, world_size = their number) exchange ``grads`` in this process:
+    each rank's one gather round is sent, then every rank's message is put into every rank's
+    receive buffer (the AllGather, by hand), then each rank decodes. Returns each rank's buffer."""
+    from sparsetrain.comm.sparse import _RoundBuffers
+
+    monkeypatch.setattr(_RoundBuffers, "communicate", lambda self, group, async_op: None)
+    bufs = [g.clone() for g in grads]
+    pending = [red.start(buf, step) for red, buf in zip(reducers, bufs, strict=True)]
+    gathered = torch.cat([red._buffers[0].send for red in reducers])
+    for red, p in zip(reducers, pending, strict=True):
+        assert [r.op for r in red.rounds] == ["gather"]
+        red._buffers[0].recv.copy_(gathered)
+        red.finish(p)
+    return bufs
+
+
+def test_ef21_applies_its_shared_estimate(monkeypatch):
+    """Three ranks through the exchange (in one process, float64) against EF21 written out:
+    c_i = top-k(grad_i - g_i); g_i += c_i; g += mean_i(c_i); the optimizer applies g. The whole
+    tensors are averaged as always; every rank applies the same update; g_i and g are the memory's
+    state."""
+    from sparsetrain.comm import build_reducer
+    from sparsetrain.compress import TopK
+
+    ef21 = _module("ef21", EF21 / "ef21.py")
+    world, sizes, ratio = 3, [50, 30], 0.2
+    layout = Layout.from_sizes([*sizes, 8])
+    reducers = [build_reducer("ef21_topk", "layerwise", "allgather", ratio, layout, world_size=world, rank=r,
+                              seed=0, uncompressed=[False, False, True], dtype=torch.float64, compressor=TopK,
+                              memory=ef21.EF21) for r in range(world)]
+    n = sum(sizes)
+    g_i = torch.zeros(world, n, dtype=torch.float64)
+    g = torch.zeros(n, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        grads = [torch.randn(layout.total, generator=gen, dtype=torch.float64) for _ in range(world)]
+        c = torch.zeros(world, n, dtype=torch.float64)
+        for r in range(world):
+            d = grads[r][:n] - g_i[r]
+            start = 0
+            for size in sizes:  # top-k of each tensor: the k largest |d|
+                k = max(1, round(ratio * size))
+                idx = start + torch.topk(d[start : start + size].abs(), k).indices
+                c[r, idx] = d[idx]
+                start += size
+        g_i += c
+        g += c.mean(0)
+        applied = _ranks_in_one_process(reducers, grads, step, monkeypatch)
+        for r in range(world):
+            assert torch.equal(applied[r], applied[0])
+            torch.testing.assert_close(applied[r][:n], g, rtol=0, atol=1e-12)
+            torch.testing.assert_close(applied[r][n:], sum(gr[n:] for gr in grads) / world, rtol=0, atol=1e-12)
+            torch.testing.assert_close(reducers[r].memory.g_i, g_i[r], rtol=0, atol=1e-12)
+            assert torch.equal(reducers[r].memory.g, applied[r][:n])
+        assert step == 0 or not torch.allclose(g, c.mean(0))  # from step 1 on, g is not the averaged message
+    assert reducers[0].memory.norm() == pytest.approx(float(g_i[0].norm()))
+    assert set(reducers[0].state_dict()["error_feedback"]) == {"enabled", "g_i", "g"}
+
+
+def test_ef21_trains_through_the_trainer_and_ddp_alike(tmp_path):
+    """The example through the trainer and, per bucket, the DDP hook: the same weights and train
+    loss to the bit. It trains because the shared estimate is applied: the averaged messages
+    alone (top-k of each gradient's change) would leave the loss near a uniform guess's 2.3."""
+    env = _env(EF21)
+    flat, s_flat = _run(tmp_path, "trainer", scheme=EF21_ARGS, env=env)
+    ddp, s_ddp = _run(tmp_path, "ddp", "dist.ddp=true", scheme=EF21_ARGS, env=env)
+    assert s_flat["status"] == s_ddp["status"] == "completed" and s_flat["steps"] == 30
+    assert s_flat["train_loss"] == s_ddp["train_loss"] < 2.0
+    a = torch.load(flat / "model.pt", weights_only=True)
+    b = torch.load(ddp / "model.pt", weights_only=True)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r for r in read_jsonl(flat / "metrics.jsonl") if r["kind"] == "step"]
+    assert all(r["memory_norm"] > 0 for r in steps)  # ||g_i||, logged as the memory's norm
+
+
+def test_ef21_reads_the_decoded_update_before_applying_g():
+    """With a compressor that gives the update every rank decoded (PowerSGD: P Q^T, in the buffer
+    the exchange then applies), the memory's forget reads it before its update replaces it with
+    g: on one rank g_i and g then both add up the decoded updates, and stay equal."""
+    from functools import partial
+
+    from sparsetrain.comm import build_reducer
+    from sparsetrain.compress import PowerSGD
+    from sparsetrain.timing import NULL_TIMER
+
+    ef21 = _module("ef21", EF21 / "ef21.py")
+    shapes = [(8, 6), (5, 4)]
+    red = build_reducer("powersgd", "layerwise", "allreduce", 0.5, [48, 20], world_size=1, rank=0, seed=0,
+                        dtype=torch.float64, compressor=partial(PowerSGD, rank=1), memory=ef21.EF21, shapes=shapes)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        flat = torch.randn(68, generator=gen, dtype=torch.float64)
+        red.reduce(flat, step, NULL_TIMER)
+        assert torch.equal(red.memory.g, flat)  # the update applied is g
+        assert torch.equal(red.memory.g_i, red.memory.g) and float(red.memory.g.norm()) > 0

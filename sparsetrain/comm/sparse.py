@@ -181,7 +181,9 @@ class SparseReducer:
 
     The memory forgets what was sent right after the last round's ``send`` when the payload is
     this rank's own message, or after the last ``receive`` when the compressor gives the update
-    every rank decoded (``Payload.decoded``: PowerSGD's memory is ``acc - P Q^T``).
+    every rank decoded (``Payload.decoded``: PowerSGD's memory is ``acc - P Q^T``). Then the
+    memory's ``update`` sees the decoded update and may overwrite it with the one applied (EF21's
+    shared estimate); by default it leaves it as it is.
     """
 
     def __init__(
@@ -327,10 +329,11 @@ class SparseReducer:
         return pending
 
     def finish(self, pending: SparseStep, timer: PhaseTimer = NULL_TIMER) -> None:
-        """Wait for the last round (if still in flight), receive it and overwrite the buffer with
-        the update every rank applies (its compressed tensors, where they are one run, in place;
-        else through a buffer in the compressor's layout); then, where the compressor gives the
-        decoded update, the memory's forget."""
+        """Wait for the last round (if still in flight) and receive it; where the compressor gives
+        the decoded update, the memory's forget; then the memory's ``update`` (which may change
+        what is applied) and the buffer overwritten with the update every rank applies (its
+        compressed tensors, where they are one run, in place; else through a buffer in the
+        compressor's layout)."""
         if pending.work is not None:
             with timer.phase("exchange"):
                 pending.work.wait()
@@ -345,11 +348,13 @@ class SparseReducer:
                 out = self._decoded
             out.zero_()
             self._receive(len(self.rounds) - 1, pending, out)
+        if not pending.forgotten:  # before the memory's update, which may overwrite the decoded update
+            self._forget(pending, pending.state.acc if pending.acc_copy is None else pending.acc_copy, timer)
+        with timer.phase("decompress"):
+            self.memory.update(out)  # the update the optimizer applies, where the memory changes it
             if len(runs) > 1:
                 for a, f, n in runs:
                     buf[a : a + n].copy_(out[f : f + n])
-        if not pending.forgotten:
-            self._forget(pending, pending.state.acc if pending.acc_copy is None else pending.acc_copy, timer)
 
     def _receive(self, i: int, pending: SparseStep, out) -> None:
         """Round ``i``'s result to the compressor, and the whole tensors (averaged) back into the

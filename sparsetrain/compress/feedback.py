@@ -1,7 +1,8 @@
 """The memory: what a worker keeps of what it did not send, one component beside the compressor.
 
-A memory turns the gradient into the vector the compressor sees (``accumulate``) and, once the
-message is made, keeps what was not sent (``forget``). Its state is a few buffers of one entry
+A memory turns the gradient into the vector the compressor sees (``accumulate``), once the
+message is made keeps what was not sent (``forget``) and, after the exchange, may change the
+update the optimizer applies (``update``; by default the ranks' averaged message is applied). Its state is a few buffers of one entry
 per compressed entry (``buffers``): checkpoints save them, and the DDP hook moves them, entry by
 entry, when DDP rebuilds its buckets, whatever the memory holds.
 
@@ -53,6 +54,13 @@ class Memory:
     def forget(self, payload: Payload, compressor: Compressor) -> None:
         """After ``compressor.compress(acc)``: keep what was not sent."""
         raise NotImplementedError
+
+    def update(self, average: torch.Tensor) -> None:
+        """After the exchange (and ``forget``): ``average`` holds the update every rank decoded,
+        the ranks' messages averaged, over the compressed entries in this memory's order. A
+        memory that changes the update the optimizer applies overwrites it in place (EF21: its
+        shared estimate ``g += average``, then ``g``); it must write the same on every rank.
+        Default: nothing, the average is applied."""
 
     # --- shared behaviour ---------------------------------------------------------------------
     def buffers(self) -> dict[str, torch.Tensor]:
