@@ -225,3 +225,27 @@ def test_fast_path_is_a_train_key_off_by_default_that_reaches_the_reducer(monkey
 
 
 _real_init = SparseReducer.__init__
+
+
+def test_benchmark_times_the_fast_path_beside_the_torch_path_on_a_tiny_gradient():
+    """``sparsetrain.benchmarks.compress``'s fast rows (what `make gpu-check` times on the GPU)
+    run here on CPU tensors under the interpreter: every scheme with kernels, both scopes, and
+    their goals (top-k faster than torch.topk alone, random-k and block-k <= 2 copies)."""
+    from sparsetrain.benchmarks import compress as bench
+    from sparsetrain.compress import Layout
+
+    cpu = torch.device("cpu")
+    if not fused.interpreting():
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    layout = Layout.from_sizes(SIZES)
+    g = data(layout.total, 6, torch.float32, cpu)[0]
+    rows = bench.fast_rows(layout, g, 0.02, 1, cpu)
+    assert [(r["scheme"], r["scope"]) for r in rows] == [(f"{s}_fast", sc) for s in ("topk", "randk", "blockk")
+                                                        for sc in SCOPES]
+    assert all(r["compress_ef_ms"] > 0 and r["compress_ef_copies"] > 0 and r["decompress_ms"] > 0 for r in rows)
+    goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {"torch.topk(g.abs(),k)": 1.0}})
+    assert {name.split(" = ")[0] for name in goals} == {
+        "topk_fast/layerwise compress+EF faster than torch.topk alone",
+        "topk_fast/global compress+EF faster than torch.topk alone",
+        *(f"{s}_fast/{sc} {what} <= 2 copies" for s in ("randk", "blockk") for sc in SCOPES
+          for what in ("compress+EF", "decompress"))}
