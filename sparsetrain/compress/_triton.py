@@ -25,18 +25,21 @@ def sample_threshold(mem, grad, sidx, kth, full, large, thr, M, MBLOCK: tl.const
     mask = offs < M
     where = tl.load(sidx + r * M + offs, mask=mask, other=0)
     a = tl.abs(tl.load(mem + where, mask=mask, other=0.0) + tl.load(grad + where, mask=mask, other=0.0))
-    if BITS == 32:
-        x = tl.where(mask, a.to(tl.int32, bitcast=True).to(tl.int64), -1)
+    if BITS == 32:  # int32 keys: a large sample stays in registers
+        x = tl.where(mask, a.to(tl.int32, bitcast=True), -1)
+        t = tl.zeros((), dtype=tl.int32)
+        one = tl.full((), 1, tl.int32)
     else:
         x = tl.where(mask, a.to(tl.int64, bitcast=True), -1)
+        t = tl.zeros((), dtype=tl.int64)
+        one = tl.full((), 1, tl.int64)
     need = tl.load(kth + r) + 1
-    t = tl.zeros((), dtype=tl.int64)
     for b in range(BITS - 1):  # the sign bit of |x| is 0
-        trial = t | (tl.full((), 1, tl.int64) << (BITS - 2 - b))
-        if tl.sum((x >= trial).to(tl.int64), axis=0) >= need:
+        trial = t | (one << (BITS - 2 - b))
+        if tl.sum((x >= trial).to(tl.int32), axis=0) >= need:
             t = trial
     if BITS == 32:
-        value = t.to(tl.int32).to(tl.float32, bitcast=True)
+        value = t.to(tl.float32, bitcast=True)
     else:
         value = t.to(tl.float64, bitcast=True)
     value = tl.where(tl.load(full + r) != 0, 0.0, value)

@@ -149,7 +149,8 @@ def topk_step(comp: TopK, mem: torch.Tensor, grad: torch.Tensor, out=None, wire=
         plan.thr = torch.zeros(len(comp.layout), dtype=dtype, device=dev)  # small segments: 0 (all)
     if comp.large:
         k_.sample_threshold[(len(comp.large),)](mem, grad, plan.sidx, plan.kth, plan.full, plan.large, plan.thr,
-                                                comp.sample_m, MBLOCK=plan.mblock, BITS=bits)
+                                                comp.sample_m, MBLOCK=plan.mblock, BITS=bits,
+                                                num_warps=16 if plan.mblock >= 16384 else 4)
     k_.accumulate_count[(plan.blocks,)](mem, grad, plan.thr, plan.blk_seg, plan.blk_start, plan.blk_end,
                                        plan.counts, BLOCK=BLOCK)
     ends = torch.cumsum(plan.counts, 0)
