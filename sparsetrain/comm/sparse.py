@@ -25,6 +25,7 @@ message.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,6 +260,8 @@ class SparseReducer:
             self.fast_path_reason = fused.reason(compressor, self.memory, self.device, dtype)
             if self.fast_path_reason is None:
                 self._fused = fused
+            elif self.device.type == "cuda":  # asked for where it could run: say why it does not
+                warnings.warn(f"the fast path (train.fast_path=true) is off here: {self.fast_path_reason}", stacklevel=2)
 
     def positions_seed(self, step: int) -> int:
         """The seed of ``step``'s positions: shared by every rank with AllReduce (they must send
