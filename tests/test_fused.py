@@ -76,7 +76,8 @@ def data(n, seed, dtype, device):
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_topk_sends_torch_topks_set_and_leaves_the_same_memory(device, scope, dtype):
-    """Per segment (global: overall) exactly torch.topk's set of |memory + grad|; the values are
+    """Per segment (global: overall) exactly torch.topk's set of |memory + grad|, from the torch
+    path's thresholds; the values are
     those entries of acc, from the largest |acc| within each segment (as the torch path's
     layer-wise order); the memory afterwards equals the torch path's, bit for bit; the indices
     are the wire positions."""
@@ -89,6 +90,9 @@ def test_fused_topk_sends_torch_topks_set_and_leaves_the_same_memory(device, sco
     got = fused.step(comp, mem, grad, out=torch.empty(comp.k, dtype=dtype, device=device), wire=wire)
     idx = got.indices.cpu()
     assert comp.fallbacks == 0 and (comp.large if scope == "layerwise" else True)
+    if comp.large:  # the thresholds are the torch path's own, found from memory + grad
+        want = comp._sample_thresholds(acc.abs()[comp.sample_idx.cpu()].to(device))
+        assert torch.equal(comp._fused_plan.thr[comp._fused_plan.large], want)
     for pos, k, off, size in segments(comp):
         mine = idx[pos : pos + k]
         assert set(mine.tolist()) == set((torch.topk(acc[off : off + size].abs(), k).indices + off).tolist())
