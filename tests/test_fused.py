@@ -166,6 +166,31 @@ def test_fused_gather_keeps_the_draws_and_equals_the_torch_path(device, cls, sco
         assert torch.equal(mem, ref_mem)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_block_k_expands_wrapping_runs_and_the_short_last_block_as_the_torch_path(device):
+    """Block-k's kernels expand the starts themselves: a layer-wise run that wraps around its
+    tensor's end, a global draw that holds the short last block and the block cut at k, over
+    many seeds: the torch path's indices, values and memory, bit for bit."""
+    n = sum(SIZES)
+    wrapped = last = 0
+    for scope, block_size in (("layerwise", 256), ("global", 40)):
+        comp = BlockRandomK(0.05, SIZES, scope, block_size=block_size, device=device)
+        ref = BlockRandomK(0.05, SIZES, scope, block_size=block_size, device=device)
+        mem, ref_mem = torch.zeros(n, device=device), torch.zeros(n, device=device)
+        for seed in range(40):
+            _, grad = data(n, 100 + seed, torch.float32, device)
+            got = fused.step(comp, mem, grad, seed)
+            want, ref_mem = torch_path(ref, ref_mem, grad, seed)
+            assert torch.equal(got.indices, want.indices) and torch.equal(got.values, want.values)
+            assert torch.equal(mem, ref_mem)
+            starts = got.positions.cpu()
+            if scope == "layerwise":
+                wrapped += sum(int(st) + k > size for st, k, size in zip(starts, comp.ks, SIZES, strict=True))
+            else:
+                last += int((starts == (comp.nb - 1) * block_size).any())
+    assert wrapped > 0 and last > 0
+
+
 def reducer(comp, aggregation, fast_path, device, dtype):
     return SparseReducer(comp, aggregation=aggregation, world_size=1, rank=0, seed=3, uncompressed_numel=5,
                          device=device, dtype=dtype, fast_path=fast_path)

@@ -123,3 +123,46 @@ def take(mem, idx, values, wire, K, BLOCK: tl.constexpr, WIRE: tl.constexpr):
     if WIRE:
         tl.store(wire + j, i.to(wire.dtype.element_ty), mask=mask)
     tl.store(mem + i, tl.zeros_like(v), mask=mask)
+
+
+@triton.jit
+def take_runs(mem, starts, seg, in_run, size, offset, values, idx, K, BLOCK: tl.constexpr):
+    """Block-k layer-wise, gather and forget in one from the run starts: slot j of tensor s
+    takes entry ``offset + (starts[s] + in_run[j]) % size`` (``BlockRandomK.indices``'s integer
+    arithmetic), writes its value and index and zeroes it in the memory."""
+    pid = tl.program_id(0)
+    j = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = j < K
+    start = tl.load(starts + tl.load(seg + j, mask=mask, other=0), mask=mask, other=0)
+    n = tl.load(size + j, mask=mask, other=1)
+    i = (start + tl.load(in_run + j, mask=mask, other=0)) % n + tl.load(offset + j, mask=mask, other=0)
+    v = tl.load(mem + i, mask=mask, other=0.0)
+    tl.store(values + j, v, mask=mask)
+    tl.store(idx + j, i, mask=mask)
+    tl.store(mem + i, tl.zeros_like(v), mask=mask)
+
+
+@triton.jit
+def take_blocks(mem, starts, values, idx, DRAWN, K, B, LAST_START, LAST_SIZE,
+                DRAWN_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """Block-k global, gather and forget in one from the drawn block starts (one program per
+    drawn block): blocks taken whole in draw order until k entries, the one crossing k cut to
+    its leading part (``BlockRandomK.indices``): block p's entries go to the slots from
+    ``min(before_p, k)``, ``before_p`` the sizes of the blocks drawn before it."""
+    p = tl.program_id(0)
+    q = tl.arange(0, DRAWN_P2)
+    all_starts = tl.load(starts + q, mask=q < DRAWN, other=0)
+    sizes = tl.where(q < DRAWN, tl.where(all_starts == LAST_START, LAST_SIZE, B), 0).to(tl.int64)
+    before = tl.sum(tl.where(q < p, sizes, 0), axis=0)
+    start = tl.load(starts + p)
+    mine = tl.where(start == LAST_START, LAST_SIZE, B).to(tl.int64)
+    length = tl.minimum(tl.maximum(K - before, 0), mine)
+    slot0 = tl.minimum(before, K)
+    for e0 in range(0, length, CHUNK):
+        e = e0 + tl.arange(0, CHUNK)
+        mask = e < length
+        i = start + e
+        v = tl.load(mem + i, mask=mask, other=0.0)
+        tl.store(values + slot0 + e, v, mask=mask)
+        tl.store(idx + slot0 + e, i, mask=mask)
+        tl.store(mem + i, tl.zeros_like(v), mask=mask)

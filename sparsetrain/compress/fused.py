@@ -19,9 +19,11 @@ error feedback + compression is a handful of kernels (``compress._triton``):
   The values go out segment by segment, from the largest ``|acc|`` (the torch path's layer-wise
   order; its global order is topk's own); every receiver adds each entry once per message, so
   the decoded update is the same bits whatever the order.
-- random-k and block-k: their draws are the torch path's (``select``), then one kernel gathers
-  the values, writes the wire positions and zeroes the sent entries in the memory (three torch
-  ops before). The draws themselves stay torch ops: they are what the schemes are defined by.
+- random-k and block-k: their draws are the torch path's (the same generator calls), then one
+  kernel gathers the values, writes the wire positions (random-k) and zeroes the sent entries in
+  the memory (three torch ops before); block-k's kernel also expands its run starts (layer-wise)
+  or drawn blocks (global) into the entries (``BlockRandomK.indices``' integer arithmetic: half a
+  dozen torch ops before). The draws themselves stay torch ops: they define the schemes.
 
 Nothing else changes: the other schemes, another memory than plain error feedback, a DDP
 bucket's pieces, or a step whose compression error is measured take the torch path
@@ -188,17 +190,32 @@ def topk_step(comp: TopK, mem: torch.Tensor, grad: torch.Tensor, out=None, wire=
 
 def drawn_step(comp: RandomK | BlockRandomK, mem: torch.Tensor, grad: torch.Tensor, seed: int,
                out=None, wire=None) -> Payload:
-    """Error feedback + random-k's or block-k's draws (the torch path's own ``select``) + one
-    kernel for the gather, the wire positions and the memory's forget."""
+    """Error feedback + random-k's or block-k's draws (the torch path's own generator calls) +
+    one kernel for the gather, the memory's forget and (random-k) the wire positions; block-k's
+    kernels expand its run or block starts to the entries themselves (``indices``' arithmetic)."""
     mem.add_(grad)
-    positions, idx = comp.select(mem, seed)
     values = out if out is not None else torch.empty(comp.k, dtype=mem.dtype, device=mem.device)
-    same = type(comp) is RandomK and wire is not None  # random-k's wire positions are the indices
-    kernels().take[_grid(comp.k, TAKE_BLOCK)](mem, idx, values, wire if same else idx, comp.k,
-                                              BLOCK=TAKE_BLOCK, WIRE=same)
-    if wire is not None and not same:
-        wire.copy_(positions)
-    return Payload(values, positions, idx)
+    k_ = kernels()
+    if type(comp) is RandomK:
+        idx = comp.select(mem, seed)[1]
+        k_.take[_grid(comp.k, TAKE_BLOCK)](mem, idx, values, wire if wire is not None else idx, comp.k,
+                                           BLOCK=TAKE_BLOCK, WIRE=wire is not None)
+        return Payload(values, idx, idx)
+    starts = comp.draw(seed, mem.device)
+    idx = torch.empty(comp.k, dtype=torch.int64, device=mem.device)
+    if comp.scope == "layerwise":
+        k_.take_runs[_grid(comp.k, TAKE_BLOCK)](mem, starts, comp.entry_segment, comp.entry_in_run,
+                                                comp.entry_segment_size, comp.entry_offset, values, idx, comp.k,
+                                                BLOCK=TAKE_BLOCK)
+    else:
+        B = comp.block_size
+        k_.take_blocks[(comp.blocks_drawn,)](mem, starts, values, idx, comp.blocks_drawn, comp.k, B,
+                                             (comp.nb - 1) * B, comp.last_size,
+                                             DRAWN_P2=triton_next_pow2(comp.blocks_drawn),
+                                             CHUNK=min(1024, triton_next_pow2(B)))
+    if wire is not None:
+        wire.copy_(starts)
+    return Payload(values, starts, idx)
 
 
 def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0, out=None, wire=None) -> Payload:
