@@ -46,11 +46,13 @@ SIZES = [600, 16, 3000, 40, 1500, 1]
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
-    """Segments above 256 entries sampled, blocks of 256: every path of the kernels on a few
-    thousand entries (the interpreter's pace)."""
+    """Segments above 256 entries sampled, blocks of 256, block-k global expanded by its kernel
+    up to 64 drawn blocks: every path of the kernels on a few thousand entries (the
+    interpreter's pace)."""
     monkeypatch.setattr(TopK, "SMALL", 256)
     monkeypatch.setattr(fused, "BLOCK", 256)
     monkeypatch.setattr(fused, "TAKE_BLOCK", 64)
+    monkeypatch.setattr(fused, "MAX_BLOCKS", 64)
 
 
 def segments(comp):
@@ -170,10 +172,11 @@ def test_fused_gather_keeps_the_draws_and_equals_the_torch_path(device, cls, sco
 def test_fused_block_k_expands_wrapping_runs_and_the_short_last_block_as_the_torch_path(device):
     """Block-k's kernels expand the starts themselves: a layer-wise run that wraps around its
     tensor's end, a global draw that holds the short last block and the block cut at k, over
-    many seeds: the torch path's indices, values and memory, bit for bit."""
+    many seeds (and blocks of 1 entry: more drawn blocks than the kernel expands, torch's
+    expansion): the torch path's indices, values and memory, bit for bit."""
     n = sum(SIZES)
     wrapped = last = 0
-    for scope, block_size in (("layerwise", 256), ("global", 40)):
+    for scope, block_size in (("layerwise", 256), ("global", 40), ("global", 1)):
         comp = BlockRandomK(0.05, SIZES, scope, block_size=block_size, device=device)
         ref = BlockRandomK(0.05, SIZES, scope, block_size=block_size, device=device)
         mem, ref_mem = torch.zeros(n, device=device), torch.zeros(n, device=device)

@@ -45,6 +45,7 @@ from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
 
 BLOCK = 1024  # entries per program of the full-buffer passes
 TAKE_BLOCK = 1024  # slots per program of the gather
+MAX_BLOCKS = 4096  # block-k global: drawn blocks up to which one kernel expands them (block_size 256: 438)
 
 
 def installed() -> bool:
@@ -207,6 +208,9 @@ def drawn_step(comp: RandomK | BlockRandomK, mem: torch.Tensor, grad: torch.Tens
         k_.take_runs[_grid(comp.k, TAKE_BLOCK)](mem, starts, comp.entry_segment, comp.entry_in_run,
                                                 comp.entry_segment_size, comp.entry_offset, values, idx, comp.k,
                                                 BLOCK=TAKE_BLOCK)
+    elif comp.blocks_drawn > MAX_BLOCKS:  # each program reads every start: too many, torch expands them
+        idx = comp.indices(starts)
+        k_.take[_grid(comp.k, TAKE_BLOCK)](mem, idx, values, idx, comp.k, BLOCK=TAKE_BLOCK, WIRE=False)
     else:
         B = comp.block_size
         k_.take_blocks[(comp.blocks_drawn,)](mem, starts, values, idx, comp.blocks_drawn, comp.k, B,
