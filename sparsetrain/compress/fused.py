@@ -116,6 +116,8 @@ class _TopKPlan:
             self.full = comp.sample_full.to(device=dev, dtype=torch.int32)
             self.mblock = triton_next_pow2(comp.sample_m)
         self.cap = 0
+        self.cidx = self.ckey = torch.empty(0, **i64)
+        self.cseg = torch.empty(0, dtype=torch.int32, device=dev)
 
     def candidates(self, n: int, dev: torch.device):
         """The candidate buffers, grown to ``n`` (kept between steps)."""
