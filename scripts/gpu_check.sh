@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# make gpu-check: the CUDA path on one GPU in a few minutes (at most about 9: the stages' limits).
+# make gpu-check: the CUDA path on one GPU in a few minutes (at most 11: the stages' limits).
 #   1. the tests marked `cuda` (pytest -m cuda): compressors on CUDA vs CPU, error feedback,
 #      reducers over gloo-on-CUDA (and NCCL with 2 GPUs), a world_size=1 CUDA run whose phases
 #      add up to its step within 10%, peak memory from CUDA;
 #   2. the compressor benchmark on CUDA (ResNet-18 gradient, 1%, every scheme and scope, against
-#      torch.topk and a copy of the gradient; goals printed), then each timed call profiled
+#      torch.topk and a copy of the gradient; the fast path's fused kernels (train.fast_path:
+#      rows <scheme>_fast) beside the torch path; goals printed), then each timed call profiled
 #      (kernel launches and host waits per call: what sets a call's time on a fast GPU);
-#   3. the ResNet-18 CIFAR-shape step-time table (dense vs each scheme and scope, one rank, phases).
+#   3. the ResNet-18 CIFAR-shape step-time table (dense vs each scheme and scope, one rank, phases;
+#      top-k, random-k and block-k again with train.fast_path=true, rows <scheme>+F).
+# The cuda tests include tests/test_fused.py's: the fast path's kernels compiled on the GPU
+# against the torch path (on a machine without one they run under Triton's interpreter).
 # Writes $OUT/gpu_tests.txt, gpu_compress.txt/.json, gpu_profile.txt, gpu_step.txt/.json (+ gpu_step_log.txt, the
 # run's output), gpu_check.txt (summary),
 # each naming the GPU. Exit 0 only when every stage ran and every test passed (the performance
@@ -47,10 +51,10 @@ stage() {  # stage NAME FILE TIMEOUT CMD...: run CMD, tee its output under the h
 # need not have (notebook runners, the SLURM launcher), and one failed import stops a session.
 mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
 stage "cuda tests" "$OUT/gpu_tests.txt" 300 "$PY" -m pytest -m cuda -rs -q -p no:cacheprovider "${CUDA_TESTS[@]}"
-stage "compressor benchmark" "$OUT/gpu_compress.txt" 120 \
+stage "compressor benchmark" "$OUT/gpu_compress.txt" 180 \
     "$PY" -m sparsetrain.benchmarks.compress --device cuda --repeats 15 --rounds 3 --json "$OUT/gpu_compress.json" \
     --profile "$OUT/gpu_profile.txt"
-stage "step-time table" "$OUT/gpu_step_log.txt" 120 \
+stage "step-time table" "$OUT/gpu_step_log.txt" 180 \
     "$PY" -m sparsetrain.benchmarks.step_device --device cuda --out "$OUT"
 
 {
@@ -60,7 +64,7 @@ stage "step-time table" "$OUT/gpu_step_log.txt" 120 \
     echo "compressor goals (ResNet-18 gradient, 1%; copies = time / one gradient copy):"
     sed -n '/^goals:/,$p' "$OUT/gpu_compress.txt" | grep -E "^\s+(met|MISS)"
     echo "step time (ms, one rank):"
-    grep -A8 "^scheme" "$OUT/gpu_step.txt" 2>/dev/null
+    sed -n '/^scheme/,/^$/p' "$OUT/gpu_step.txt" 2>/dev/null
     grep "^phases add up" "$OUT/gpu_step.txt" 2>/dev/null
 } | tee "$OUT/gpu_check.txt"
 exit $status

@@ -67,6 +67,20 @@ def test_compress_goals_per_device():
                          f"topk/global speed-up over torch.topk = 5.0x >= {need}": need == 5}
 
 
+def test_fast_path_goals():
+    """The fast path's rows (``<scheme>_fast``): top-k's compress + EF against torch.topk alone
+    (faster: below its copies), random-k's and block-k's <= 2 copies."""
+    mod = _script("compress")
+    rows = [{"scheme": s, "scope": sc, "compress_ef_copies": c, "decompress_copies": 1.0}
+            for s, sc, c in [("topk_fast", "layerwise", 9.0), ("topk_fast", "global", 12.0),
+                             ("randk_fast", "layerwise", 1.5), ("blockk_fast", "global", 2.5)]]
+    goals = mod.goals({"device": "cuda:0", "schemes": rows, "references_copies": {"torch.topk(g.abs(),k)": 11.0}})
+    assert goals["topk_fast/layerwise compress+EF faster than torch.topk alone = 1.2x > 1"] is True
+    assert goals["topk_fast/global compress+EF faster than torch.topk alone = 0.9x > 1"] is False
+    assert goals["randk_fast/layerwise compress+EF <= 2 copies"] is True
+    assert goals["blockk_fast/global compress+EF <= 2 copies"] is False
+
+
 def test_quantizer_kernel_goals_per_device():
     """signSGD's and QSGD's encode and decode_add alone: <= 2 and 4 copies (encode), <= 2
     (decode) on the CPU; <= 4 copies each on a GPU."""

@@ -22,6 +22,11 @@ each timed call) or ``auto`` (the CPU, then the GPU when there is one). Goals: c
 "kernels", compress = encode, decompress = decode_add of one message; on the CPU): signSGD
 encode <= 2, QSGD s=1 encode <= 4, decode_add <= 2 copies (on a GPU each <= 4); top-k >= 12x
 ``torch.topk`` on the CPU, >= 5x on a GPU.
+
+The fast path (``train.fast_path=true``: ``compress.fused``, Triton) of top-k, random-k and block-k
+is timed beside the torch path as rows ``<scheme>_fast`` (on CUDA; on the CPU only under Triton's
+interpreter, ``TRITON_INTERPRET=1``, which the tests use on a tiny gradient). Its goals: top-k's
+compress + EF faster than ``torch.topk`` alone, random-k's and block-k's <= 2 copies.
 """
 
 from __future__ import annotations
@@ -111,11 +116,12 @@ def compressor_for(scheme: str, scope: str, ratio: float, layout: Layout, device
 
 
 def bench_device(device: torch.device, ratio: float, repeats: int, block_size: int | None = None,
-                 calls: list | None = None) -> dict:
+                 calls: list | None = None, shapes: list | None = None) -> dict:
     """One round on ``device``; ``calls``, when given, receives each timed callable as
-    ``(row name, callable)`` (``--profile`` reads them)."""
+    ``(row name, callable)`` (``--profile`` reads them); ``shapes``: the gradient's tensors
+    (default ResNet-18's; the tests' tiny ones)."""
     calls = [] if calls is None else calls
-    shapes = resnet18_shapes()
+    shapes = resnet18_shapes() if shapes is None else [tuple(s) for s in shapes]
     layout = Layout.from_sizes([int(np.prod(s)) for s in shapes])
     n = layout.total
     k = max(1, round(ratio * n))
@@ -169,6 +175,7 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
             rows.append({"scheme": scheme, "scope": scope, "k": comp.k,
                          "compress_ef_ms": c_ms, "compress_ef_copies": c_cp,
                          "decompress_ms": d_ms, "decompress_copies": d_cp})
+    rows += fast_rows(layout, g, ratio, repeats, device, block_size, calls)
     rows.append(powersgd_row(shapes, g, ratio, repeats, device, calls))
     rows += quantizer_rows(layout, g, repeats, device, calls)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
@@ -176,6 +183,53 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
             "references_ms": ref,
             "references_copies": {a: ref_cp.get(a, b / copy_ms) for a, b in ref.items()},
             "schemes": rows}
+
+
+FAST = ("topk", "randk", "blockk")  # the schemes with fused kernels (train.fast_path)
+
+
+def fast_rows(layout: Layout, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
+              block_size: int | None = None, calls: list | None = None) -> list[dict]:
+    """The fast path (``train.fast_path=true``: ``compress.fused``) of top-k, random-k and
+    block-k, both scopes, as rows ``<scheme>_fast``: compress+EF = one fused step (memory +=
+    grad, choose, gather, zero in memory) into the message's values, decompress as the torch
+    path's (the fast path does not change it); each timed against a copy. No rows where the
+    fast path cannot run (the CPU without Triton's interpreter, no Triton)."""
+    from sparsetrain.compress import fused
+
+    rows = []
+    n = layout.total
+    out, out2 = torch.empty_like(g), torch.empty_like(g)
+    for scheme in FAST:
+        for scope in ("layerwise", "global"):
+            comp, _ = compressor_for(scheme, scope, ratio, layout, device, block_size)
+            ef = ErrorFeedback(n, device=device, dtype=g.dtype)
+            if fused.reason(comp, ef, device, g.dtype) is not None:
+                return rows
+            values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
+            step = [0]
+
+            def compress_ef(ef=ef, comp=comp, values=values, step=step):
+                step[0] += 1
+                return fused.step(comp, ef.memory, g, step_seed(0, step[0]), out=values)
+
+            def copy_once():
+                out2.copy_(g)
+
+            c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
+            payload = compress_ef()
+
+            def decompress(comp=comp, payload=payload):
+                out.zero_()
+                comp.decompress_add(payload.values, payload.positions, out)
+
+            d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
+            if calls is not None:
+                calls += [(f"{scheme}_fast/{scope} compress+EF", compress_ef)]
+            rows.append({"scheme": f"{scheme}_fast", "scope": scope, "k": comp.k,
+                         "compress_ef_ms": c_ms, "compress_ef_copies": c_cp,
+                         "decompress_ms": d_ms, "decompress_copies": d_cp})
+    return rows
 
 
 def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
@@ -250,7 +304,8 @@ def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.
     return rows
 
 
-GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None}  # max copies, compress + EF
+GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None,  # max copies, compress + EF
+         "randk_fast": 2.0, "blockk_fast": 2.0}  # (topk_fast: faster than torch.topk alone, below)
 # every scheme's row: dense, the sparsifiers, the quantizers (qsgd at its default levels, without
 # error feedback, as conf/scheme/qsgd.yaml trains it)
 SCHEMES = ("none", "topk", "randk", "blockk", "signsgd", "qsgd")
@@ -288,6 +343,10 @@ def goals(res: dict) -> dict:
         if r and topk:
             speedup = topk / r["compress_ef_copies"]
             out[f"topk/{scope} speed-up over torch.topk = {speedup:.1f}x >= {want:g}"] = speedup >= want
+        r = by.get(("topk_fast", scope))  # the fast path's first goal: below torch.topk alone
+        if r and topk:
+            speedup = topk / r["compress_ef_copies"]
+            out[f"topk_fast/{scope} compress+EF faster than torch.topk alone = {speedup:.1f}x > 1"] = speedup > 1
     return out
 
 
@@ -360,9 +419,9 @@ def print_table(res: dict) -> None:
     print(f"{'reference':<36}{'ms':>10}{'copies':>10}")
     for name, ms in res["references_ms"].items():
         print(f"{name:<36}{ms:>10.2f}{res['references_copies'][name]:>10.1f}")
-    print(f"\n{'scheme':<10}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
+    print(f"\n{'scheme':<12}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
     for r in res["schemes"]:
-        print(f"{r['scheme']:<10}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
+        print(f"{r['scheme']:<12}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
               f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
     print("\ngoals:")
     for name, ok in res.get("goals", {}).items():

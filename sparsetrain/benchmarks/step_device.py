@@ -11,7 +11,10 @@ only). Rows: dense (``scheme=none``) and top-k (AllGather), random-k and block-k
 rank matched to those bytes), error feedback on; signSGD and QSGD (AllGather; error feedback as
 their yaml files set it), each layer-wise and global. Per row:
 median step over the timed steps, mean ms per phase, the phases' sum over the step, and peak
-memory (CUDA: ``max_memory_allocated`` reset per row; CPU: not measured).
+memory (CUDA: ``max_memory_allocated`` reset per row; CPU: not measured). On CUDA the rows of
+top-k, random-k and block-k are timed again with ``train.fast_path=true`` (fused kernels,
+``compress.fused``; shown as ``<scheme>+F``); on the CPU the fast path changes nothing, so those
+rows are left out.
 
     python -m sparsetrain.benchmarks.step_device --device cuda --out results/bench   # gpu_step.txt/json
     python -m sparsetrain.benchmarks.step_device --device cpu --batch 2 --steps 1 --warmup 1 --out /tmp/x
@@ -45,6 +48,8 @@ ROWS = [("none", "layerwise", "allreduce")] + [
 ] + [("powersgd", "layerwise", "allreduce")] + [  # powersgd: layer-wise only; aggregation does not apply
     (scheme, scope, "allgather") for scheme in ("signsgd", "qsgd") for scope in ("layerwise", "global")
 ]
+# the same rows with train.fast_path=true (CUDA only: the fast path changes nothing on the CPU)
+FAST_ROWS = [row for row in ROWS if row[0] in ("topk", "randk", "blockk")]
 PARTS = [p for p in PHASES if p != "step"]
 
 
@@ -54,13 +59,14 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def time_row(scheme, scope, agg, device, a) -> dict:
+def time_row(scheme, scope, agg, device, a, fast_path: bool = False) -> dict:
     """One configuration: build, run warmup + steps, return the timings."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     cfg = harness.study_config(["experiment=cpu_scale", f"model={a.model}", f"ratio={a.ratio}",
-                                f"scheme={scheme}", f"scope={scope}", f"aggregation={agg}"], 1)
+                                f"scheme={scheme}", f"scope={scope}", f"aggregation={agg}",
+                                f"train.fast_path={str(fast_path).lower()}"], 1)
     model = harness.model_from_config(cfg).to(device)
     ex = exchange_from_config(cfg, model, world_size=1, rank=0, device=device)
     flat, reducer = ex.flat, ex.reducer
@@ -80,7 +86,7 @@ def time_row(scheme, scope, agg, device, a) -> dict:
     means = timer.means()
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {
-        "scheme": scheme, "scope": scope, "aggregation": agg,
+        "scheme": scheme, "scope": scope, "aggregation": agg, "fast_path": fast_path,
         "step_ms": statistics.median(steps), "steps_ms": steps,
         "phases_ms": {p: means.get(p, 0.0) for p in PARTS},
         "step_mean_ms": means["step"],
@@ -98,7 +104,7 @@ def table(doc: dict) -> str:
         f"{m['model']}, batch {m['batch']}, 1 rank, ratio {m['ratio']}, {m['steps']} timed steps after "
         f"{m['warmup']} warm-up, per row; ms per step (median) and per phase (mean)",
         "",
-        f"{'scheme':<8}{'scope':<11}{'step':>8}{'x dense':>8}{'data':>7}{'fwd':>7}{'bwd':>7}"
+        f"{'scheme':<9}{'scope':<11}{'step':>8}{'x dense':>8}{'data':>7}{'fwd':>7}{'bwd':>7}"
         f"{'compr':>7}{'exch':>7}{'decomp':>7}{'optim':>7}{'sum/step':>9}{'peak MB':>9}",
     ]
     dense = doc["rows"][0]["step_ms"]
@@ -106,15 +112,15 @@ def table(doc: dict) -> str:
         ph = r["phases_ms"]
         peak = f"{r['peak_memory_mb']:>9.0f}" if r["peak_memory_mb"] is not None else f"{'-':>9}"
         scope = r["scope"] if r["scheme"] != "none" else "-"
-        name = r["scheme"] if r["scheme"] != "none" else "dense"
+        name = (r["scheme"] + ("+F" if r.get("fast_path") else "")) if r["scheme"] != "none" else "dense"
         lines.append(
-            f"{name:<8}{scope:<11}{r['step_ms']:>8.2f}{r['step_ms'] / dense:>8.2f}"
+            f"{name:<9}{scope:<11}{r['step_ms']:>8.2f}{r['step_ms'] / dense:>8.2f}"
             + "".join(f"{ph[p]:>7.2f}" for p in PARTS)
             + f"{r['phase_sum_over_step']:>9.3f}{peak}"
         )
     lines.append("")
     lines.append("phases add up to the step within 10%: " + ", ".join(
-        f"{r['scheme'] if r['scheme'] != 'none' else 'dense'}/{r['scope']}={'yes' if r['phase_sum_over_step'] >= 0.9 else 'NO'}"
+        f"{(r['scheme'] + ('+F' if r.get('fast_path') else '')) if r['scheme'] != 'none' else 'dense'}/{r['scope']}={'yes' if r['phase_sum_over_step'] >= 0.9 else 'NO'}"
         for r in doc["rows"]))
     return "\n".join(lines)
 
@@ -142,6 +148,8 @@ def main(argv=None) -> int:
         torch.backends.cudnn.benchmark = True
     t0 = time.time()
     rows = [time_row(s, sc, ag, device, a) for s, sc, ag in ROWS]
+    if device.type == "cuda":
+        rows += [time_row(s, sc, ag, device, a, fast_path=True) for s, sc, ag in FAST_ROWS]
     doc = {
         "meta": {"device": str(device), "device_name": device_name(device), "torch": torch.__version__,
                  "cuda": torch.version.cuda, "model": a.model, "batch": a.batch, "steps": a.steps,

@@ -34,6 +34,7 @@ def build_reducer(
     compressor=None,
     memory=None,
     shapes=None,
+    fast_path: bool = False,
 ) -> Reducer:
     """The reducer for a scheme/scope/aggregation; ``DenseReducer`` for ``scheme='none'``.
 
@@ -50,7 +51,9 @@ def build_reducer(
     the last segments (``flat_gradients`` orders the buffer so). ``warmup_steps``: dense steps
     before compression starts. ``shapes``: one per segment, the tensors' shapes (for a
     compressor with ``needs_shapes``: PowerSGD compresses each as a matrix; the sparse schemes
-    need only sizes).
+    need only sizes). ``fast_path``: error feedback + compression in fused kernels where there
+    are some (``train.fast_path``: top-k, random-k, block-k on CUDA; ``compress.fused``), the
+    same messages and memory.
     Raises ``ValueError`` with a one-line message for invalid combinations.
     """
     check_combination(scheme, scope, aggregation, ratio, compressor)
@@ -83,6 +86,7 @@ def build_reducer(
         group=group,
         device=device,
         dtype=dtype,
+        fast_path=fast_path,
     )
 
 

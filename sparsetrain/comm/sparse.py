@@ -25,6 +25,7 @@ message.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +202,7 @@ class SparseReducer:
         group=None,
         device="cpu",
         dtype=torch.float32,
+        fast_path: bool = False,
     ):
         check_aggregation(type(compressor).__name__, aggregation, compressor)
         self.compressor = compressor
@@ -250,6 +252,18 @@ class SparseReducer:
         self.dense_bytes_per_step = self.numel * esize
         self.uncompressed_bytes_per_step = self.uncompressed_numel * esize
         self.bytes_sent_per_step = sum(b.nbytes for b in self._buffers)
+        # train.fast_path: error feedback + compression in fused kernels (compress.fused) where
+        # they exist; the same message and memory as the torch path. Why not, where asked but not.
+        self.fast_path_reason = None
+        self._fused = None
+        if fast_path:
+            from sparsetrain.compress import fused
+
+            self.fast_path_reason = fused.reason(compressor, self.memory, self.device, dtype)
+            if self.fast_path_reason is None:
+                self._fused = fused
+            elif self.device.type == "cuda":  # asked for where it could run: say why it does not
+                warnings.warn(f"the fast path (train.fast_path=true) is off here: {self.fast_path_reason}", stacklevel=2)
 
     def positions_seed(self, step: int) -> int:
         """The seed of ``step``'s positions: shared by every rank with AllReduce (they must send
@@ -298,9 +312,14 @@ class SparseReducer:
         (default: the trainer's ``[compressed | whole]``). ``want_stats``: the compression error
         and memory norm (a host sync on CUDA, left out of the step's time)."""
         placement = placement or self.flat_placement
-        with timer.phase("compress"):
-            pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
-            acc = self.memory.accumulate(pieces[0][1] if len(pieces) == 1 else pieces)
+        pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
+        # the fused kernels take the gradient as one tensor, and measure no compression error
+        fused = self._fused if len(pieces) == 1 and not want_stats else None
+        if fused is None:
+            with timer.phase("compress"):
+                acc = self.memory.accumulate(pieces[0][1] if len(pieces) == 1 else pieces)
+        else:
+            acc = self.memory.memory  # accumulated, compressed and forgotten in one go below
         state = StepState(acc, self.positions_seed(step), self.seed, self.world_size, self.rank, self.aggregation)
         pending = SparseStep(buf, placement, state, None, None, want_stats)
         if want_stats and len(self.rounds) > 1:  # the update may overwrite acc before it is measured
@@ -309,13 +328,18 @@ class SparseReducer:
         last = len(self.rounds) - 1
         for i, rb in enumerate(self._buffers):
             with timer.phase("compress"):
-                if i >= self._own:
+                if fused is not None and i >= self._own:  # one message: accumulate + send + forget
+                    wire = rb.mine.ints if rb.mine.ints.numel() else None
+                    state.payload = fused.step(self.compressor, acc, pieces[0][1], state.seed,
+                                               out=rb.mine.floats, wire=wire)
+                    pending.forgotten = True
+                elif i >= self._own:
                     self.compressor.send(i - self._own, state, rb.mine)
                 if i == self.whole_round:
                     whole = rb.own_whole()
                     for a, w, n in placement.whole_runs:
                         whole[w : w + n].copy_(buf[a : a + n])
-            if i == last and state.payload is not None and state.payload.decoded is None:
+            if i == last and not pending.forgotten and state.payload is not None and state.payload.decoded is None:
                 self._forget(pending, acc, timer)  # the own message: forget before it travels
             with timer.phase("exchange"):
                 work = rb.communicate(self.group, async_op=async_op and i == last)

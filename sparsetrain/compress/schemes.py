@@ -430,14 +430,18 @@ class BlockRandomK(Compressor):
         return torch.minimum(u.mul_(self.seg_n).long(), self.segment_max_index)
 
     def select(self, acc, seed):
-        if self._draw_source is not None:  # a DDP bucket's tensors: the model's draws for them
-            starts = self._draw_source[0].layerwise_starts(seed, acc.device)[self._segment_ids]
-        elif self.scope == "layerwise":
-            starts = self.layerwise_starts(seed, acc.device)
-        else:
-            gen = _generator(acc.device, seed)
-            starts = self.sampler.sample(gen).mul_(self.block_size)
+        starts = self.draw(seed, acc.device)
         return starts, self.indices(starts)
+
+    def draw(self, seed, device) -> torch.Tensor:
+        """The wire positions for ``seed``: each tensor's run start (layer-wise), the drawn
+        blocks' start offsets (global)."""
+        if self._draw_source is not None:  # a DDP bucket's tensors: the model's draws for them
+            return self._draw_source[0].layerwise_starts(seed, device)[self._segment_ids]
+        if self.scope == "layerwise":
+            return self.layerwise_starts(seed, device)
+        gen = _generator(device, seed)
+        return self.sampler.sample(gen).mul_(self.block_size)
 
     def share_draws(self, source, segments):
         super().share_draws(source, segments)

@@ -154,6 +154,10 @@ class TrainConfig:
     log_every: int = 10  # steps
     device: str = "auto"  # auto | cpu | cuda
     threads: int | None = None  # torch threads per rank (None: cores / local ranks)
+    # Error feedback + compression in fused Triton kernels on CUDA (top-k, random-k, block-k;
+    # sparsetrain.compress.fused): the same messages and memory as the torch path, fewer kernel
+    # launches. Changes nothing elsewhere (CPU, other schemes, dist.ddp's hook).
+    fast_path: bool = False
     timing_warmup: int = 2  # first steps left out of the phase-time means
     checkpoint: bool = True  # save checkpoint.pt each epoch and on SIGTERM; resume from it
     save_model: bool = False  # write the final weights to model.pt

@@ -40,6 +40,7 @@ NOT_DEFINING = (
     "train.progress",
     "train.device",
     "train.threads",
+    "train.fast_path",  # the same messages and memory, by other kernels
     "train.timing_warmup",
     "train.checkpoint",
     "train.save_model",

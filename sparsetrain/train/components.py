@@ -46,7 +46,8 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
         uncompressed=cfg.scheme.uncompressed, device=device, world_size=world_size, rank=rank,
         seed=cfg.seed, error_feedback=cfg.scheme.error_feedback,
         warmup_steps=cfg.scheme.warmup_steps if sync is None else 0,
-        compressor=compressor, memory=instantiate(cfg.scheme.memory) if cfg.scheme.get("memory") else None)
+        compressor=compressor, memory=instantiate(cfg.scheme.memory) if cfg.scheme.get("memory") else None,
+        fast_path=bool(cfg.train.get("fast_path", False)))
     if sync is not None and cfg.dist.ddp:
         # DDP averages the gradients in backward until local SGD starts (torch's post-local-SGD
         # hook); the pseudo-gradient's exchange above keeps its own buffer, not the gradients'

@@ -1,0 +1,168 @@
+"""The fast path's Triton kernels themselves: imported by ``compress.fused`` only when the fast
+path runs (``train.fast_path=true`` on CUDA, or under ``TRITON_INTERPRET=1`` on CPU tensors), so
+that no other run imports Triton. See ``compress.fused`` for what each kernel is for and why the
+result is the torch path's.
+
+Non-negative floats order as their bits (IEEE 754), so ``|x|`` is compared, ranked and sorted
+through its bits as an integer: the thresholds found here are the exact float values, not
+estimates of them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sample_threshold(mem, grad, sidx, kth, full, large, thr, M, MBLOCK: tl.constexpr, BITS: tl.constexpr):
+    """Per large segment (one program each): the (kth + 1)-th largest of ``|mem + grad|`` at its
+    ``M`` sampled entries (what ``TopK._sample_thresholds`` takes from ``|acc|``: the same floats,
+    since ``acc = mem + grad``), found bit by bit from the top: the largest T with at least
+    kth + 1 samples >= T is that sample's value. 0 where the sample is too small (``full``)."""
+    r = tl.program_id(0)
+    offs = tl.arange(0, MBLOCK)
+    mask = offs < M
+    where = tl.load(sidx + r * M + offs, mask=mask, other=0)
+    a = tl.abs(tl.load(mem + where, mask=mask, other=0.0) + tl.load(grad + where, mask=mask, other=0.0))
+    if BITS == 32:  # int32 keys: a large sample stays in registers
+        x = tl.where(mask, a.to(tl.int32, bitcast=True), -1)
+        t = tl.zeros((), dtype=tl.int32)
+        one = tl.full((), 1, tl.int32)
+    else:
+        x = tl.where(mask, a.to(tl.int64, bitcast=True), -1)
+        t = tl.zeros((), dtype=tl.int64)
+        one = tl.full((), 1, tl.int64)
+    need = tl.load(kth + r) + 1
+    for b in range(BITS - 1):  # the sign bit of |x| is 0
+        trial = t | (one << (BITS - 2 - b))
+        if tl.sum((x >= trial).to(tl.int32), axis=0) >= need:
+            t = trial
+    if BITS == 32:
+        value = t.to(tl.float32, bitcast=True)
+    else:
+        value = t.to(tl.float64, bitcast=True)
+    value = tl.where(tl.load(full + r) != 0, 0.0, value)
+    tl.store(thr + tl.load(large + r), value)
+
+
+@triton.jit
+def accumulate_count(mem, grad, thr, blk_seg, blk_start, blk_end, counts, BLOCK: tl.constexpr):
+    """Error feedback and the threshold pass in one: ``mem = mem + grad`` (``acc``, the same add
+    as ``memory.add_(grad)``) over one block of one segment, and how many of its entries have
+    ``|acc| >= thr[segment]`` (the candidates)."""
+    pid = tl.program_id(0)
+    start = tl.load(blk_start + pid)
+    end = tl.load(blk_end + pid)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < end
+    a = tl.load(mem + offs, mask=mask, other=0.0) + tl.load(grad + offs, mask=mask, other=0.0)
+    tl.store(mem + offs, a, mask=mask)
+    keep = (tl.abs(a) >= tl.load(thr + tl.load(blk_seg + pid))) & mask
+    tl.store(counts + pid, tl.sum(keep.to(tl.int64), axis=0))
+
+
+@triton.jit
+def compact(mem, thr, blk_seg, blk_start, blk_end, counts, ends, cidx, ckey, cseg,
+            BLOCK: tl.constexpr, BITS: tl.constexpr):
+    """The candidates of one block, written in index order from the block's place in the running
+    count (``ends``: inclusive cumulative ``counts``): their indices, their sort key and their
+    segment. Key, ascending = segment, then |acc| from the largest: in float32 one int64
+    ``segment << 32 - bits(|acc|)``; in float64 ``-bits(|acc|)`` (the segment sorted apart)."""
+    pid = tl.program_id(0)
+    start = tl.load(blk_start + pid)
+    end = tl.load(blk_end + pid)
+    seg = tl.load(blk_seg + pid)
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < end
+    a = tl.abs(tl.load(mem + offs, mask=mask, other=0.0))
+    keep = (a >= tl.load(thr + seg)) & mask
+    base = tl.load(ends + pid) - tl.load(counts + pid)
+    pos = base + tl.cumsum(keep.to(tl.int64), axis=0) - 1
+    tl.store(cidx + pos, offs, mask=keep)
+    if BITS == 32:
+        key = (seg.to(tl.int64) << 32) - a.to(tl.int32, bitcast=True).to(tl.int64)
+    else:
+        key = -a.to(tl.int64, bitcast=True)
+    tl.store(ckey + pos, key, mask=keep)
+    tl.store(cseg + pos, tl.zeros_like(pos).to(tl.int32) + seg.to(tl.int32), mask=keep)
+
+
+@triton.jit
+def take_ranked(mem, cidx, order, ends, counts, first_blk, slot_seg, slot_rank, values, idx, wire, K,
+                BLOCK: tl.constexpr, WIRE: tl.constexpr):
+    """The k sent entries from the ranked candidates, gather and forget in one: slot j of segment
+    s takes the candidate ranked ``slot_rank[j]`` in s (``order``: the candidates by key), writes
+    its value and index (and its wire position) and zeroes it in the memory."""
+    pid = tl.program_id(0)
+    j = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = j < K
+    fb = tl.load(first_blk + tl.load(slot_seg + j, mask=mask, other=0), mask=mask, other=0)
+    cstart = tl.load(ends + fb, mask=mask, other=0) - tl.load(counts + fb, mask=mask, other=0)
+    c = tl.load(order + cstart + tl.load(slot_rank + j, mask=mask, other=0), mask=mask, other=0)
+    i = tl.load(cidx + c, mask=mask, other=0)
+    v = tl.load(mem + i, mask=mask, other=0.0)
+    tl.store(values + j, v, mask=mask)
+    tl.store(idx + j, i, mask=mask)
+    if WIRE:
+        tl.store(wire + j, i.to(wire.dtype.element_ty), mask=mask)
+    tl.store(mem + i, tl.zeros_like(v), mask=mask)
+
+
+@triton.jit
+def take(mem, idx, values, wire, K, BLOCK: tl.constexpr, WIRE: tl.constexpr):
+    """Gather and forget in one: ``values[j] = mem[idx[j]]`` (and the wire position), then
+    ``mem[idx[j]] = 0``. The indices are distinct (every scheme's message), so no slot reads an
+    entry another zeroes."""
+    pid = tl.program_id(0)
+    j = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = j < K
+    i = tl.load(idx + j, mask=mask, other=0)
+    v = tl.load(mem + i, mask=mask, other=0.0)
+    tl.store(values + j, v, mask=mask)
+    if WIRE:
+        tl.store(wire + j, i.to(wire.dtype.element_ty), mask=mask)
+    tl.store(mem + i, tl.zeros_like(v), mask=mask)
+
+
+@triton.jit
+def take_runs(mem, starts, seg, in_run, size, offset, values, idx, K, BLOCK: tl.constexpr):
+    """Block-k layer-wise, gather and forget in one from the run starts: slot j of tensor s
+    takes entry ``offset + (starts[s] + in_run[j]) % size`` (``BlockRandomK.indices``'s integer
+    arithmetic), writes its value and index and zeroes it in the memory."""
+    pid = tl.program_id(0)
+    j = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = j < K
+    start = tl.load(starts + tl.load(seg + j, mask=mask, other=0), mask=mask, other=0)
+    n = tl.load(size + j, mask=mask, other=1)
+    i = (start + tl.load(in_run + j, mask=mask, other=0)) % n + tl.load(offset + j, mask=mask, other=0)
+    v = tl.load(mem + i, mask=mask, other=0.0)
+    tl.store(values + j, v, mask=mask)
+    tl.store(idx + j, i, mask=mask)
+    tl.store(mem + i, tl.zeros_like(v), mask=mask)
+
+
+@triton.jit
+def take_blocks(mem, starts, values, idx, DRAWN, K, B, LAST_START, LAST_SIZE,
+                DRAWN_P2: tl.constexpr, CHUNK: tl.constexpr):
+    """Block-k global, gather and forget in one from the drawn block starts (one program per
+    drawn block): blocks taken whole in draw order until k entries, the one crossing k cut to
+    its leading part (``BlockRandomK.indices``): block p's entries go to the slots from
+    ``min(before_p, k)``, ``before_p`` the sizes of the blocks drawn before it."""
+    p = tl.program_id(0)
+    q = tl.arange(0, DRAWN_P2)
+    all_starts = tl.load(starts + q, mask=q < DRAWN, other=0)
+    sizes = tl.where(q < DRAWN, tl.where(all_starts == LAST_START, LAST_SIZE, B), 0).to(tl.int64)
+    before = tl.sum(tl.where(q < p, sizes, 0), axis=0)
+    start = tl.load(starts + p)
+    mine = tl.where(start == LAST_START, LAST_SIZE, B).to(tl.int64)
+    length = tl.minimum(tl.maximum(K - before, 0), mine)
+    slot0 = tl.minimum(before, K)
+    for e0 in range(0, length, CHUNK):
+        e = e0 + tl.arange(0, CHUNK)
+        mask = e < length
+        i = start + e
+        v = tl.load(mem + i, mask=mask, other=0.0)
+        tl.store(values + slot0 + e, v, mask=mask)
+        tl.store(idx + slot0 + e, i, mask=mask)
+        tl.store(mem + i, tl.zeros_like(v), mask=mask)

@@ -1,0 +1,237 @@
+"""The fast path (``train.fast_path=true``): error feedback and the sparsifiers' compression in
+fused Triton kernels on CUDA, sending exactly what the torch path sends.
+
+On a GPU one copy of the ResNet-18 gradient takes 0.03 ms, so a compressor that composes a few
+dozen torch ops is bound by their launches (docs/performance.md, section 4). Here one step of
+error feedback + compression is a handful of kernels (``compress._triton``):
+
+- top-k (``TopK``, both scopes): (1) each large segment's threshold from its fixed sample, the
+  torch path's exact value (the (j)-th largest sampled ``|memory + grad|``, found bit by bit);
+  (2) ``memory += grad`` fused with the threshold pass (each block counts its candidates,
+  ``|acc| >= threshold``); (3) one cumulative sum; one host read (the candidates per segment);
+  (4) the candidates compacted in index order with a sort key; (5) one stable sort of the keys
+  (segment, then ``|acc|`` from the largest); (6) one kernel that takes each segment's first k,
+  writes values, indices and wire positions, and zeroes them in the memory. The set sent is the
+  k largest ``|acc|`` of each segment (global: of the whole vector), exactly ``torch.topk``'s
+  wherever that set is unique. Ties at the k-th value: the entries of lowest index are sent
+  (``torch.topk`` picks among them as it likes). A segment whose threshold was set too high
+  (fewer candidates than k, rare) is selected exactly on the whole segment by the same rule.
+  The values go out segment by segment, from the largest ``|acc|`` (the torch path's layer-wise
+  order; its global order is topk's own); every receiver adds each entry once per message, so
+  the decoded update is the same bits whatever the order.
+- random-k and block-k: their draws are the torch path's (the same generator calls), then one
+  kernel gathers the values, writes the wire positions (random-k) and zeroes the sent entries in
+  the memory (three torch ops before); block-k's kernel also expands its run starts (layer-wise)
+  or drawn blocks (global) into the entries (``BlockRandomK.indices``' integer arithmetic: half a
+  dozen torch ops before). The draws themselves stay torch ops: they define the schemes.
+
+Nothing else changes: the other schemes, another memory than plain error feedback, a DDP
+bucket's pieces, or a step whose compression error is measured take the torch path
+(``reason`` says why). The CPU path is untouched: there the fast path runs only under
+``TRITON_INTERPRET=1`` (Triton's interpreter; the tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+from sparsetrain.compress.base import Compressor, Payload
+from sparsetrain.compress.feedback import ErrorFeedback, Memory
+from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
+
+BLOCK = 1024  # entries per program of the full-buffer passes
+TAKE_BLOCK = 1024  # slots per program of the gather
+MAX_BLOCKS = 4096  # block-k global: drawn blocks up to which one kernel expands them (block_size 256: 438)
+
+
+def installed() -> bool:
+    """Whether Triton is installed (found, not imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1``, read when the
+    kernels' module is imported): on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def kernels():
+    """The kernels' module, imported on first use."""
+    from sparsetrain.compress import _triton
+
+    return _triton
+
+
+def reason(compressor: Compressor, memory: Memory, device, dtype) -> str | None:
+    """Why the fast path cannot run for this exchange (one phrase), or None when it runs."""
+    device = torch.device(device)
+    if not installed():
+        return "triton is not installed"
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        return f"it runs on CUDA (here {device.type})"
+    if type(compressor) not in (TopK, RandomK, BlockRandomK):
+        return f"no fused kernels for {type(compressor).__name__}"
+    if type(memory) is not ErrorFeedback or not memory.enabled:
+        return "it fuses plain error feedback only"
+    if dtype not in (torch.float32, torch.float64):
+        return f"dtype {dtype} (float32 and float64 only)"
+    return None
+
+
+def _grid(n: int, block: int) -> tuple[int]:
+    return (max(1, -(-n // block)),)
+
+
+class _TopKPlan:
+    """A ``TopK``'s tables for the fused kernels on one device, built once."""
+
+    def __init__(self, comp: TopK, dev: torch.device):
+        sizes, offs = comp.layout.sizes, comp.layout.offsets
+        seg, start, end, first, last = [], [], [], [], []
+        for s, (o, n) in enumerate(zip(offs, sizes, strict=True)):
+            first.append(len(seg))
+            for a in range(o, o + n, BLOCK):
+                seg.append(s)
+                start.append(a)
+                end.append(min(a + BLOCK, o + n))
+            last.append(len(seg) - 1)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.blocks = len(seg)
+        self.blk_seg, self.blk_start, self.blk_end = (torch.tensor(x, **i64) for x in (seg, start, end))
+        self.first_blk, self.last_blk = torch.tensor(first, **i64), torch.tensor(last, **i64)
+        ks = torch.tensor(comp.ks, dtype=torch.int64)
+        self.slot_seg = torch.repeat_interleave(torch.arange(len(sizes)), ks).to(dev)
+        self.slot_rank = (torch.arange(comp.k) - torch.tensor(comp.kstarts, dtype=torch.int64)[self.slot_seg.cpu()]).to(dev)
+        self.counts = torch.empty(self.blocks, **i64)
+        self.thr = None
+        if comp.large:
+            self.large = torch.tensor(comp.large, **i64)
+            self.sidx = comp.sample_idx.to(dev)
+            self.kth = comp.sample_kth.to(dev)
+            self.full = comp.sample_full.to(device=dev, dtype=torch.int32)
+            self.mblock = triton_next_pow2(comp.sample_m)
+        self.cap = 0
+        self.cidx = self.ckey = torch.empty(0, **i64)
+        self.cseg = torch.empty(0, dtype=torch.int32, device=dev)
+
+    def candidates(self, n: int, dev: torch.device):
+        """The candidate buffers, grown to ``n`` (kept between steps)."""
+        if n > self.cap:
+            self.cap = max(n, self.cap + self.cap // 2)
+            self.cidx = torch.empty(self.cap, dtype=torch.int64, device=dev)
+            self.ckey = torch.empty(self.cap, dtype=torch.int64, device=dev)
+            self.cseg = torch.empty(self.cap, dtype=torch.int32, device=dev)
+        return self.cidx[:n], self.ckey[:n], self.cseg[:n]
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _exact_segment(mem: torch.Tensor, a: int, n: int, k: int) -> torch.Tensor:
+    """A segment's k largest ``|mem|`` on the whole segment (the fallback), ties to the lowest
+    index: one stable sort of ``-bits(|x|)``."""
+    x = mem[a : a + n].abs()
+    bits = x.view(torch.int32).to(torch.int64) if x.dtype == torch.float32 else x.view(torch.int64)
+    return torch.sort(bits.neg_(), stable=True).indices[:k].add_(a)
+
+
+def topk_step(comp: TopK, mem: torch.Tensor, grad: torch.Tensor, out=None, wire=None) -> Payload:
+    """Error feedback + ``comp``'s top-k + the memory's forget, fused (see the module's doc):
+    ``mem`` becomes ``mem + grad`` with the sent entries zeroed."""
+    k_ = kernels()
+    dev, dtype = mem.device, mem.dtype
+    plan = getattr(comp, "_fused_plan", None)
+    if plan is None or plan.counts.device != dev:
+        plan = comp._fused_plan = _TopKPlan(comp, dev)
+    bits = 32 if dtype == torch.float32 else 64
+    if plan.thr is None or plan.thr.dtype != dtype:
+        plan.thr = torch.zeros(len(comp.layout), dtype=dtype, device=dev)  # small segments: 0 (all)
+    if comp.large:
+        k_.sample_threshold[(len(comp.large),)](mem, grad, plan.sidx, plan.kth, plan.full, plan.large, plan.thr,
+                                                comp.sample_m, MBLOCK=plan.mblock, BITS=bits,
+                                                num_warps=16 if plan.mblock >= 16384 else 4)
+    k_.accumulate_count[(plan.blocks,)](mem, grad, plan.thr, plan.blk_seg, plan.blk_start, plan.blk_end,
+                                       plan.counts, BLOCK=BLOCK)
+    ends = torch.cumsum(plan.counts, 0)
+    seg_ends = ends[plan.last_blk].tolist()  # the one host read: candidates per segment
+    total = seg_ends[-1]
+    per_seg = [b - a for a, b in zip([0, *seg_ends[:-1]], seg_ends, strict=True)]
+    short = [s for s, (c, k) in enumerate(zip(per_seg, comp.ks, strict=True)) if c < k]
+    cidx, ckey, cseg = plan.candidates(total, dev)
+    k_.compact[(plan.blocks,)](mem, plan.thr, plan.blk_seg, plan.blk_start, plan.blk_end, plan.counts, ends,
+                               cidx, ckey, cseg, BLOCK=BLOCK, BITS=bits)
+    order = torch.sort(ckey, stable=True).indices
+    if bits == 64 and len(comp.layout) > 1:  # then by segment, |acc| order kept within each
+        order = order[torch.sort(cseg[order], stable=True).indices]
+    values = out if out is not None else torch.empty(comp.k, dtype=dtype, device=dev)
+    idx = torch.empty(comp.k, dtype=torch.int64, device=dev)
+    wire_ok = wire is not None
+    if not short:
+        k_.take_ranked[_grid(comp.k, TAKE_BLOCK)](mem, cidx, order, ends, plan.counts, plan.first_blk, plan.slot_seg,
+                                                  plan.slot_rank, values, idx, wire if wire_ok else idx, comp.k,
+                                                  BLOCK=TAKE_BLOCK, WIRE=wire_ok)
+        return Payload(values, idx, idx)
+    # some threshold too high this step: those segments exactly on the whole segment
+    src = (cidx.new_tensor([e - c for e, c in zip(seg_ends, per_seg, strict=True)])[plan.slot_seg]
+           + plan.slot_rank).clamp_(max=max(total - 1, 0))
+    if total:
+        idx.copy_(cidx[order[src]])
+    for s in short:
+        comp.fallbacks += 1
+        a, n, k = comp.layout.offsets[s], comp.layout.sizes[s], comp.ks[s]
+        idx[comp.kstarts[s] : comp.kstarts[s] + k] = _exact_segment(mem, a, n, k)
+    k_.take[_grid(comp.k, TAKE_BLOCK)](mem, idx, values, wire if wire_ok else idx, comp.k,
+                                       BLOCK=TAKE_BLOCK, WIRE=wire_ok)
+    return Payload(values, idx, idx)
+
+
+def drawn_step(comp: RandomK | BlockRandomK, mem: torch.Tensor, grad: torch.Tensor, seed: int,
+               out=None, wire=None) -> Payload:
+    """Error feedback + random-k's or block-k's draws (the torch path's own generator calls) +
+    one kernel for the gather, the memory's forget and (random-k) the wire positions; block-k's
+    kernels expand its run or block starts to the entries themselves (``indices``' arithmetic)."""
+    mem.add_(grad)
+    values = out if out is not None else torch.empty(comp.k, dtype=mem.dtype, device=mem.device)
+    k_ = kernels()
+    if type(comp) is RandomK:
+        idx = comp.select(mem, seed)[1]
+        k_.take[_grid(comp.k, TAKE_BLOCK)](mem, idx, values, wire if wire is not None else idx, comp.k,
+                                           BLOCK=TAKE_BLOCK, WIRE=wire is not None)
+        return Payload(values, idx, idx)
+    starts = comp.draw(seed, mem.device)
+    idx = torch.empty(comp.k, dtype=torch.int64, device=mem.device)
+    if comp.scope == "layerwise":
+        k_.take_runs[_grid(comp.k, TAKE_BLOCK)](mem, starts, comp.entry_segment, comp.entry_in_run,
+                                                comp.entry_segment_size, comp.entry_offset, values, idx, comp.k,
+                                                BLOCK=TAKE_BLOCK)
+    elif comp.blocks_drawn > MAX_BLOCKS:  # each program reads every start: too many, torch expands them
+        idx = comp.indices(starts)
+        k_.take[_grid(comp.k, TAKE_BLOCK)](mem, idx, values, idx, comp.k, BLOCK=TAKE_BLOCK, WIRE=False)
+    else:
+        B = comp.block_size
+        k_.take_blocks[(comp.blocks_drawn,)](mem, starts, values, idx, comp.blocks_drawn, comp.k, B,
+                                             (comp.nb - 1) * B, comp.last_size,
+                                             DRAWN_P2=triton_next_pow2(comp.blocks_drawn),
+                                             CHUNK=min(1024, triton_next_pow2(B)))
+    if wire is not None:
+        wire.copy_(starts)
+    return Payload(values, starts, idx)
+
+
+def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0, out=None, wire=None) -> Payload:
+    """One fused step of error feedback: ``mem`` (the memory's buffer) becomes ``mem + grad``
+    less what was sent; returns the payload the torch path's ``accumulate``, ``compress`` and
+    ``forget`` give (the same entries and values; top-k's from the largest per segment). ``out``,
+    ``wire``: the message's sections, as ``Compressor.compress`` takes them."""
+    comp._check_device(mem)
+    if grad.shape != mem.shape or grad.dtype != mem.dtype or not (mem.is_contiguous() and grad.is_contiguous()):
+        raise ValueError(f"the fused step needs a contiguous gradient of {mem.numel()} {mem.dtype} entries")
+    if isinstance(comp, TopK):
+        return topk_step(comp, mem, grad, out, wire)
+    return drawn_step(comp, mem, grad, seed, out, wire)

@@ -1,0 +1,283 @@
+"""The fast path (``train.fast_path``, ``sparsetrain.compress.fused``): its Triton kernels against
+the torch path, bit for bit.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
+set here before anything imports Triton's kernels); with one they run compiled on CUDA (the
+``cuda`` cases, which ``make gpu-check`` runs). Sizes are small: the interpreter runs each
+program in numpy. Without Triton every case skips with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # read when the kernels' module is imported: set before any test imports it
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed: the fast path's kernels need it")
+
+from sparsetrain.comm import SparseReducer  # noqa: E402
+from sparsetrain.compress import (  # noqa: E402
+    BlockRandomK,
+    ErrorFeedback,
+    RandomK,
+    SignSGD,
+    TopK,
+    fused,
+    step_seed,
+)
+from sparsetrain.timing import NULL_TIMER  # noqa: E402
+
+CPU = pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(
+    not fused.interpreting(), reason="CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)"))
+CUDA = pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not HAS_CUDA, reason="no CUDA device here (torch.cuda.is_available() is False)")])
+DEVICES = [CPU, CUDA]
+DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
+SCOPES = ("layerwise", "global")
+# large segments (sampled thresholds, several blocks each), small ones (every entry a candidate),
+# one of a single entry
+SIZES = [600, 16, 3000, 40, 1500, 1]
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Segments above 256 entries sampled, blocks of 256, block-k global expanded by its kernel
+    up to 64 drawn blocks: every path of the kernels on a few thousand entries (the
+    interpreter's pace)."""
+    monkeypatch.setattr(TopK, "SMALL", 256)
+    monkeypatch.setattr(fused, "BLOCK", 256)
+    monkeypatch.setattr(fused, "TAKE_BLOCK", 64)
+    monkeypatch.setattr(fused, "MAX_BLOCKS", 64)
+
+
+def segments(comp):
+    """(first slot, k, offset, size) of each segment of ``comp``."""
+    return list(zip(comp.kstarts, comp.ks, comp.layout.offsets, comp.layout.sizes, strict=True))
+
+
+def torch_path(comp, mem, grad, seed=0):
+    """What the exchange does without the fast path: ErrorFeedback.step (accumulate, compress,
+    forget), on copies; returns (payload, memory after)."""
+    ef = ErrorFeedback(mem.numel(), device=mem.device, dtype=mem.dtype)
+    ef.memory.copy_(mem)
+    payload = ef.step(grad, comp, seed=seed)
+    return payload, ef.memory
+
+
+def data(n, seed, dtype, device):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g, dtype=dtype).to(device), torch.randn(n, generator=g, dtype=dtype).to(device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_topk_sends_torch_topks_set_and_leaves_the_same_memory(device, scope, dtype):
+    """Per segment (global: overall) exactly torch.topk's set of |memory + grad|, from the torch
+    path's thresholds; the values are
+    those entries of acc, from the largest |acc| within each segment (as the torch path's
+    layer-wise order); the memory afterwards equals the torch path's, bit for bit; the indices
+    are the wire positions."""
+    n = sum(SIZES)
+    mem, grad = data(n, 1, dtype, device)
+    acc = (mem + grad).cpu()
+    ref, ref_mem = torch_path(TopK(0.02, SIZES, scope, device=device), mem.clone(), grad)
+    comp = TopK(0.02, SIZES, scope, device=device)
+    wire = torch.empty(comp.k, dtype=comp.wire_dtype, device=device)
+    got = fused.step(comp, mem, grad, out=torch.empty(comp.k, dtype=dtype, device=device), wire=wire)
+    idx = got.indices.cpu()
+    assert comp.fallbacks == 0 and (comp.large if scope == "layerwise" else True)
+    if comp.large:  # the thresholds are the torch path's own, found from memory + grad
+        want = comp._sample_thresholds(acc.abs()[comp.sample_idx.cpu()].to(device))
+        assert torch.equal(comp._fused_plan.thr[comp._fused_plan.large], want)
+    for pos, k, off, size in segments(comp):
+        mine = idx[pos : pos + k]
+        assert set(mine.tolist()) == set((torch.topk(acc[off : off + size].abs(), k).indices + off).tolist())
+        mag = acc[mine].abs()
+        assert bool((mag[1:] <= mag[:-1]).all())
+    assert set(idx.tolist()) == set(ref.indices.cpu().tolist())
+    assert torch.equal(got.values.cpu(), acc[idx]) and torch.equal(wire.cpu().long(), idx)
+    assert torch.equal(got.positions.cpu(), idx)
+    assert torch.equal(mem.cpu(), ref_mem.cpu())
+
+
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_topk_with_ties_sends_the_lowest_indices_among_equal_magnitudes(device, scope):
+    """Many equal magnitudes: every entry above the k-th magnitude, then the tied ones of lowest
+    index (the fast path's tie rule; torch.topk's own is unspecified)."""
+    n = sum(SIZES)
+    g = torch.Generator().manual_seed(5)
+    grad = torch.randint(-9, 10, (n,), generator=g).to(torch.float32)
+    mem = torch.zeros(n)
+    comp = TopK(0.05, SIZES, scope, device=device)
+    got = fused.step(comp, mem.to(device), grad.to(device))
+    idx = got.indices.cpu()
+    for pos, k, off, size in segments(comp):
+        a = grad[off : off + size].abs()
+        kth = torch.topk(a, k).values[-1]
+        above = (torch.nonzero(a > kth).view(-1) + off).tolist()
+        tied = (torch.nonzero(a == kth).view(-1) + off).tolist()[: k - len(above)]
+        assert sorted(idx[pos : pos + k].tolist()) == sorted(above + tied)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_topk_falls_back_exactly_where_a_threshold_is_too_high(device, scope, dtype):
+    """Each sample's largest value as the threshold (too few candidates): the large segments
+    take the exact whole-segment selection; still torch.topk's sets and the torch path's memory."""
+    n = sum(SIZES)
+    mem, grad = data(n, 3, dtype, device)
+    acc = (mem + grad).cpu()
+    _, ref_mem = torch_path(TopK(0.02, SIZES, scope, device=device), mem.clone(), grad)
+    comp = TopK(0.02, SIZES, scope, device=device)
+    comp.sample_kth = torch.zeros_like(comp.sample_kth)  # the (0 + 1)-th largest sample
+    got = fused.step(comp, mem, grad)
+    idx = got.indices.cpu()
+    assert comp.fallbacks == len(comp.large) > 0
+    for pos, k, off, size in segments(comp):
+        assert set(idx[pos : pos + k].tolist()) == set((torch.topk(acc[off : off + size].abs(), k).indices + off).tolist())
+    assert torch.equal(got.values.cpu(), acc[idx]) and torch.equal(mem.cpu(), ref_mem.cpu())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("cls", [RandomK, BlockRandomK], ids=["randk", "blockk"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_gather_keeps_the_draws_and_equals_the_torch_path(device, cls, scope, dtype):
+    """Random-k and block-k: the same draws (positions, indices, in order), values, wire section
+    and memory as the torch path, bit for bit, over a few steps."""
+    n = sum(SIZES)
+    mem, _ = data(n, 4, dtype, device)
+    ref_mem = mem.clone()
+    comp, ref = cls(0.05, SIZES, scope, device=device), cls(0.05, SIZES, scope, device=device)
+    for step in range(3):
+        _, grad = data(n, 10 + step, dtype, device)
+        seed = step_seed(7, step)
+        wire = torch.empty(comp.num_positions, dtype=comp.wire_dtype, device=device)
+        got = fused.step(comp, mem, grad, seed, out=torch.empty(comp.k, dtype=dtype, device=device), wire=wire)
+        want, ref_mem = torch_path(ref, ref_mem, grad, seed)
+        assert torch.equal(got.indices, want.indices) and torch.equal(got.positions, want.positions)
+        assert torch.equal(got.values, want.values) and torch.equal(wire.long(), want.positions)
+        assert torch.equal(mem, ref_mem)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_block_k_expands_wrapping_runs_and_the_short_last_block_as_the_torch_path(device):
+    """Block-k's kernels expand the starts themselves: a layer-wise run that wraps around its
+    tensor's end, a global draw that holds the short last block and the block cut at k, over
+    many seeds (and blocks of 1 entry: more drawn blocks than the kernel expands, torch's
+    expansion): the torch path's indices, values and memory, bit for bit."""
+    n = sum(SIZES)
+    wrapped = last = 0
+    for scope, block_size in (("layerwise", 256), ("global", 40), ("global", 1)):
+        comp = BlockRandomK(0.05, SIZES, scope, block_size=block_size, device=device)
+        ref = BlockRandomK(0.05, SIZES, scope, block_size=block_size, device=device)
+        mem, ref_mem = torch.zeros(n, device=device), torch.zeros(n, device=device)
+        for seed in range(40):
+            _, grad = data(n, 100 + seed, torch.float32, device)
+            got = fused.step(comp, mem, grad, seed)
+            want, ref_mem = torch_path(ref, ref_mem, grad, seed)
+            assert torch.equal(got.indices, want.indices) and torch.equal(got.values, want.values)
+            assert torch.equal(mem, ref_mem)
+            starts = got.positions.cpu()
+            if scope == "layerwise":
+                wrapped += sum(int(st) + k > size for st, k, size in zip(starts, comp.ks, SIZES, strict=True))
+            else:
+                last += int((starts == (comp.nb - 1) * block_size).any())
+    assert wrapped > 0 and last > 0
+
+
+def reducer(comp, aggregation, fast_path, device, dtype):
+    return SparseReducer(comp, aggregation=aggregation, world_size=1, rank=0, seed=3, uncompressed_numel=5,
+                         device=device, dtype=dtype, fast_path=fast_path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name,aggregation,scope", [
+    ("topk", "allgather", "layerwise"), ("topk", "allgather", "global"), ("randk", "allreduce", "layerwise"),
+    ("randk", "allgather", "global"), ("blockk", "allreduce", "global"), ("blockk", "allgather", "layerwise")])
+@pytest.mark.parametrize("device", DEVICES)
+def test_reducer_with_the_fast_path_gives_the_same_update_and_memory(device, name, aggregation, scope, dtype):
+    """``SparseReducer(fast_path=True)`` (what ``train.fast_path=true`` builds) over several steps:
+    the update it writes back (whole tensors included) and its memory equal the torch path's,
+    bit for bit; a step that measures the compression error runs the torch path, same numbers."""
+    cls = {"topk": TopK, "randk": RandomK, "blockk": BlockRandomK}[name]
+    n = sum(SIZES)
+    fast = reducer(cls(0.03, SIZES, scope, device=device), aggregation, True, device, dtype)
+    slow = reducer(cls(0.03, SIZES, scope, device=device), aggregation, False, device, dtype)
+    assert fast.fast_path_reason is None and fast._fused is not None and slow._fused is None
+    for step in range(3):
+        grad, _ = data(n + 5, 20 + step, dtype, device)
+        a, b = grad.clone(), grad.clone()
+        sa = fast.reduce(a, step, NULL_TIMER, want_stats=step == 2)
+        sb = slow.reduce(b, step, NULL_TIMER, want_stats=step == 2)
+        assert torch.equal(a, b) and torch.equal(fast.memory.memory, slow.memory.memory)
+        assert sa.compression_error == sb.compression_error and sa.memory_norm == sb.memory_norm
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fast_path_says_why_not_and_changes_nothing_where_it_has_no_kernels(device):
+    """A quantizer, error feedback switched off, or the CPU without the interpreter: the reducer
+    says why and runs the torch path."""
+    sign = reducer(SignSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
+    assert sign._fused is None and "SignSGD" in sign.fast_path_reason
+    off = SparseReducer(TopK(0.03, SIZES, device=device), aggregation="allgather", world_size=1, rank=0, seed=0,
+                        error_feedback=False, device=device, fast_path=True)
+    assert off._fused is None and "error feedback" in off.fast_path_reason
+    assert fused.reason(TopK(0.03, SIZES), ErrorFeedback(sum(SIZES)), "meta", torch.float32) == \
+        "it runs on CUDA (here meta)"
+    assert "float16" in fused.reason(TopK(0.03, SIZES, device=device), ErrorFeedback(sum(SIZES)), device,
+                                     torch.float16)
+
+
+def test_fast_path_is_a_train_key_off_by_default_that_reaches_the_reducer(monkeypatch):
+    """``train.fast_path``: false by default (nothing changes for existing runs), resuming may
+    change it (the same messages), and the trainer's exchange passes it to the reducer."""
+    from sparsetrain.config import compose
+    from sparsetrain.models import build_model
+    from sparsetrain.train.checkpoint import NOT_DEFINING
+    from sparsetrain.train.components import exchange_from_config
+
+    assert compose(["scheme=topk"]).train.fast_path is False and "train.fast_path" in NOT_DEFINING
+    seen = []
+    monkeypatch.setattr(SparseReducer, "__init__", lambda self, *a, **kw: seen.append(kw["fast_path"]) or
+                        _real_init(self, *a, **kw))
+    model = build_model("resnet20", 1, 10)
+    for value in (False, True):
+        cfg = compose(["scheme=topk", "world_size=1", "dist.overlap=false", f"train.fast_path={str(value).lower()}"])
+        exchange_from_config(cfg, model, world_size=1, rank=0)
+    assert seen == [False, True]
+
+
+_real_init = SparseReducer.__init__
+
+
+def test_benchmark_times_the_fast_path_beside_the_torch_path_on_a_tiny_gradient():
+    """``sparsetrain.benchmarks.compress``'s fast rows (what `make gpu-check` times on the GPU)
+    run here on CPU tensors under the interpreter: every scheme with kernels, both scopes, and
+    their goals (top-k faster than torch.topk alone, random-k and block-k <= 2 copies)."""
+    from sparsetrain.benchmarks import compress as bench
+    from sparsetrain.compress import Layout
+
+    cpu = torch.device("cpu")
+    if not fused.interpreting():
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    layout = Layout.from_sizes(SIZES)
+    g = data(layout.total, 6, torch.float32, cpu)[0]
+    rows = bench.fast_rows(layout, g, 0.02, 1, cpu)
+    assert [(r["scheme"], r["scope"]) for r in rows] == [(f"{s}_fast", sc) for s in ("topk", "randk", "blockk")
+                                                        for sc in SCOPES]
+    assert all(r["compress_ef_ms"] > 0 and r["compress_ef_copies"] > 0 and r["decompress_ms"] > 0 for r in rows)
+    goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {"torch.topk(g.abs(),k)": 1.0}})
+    assert {name.split(" = ")[0] for name in goals} == {
+        "topk_fast/layerwise compress+EF faster than torch.topk alone",
+        "topk_fast/global compress+EF faster than torch.topk alone",
+        *(f"{s}_fast/{sc} {what} <= 2 copies" for s in ("randk", "blockk") for sc in SCOPES
+          for what in ("compress+EF", "decompress"))}
