@@ -81,7 +81,8 @@ def compressor_code(target: str | None) -> dict | None:
     """The source of an out-of-tree compressor: ``{"target", "files", "digest"}`` for the class
     ``target`` names (``scheme.compressor._target_``, ``mypkg.codecs.MyCodec``) when it is not
     sparsetrain's own: the files that define it and its bases outside sparsetrain (never the
-    standard library or installed packages other than its own), and one sha256 over their bytes.
+    standard library or installed packages other than its own; relative to the working directory
+    where under it), and one sha256 over their names and bytes, wherever they lie.
     A commit does not say which version of one's own code ran; this does, so that the analysis
     never averages two versions. None for sparsetrain's classes, no target, or one that cannot
     be imported (the run has already failed to build it then)."""
@@ -113,7 +114,16 @@ def compressor_code(target: str | None) -> dict | None:
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return {"target": str(target), "files": [str(p) for p in files], "digest": digest.hexdigest()[:16]}
+    return {"target": str(target), "files": [_shown(p) for p in files], "digest": digest.hexdigest()[:16]}
+
+
+def _shown(path: Path) -> str:
+    """Relative to the working directory when under it (as summary.json's run_dir): a committed
+    run folder then names no machine's folders."""
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def host() -> dict:

@@ -51,6 +51,8 @@ def test_runs_that_differ_in_any_recorded_key_are_rows_of_their_own(tmp_path):
     # the same split in every grouping: the figures' and time to accuracy's
     assert "optim.momentum" in varying_axes(sa.load_runs(tmp_path))
     assert "optim.momentum" in sa.curves_of(sa.load_runs(tmp_path))
+    # a slice by it, by value: the recorded 0.0 is the 0 one types
+    assert set(sa.select(sa.load_runs(tmp_path), {"optim.momentum": ["0"]})["optim.momentum"]) == {0.0}
 
 
 def test_runs_of_one_seed_are_never_averaged_into_one(tmp_path, capsys):

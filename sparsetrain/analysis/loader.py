@@ -936,15 +936,21 @@ def not_completed(runs: pd.DataFrame) -> pd.DataFrame:
 
 def select(frame: pd.DataFrame, where: dict[str, list[str]] | None) -> pd.DataFrame:
     """Rows whose axes take one of the given values (``{"scope": ["layerwise"]}``); dense SGD
-    rows pass the axes it ignores (``-``), and ``dense`` is a scheme name like any other."""
+    rows pass the axes it ignores (``-``), and ``dense`` is a scheme name like any other. A
+    config key that differs between the runs is one too (``{"optim.momentum": ["0"]}``); numbers
+    match by value (``0`` is a recorded ``0.0``)."""
     if not where or frame.empty:
         return frame
     keep = pd.Series(True, index=frame.index)
     for axis, values in where.items():
         if axis not in frame:
-            raise ValueError(f"--where {axis}=...: {axis!r} is not an axis; allowed: {', '.join(AXES)}")
+            keys = [c for c in frame.columns if "." in str(c)]
+            raise ValueError(f"--where {axis}=...: {axis!r} is not an axis, nor a config key that differs "
+                             f"between these runs; allowed: {', '.join([*AXES, *keys])}")
         text = frame[axis].astype(str)
-        keep &= text.isin([str(v) for v in values]) | (text == NOT_APPLICABLE)
+        wanted = {_same_value(override_value(axis, v)) for v in values}
+        by_value = frame[axis].map(lambda v, wanted=wanted: _same_value(v) in wanted)
+        keep &= text.isin([str(v) for v in values]) | by_value | (text == NOT_APPLICABLE)
     return frame[keep]
 
 
