@@ -15,6 +15,7 @@ from test_analysis import _row, make_config, write_run, write_sweep
 from sparsetrain import analysis as sa
 from sparsetrain.analysis.__main__ import main as analysis_main
 from sparsetrain.analysis.group import varying_axes
+from sparsetrain.analysis.loader import select
 from sparsetrain.analysis.tables import runs_table
 from sparsetrain.results import RunWriter
 
@@ -52,7 +53,7 @@ def test_runs_that_differ_in_any_recorded_key_are_rows_of_their_own(tmp_path):
     assert "optim.momentum" in varying_axes(sa.load_runs(tmp_path))
     assert "optim.momentum" in sa.curves_of(sa.load_runs(tmp_path))
     # a slice by it, by value: the recorded 0.0 is the 0 one types
-    assert set(sa.select(sa.load_runs(tmp_path), {"optim.momentum": ["0"]})["optim.momentum"]) == {0.0}
+    assert set(select(sa.load_runs(tmp_path), {"optim.momentum": ["0"]})["optim.momentum"]) == {0.0}
 
 
 def test_runs_of_one_seed_are_never_averaged_into_one(tmp_path, capsys):
@@ -88,7 +89,7 @@ def test_a_grid_that_ran_dense_sgd_at_two_scopes_counts_its_seed_once(tmp_path):
     ignores: one computation, counted once (from the first run), never a mean of the two."""
     sweep = write_sweep(tmp_path / "grid", {"scheme": "none,topk", "scope": "layerwise,global"}, "mine")
     _edit_summary(sweep / "0", test_accuracy=0.52)  # dense at layerwise
-    _edit_summary(sweep / "2", test_accuracy=0.60)  # dense at global: the same seed, 0
+    _edit_summary(sweep / "1", test_accuracy=0.60)  # dense at global: the same seed, 0
     table = runs_table(sa.load_runs(sweep))
     assert _row(table, scheme="dense SGD")[ACCURACY] == "52.00 (n=1)", table.display
     assert "repeat" not in table.display
