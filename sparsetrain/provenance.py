@@ -18,9 +18,12 @@ No torch, no Hydra: the CLI checks a checkpoint with it before any rank starts.
 from __future__ import annotations
 
 import hashlib
+import importlib
+import inspect
 import os
 import platform
 import subprocess
+import sysconfig
 from pathlib import Path
 
 CODE_PATHS = ("sparsetrain", "conf", "hydra_plugins", "pyproject.toml")
@@ -72,6 +75,55 @@ def same_code(a: dict | None, b: dict | None) -> bool:
     if describe(a) == UNKNOWN or describe(b) == UNKNOWN:
         return True
     return describe(a) == describe(b)
+
+
+def compressor_code(target: str | None) -> dict | None:
+    """The source of an out-of-tree compressor: ``{"target", "files", "digest"}`` for the class
+    ``target`` names (``scheme.compressor._target_``, ``mypkg.codecs.MyCodec``) when it is not
+    sparsetrain's own: the files that define it and its bases outside sparsetrain (never the
+    standard library or installed packages other than its own; relative to the working directory
+    where under it), and one sha256 over their names and bytes, wherever they lie.
+    A commit does not say which version of one's own code ran; this does, so that the analysis
+    never averages two versions. None for sparsetrain's classes, no target, or one that cannot
+    be imported (the run has already failed to build it then)."""
+    if not target or str(target).split(".")[0] == "sparsetrain":
+        return None
+    module_name, _, name = str(target).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    installed = {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := sysconfig.get_paths().get(key))}
+    own = Path(__file__).resolve().parent  # the sparsetrain package
+    files = []
+    for i, klass in enumerate(getattr(cls, "__mro__", (cls,))):
+        try:
+            path = Path(inspect.getsourcefile(klass) or "").resolve()
+        except TypeError:  # builtins: no source
+            continue
+        if not path.is_file() or own in path.parents:
+            continue
+        # the class named is always its own code; a base only outside installed packages
+        if i and any(str(path).startswith(root + os.sep) for root in installed):
+            continue
+        if path not in files:
+            files.append(path)
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return {"target": str(target), "files": [_shown(p) for p in files], "digest": digest.hexdigest()[:16]}
+
+
+def _shown(path: Path) -> str:
+    """Relative to the working directory when under it (as summary.json's run_dir): a committed
+    run folder then names no machine's folders."""
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def host() -> dict:

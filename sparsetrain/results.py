@@ -23,6 +23,9 @@ from sparsetrain import schemes  # plain yaml, no torch
 from sparsetrain.errors import one_line_error  # noqa: F401  (the one formatter; re-exported)
 
 SUMMARY = "summary.json"
+# summary.json's layout (its ``schema_version``): 1 added ``schema_version`` and
+# ``compressor_code``; a summary without the field is version 0 (the analysis reads both)
+SCHEMA_VERSION = 1
 # The phases of a step, as ``time_ms`` in summary.json and metrics.jsonl names them
 # (sparsetrain.timing times them; the analysis reads them).
 PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
@@ -218,7 +221,8 @@ def read_summary(run_dir: str | Path) -> dict | None:
 
 def mark_failed(run_dir: str | Path, error: str, **fields: Any) -> None:
     """Record a failure unless the run already recorded its own end (completed or failed)."""
-    summary = read_summary(run_dir) or {"run_dir": relative_run_dir(run_dir), "started_at": now_iso()}
+    summary = read_summary(run_dir) or {"schema_version": SCHEMA_VERSION, "run_dir": relative_run_dir(run_dir),
+                                        "started_at": now_iso()}
     if summary.get("status") in ("completed", "failed"):
         return
     summary.update(fields)
@@ -237,7 +241,8 @@ def record_refusal(run_dir: str | Path, error: str, **fields: Any) -> None:
     if trained:
         return
     now = now_iso()
-    write_json_atomic(Path(run_dir) / SUMMARY, {"run_dir": relative_run_dir(run_dir), "started_at": now,
+    write_json_atomic(Path(run_dir) / SUMMARY, {"schema_version": SCHEMA_VERSION,
+                                                 "run_dir": relative_run_dir(run_dir), "started_at": now,
                                                  **fields, "status": "failed", "error": error,
                                                  "finished_at": now})
 
@@ -245,7 +250,8 @@ def record_refusal(run_dir: str | Path, error: str, **fields: Any) -> None:
 def replace_error(run_dir: str | Path, error: str, **fields: Any) -> None:
     """Set a failed run's error to ``error`` (the root cause found after the fact, such as the
     rank that was killed), keeping what the run itself had recorded as ``error_seen_by_rank0``."""
-    summary = read_summary(run_dir) or {"run_dir": relative_run_dir(run_dir), "started_at": now_iso()}
+    summary = read_summary(run_dir) or {"schema_version": SCHEMA_VERSION, "run_dir": relative_run_dir(run_dir),
+                                        "started_at": now_iso()}
     if summary.get("status") == "completed":
         return
     if summary.get("error") and summary["error"] != error:
@@ -394,7 +400,8 @@ class RunWriter:
         self._metrics = None
 
     def start(self, **fields: Any) -> None:
-        self.summary = {"status": "running", "error": None, "started_at": now_iso(), **fields}
+        self.summary = {"schema_version": SCHEMA_VERSION, "status": "running", "error": None,
+                        "started_at": now_iso(), **fields}
         write_json_atomic(self.run_dir / SUMMARY, self.summary)
 
     def open_metrics(self, keep_records: int | None = None) -> None:

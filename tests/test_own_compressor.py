@@ -83,6 +83,10 @@ def test_a_scheme_outside_the_checkout_runs_end_to_end(mine, where):
     assert s["status"] == "completed" and s["steps"] == 4, s
     assert s["config"]["scheme"]["name"] == "rrandk"
     assert s["config"]["scheme"]["compressor"]["_target_"] == "mypkg.RRandK"
+    # which version of one's own class ran (issue 62): its file, digested; the summary's layout
+    code = s["compressor_code"]
+    assert code["target"] == "mypkg.RRandK" and code["files"] == ["mine/mypkg.py"]
+    assert len(code["digest"]) == 16 and s["schema_version"] == 1
 
 
 # ---- 2. a compressor's options are part of what a run is -----------------------------------------

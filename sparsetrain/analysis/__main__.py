@@ -32,7 +32,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from .loader import load_runs, not_completed
+from .group import repeat_notes
+from .loader import completed, load_runs, not_completed
 from .report import STUDIES, select, write_report, write_studies, write_time_to_accuracy
 from .time_to_accuracy import BANDWIDTHS_GBIT, WORKERS
 
@@ -134,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err} (a run folder holds summary.json or .hydra/config.yaml)", file=sys.stderr)
         return 1
     print(f"wrote {len(written)} files to {args.out}", file=sys.stderr)
-    missing = not_completed(select(load_runs(*args.paths), where))
+    runs = select(load_runs(*args.paths), where)
+    for line in repeat_notes(completed(runs)):  # shown apart in the tables: say so here too
+        print(f"warning: {line}", file=sys.stderr)
+    missing = not_completed(runs)
     if len(missing):
         counts = ", ".join(f"{n} {status}" for status, n in missing["status"].value_counts().items())
         if args.include_failed:  # they are in the numbers: say so, not that they are left out

@@ -25,7 +25,7 @@ from matplotlib.ticker import MaxNLocator
 
 from sparsetrain import schemes
 
-from .group import expand_dense, sort_rows, summarize, varying_axes
+from .group import expand_dense, mark_repeats, sort_rows, summarize, varying_axes
 from .loader import DEFAULT_SYNC, DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
@@ -272,7 +272,7 @@ def plot_accuracy_vs_epoch(curves: pd.DataFrame, metric: str = "test_accuracy", 
         if curves.empty or metric not in curves:
             fig, axes = _new_figure()
             return _empty(fig, axes[0, 0], "no epoch records")
-        curves = _with_lines(curves.dropna(subset=[metric]))
+        curves = _with_lines(mark_repeats(curves.dropna(subset=[metric])))
         facet = facet if facet is not None else varying_axes(curves, exclude=("scheme", *LINE_AXES))
         curves = expand_dense(curves, facet)
         panels = _facets(curves, facet)
@@ -325,6 +325,7 @@ def plot_time_per_phase(runs: pd.DataFrame) -> Figure:
         if done.empty or "time_step_ms" not in done or done["time_step_ms"].isna().all():
             fig, axes = _new_figure()
             return _empty(fig, axes[0, 0], "no timings")
+        done = mark_repeats(done)
         by = ["scheme", *varying_axes(done, exclude=("scheme",))]
         data = summarize(done, by, [f"time_{p}_ms" for p in phases] + ["time_step_ms"])
         labels = _config_labels(data, by)
@@ -371,7 +372,7 @@ def plot_accuracy_vs_bytes(runs: pd.DataFrame) -> Figure:
         ax = axes[0, 0]
         if done.empty:
             return _empty(fig, ax, "no completed runs with accuracy and bytes")
-        done = _with_lines(done)
+        done = _with_lines(mark_repeats(done))
         others = varying_axes(done, exclude=("scheme", *LINE_AXES))
         data = summarize(done, ["scheme", "line", "variant", *others], ["test_accuracy", metric])
         marker_axes = [a for a in others if a != "ratio"]
@@ -417,6 +418,7 @@ def plot_workers(runs: pd.DataFrame) -> Figure:
         if done.empty:
             _empty(fig, axes[0, 1], "")
             return _empty(fig, axes[0, 0], "no completed runs")
+        done = mark_repeats(done)
         others = [a for a in varying_axes(done, exclude=("scheme", "world_size"))]
         by = ["scheme", *others, "world_size"]
         data = summarize(expand_dense(done, others), by, ["test_accuracy", "time_step_ms"])

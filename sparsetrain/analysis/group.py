@@ -12,6 +12,7 @@ import pandas as pd
 from .loader import (
     AXES,
     BLEW_UP_RECOVERED,
+    CONFIG_DIGEST,
     DENSE,
     DENSE_IRRELEVANT,
     NOT_APPLICABLE,
@@ -19,16 +20,64 @@ from .loader import (
     completed,
     not_completed,
 )
-from .table import BYTES, LABELS, PERCENT, SCHEME_NAMES, SCHEME_ORDER, VALUE_ORDER, Table
+from .table import (
+    BYTES,
+    LABELS,
+    PERCENT,
+    SCHEME_NAMES,
+    SCHEME_ORDER,
+    VALUE_ORDER,
+    Table,
+    _shown_path,
+)
 
 # --- grouping ---------------------------------------------------------------------------------
 
+# What tells runs apart beyond AXES: the recorded config's other keys (the loader's dotted
+# columns, ``optim.momentum``), the source of an out-of-tree compressor and the emulated link.
+SETTINGS_BEYOND_AXES = ("compressor_code", "link_rate_bits")
+# Runs that share a seed and every setting: ``repeat`` 1, 2, ... (``mark_repeats``), each its own
+# row, never averaged into one seed; ``-`` for every configuration without such runs.
+REPEAT = "repeat"
+
+
+def config_columns(runs: pd.DataFrame) -> list[str]:
+    """The columns beyond AXES that tell runs apart: the loader's config keys (``optim.momentum``)
+    and ``SETTINGS_BEYOND_AXES``."""
+    return [c for c in runs.columns if "." in str(c) or c in SETTINGS_BEYOND_AXES]
+
+
+def _as_key(column: pd.Series) -> pd.Series:
+    """A column as comparable text: None and NaN alike (``-``), 0 and 0.0 alike."""
+    def text(value):
+        if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
+            return NOT_APPLICABLE
+        if _is_number(value):
+            return repr(float(value))
+        return f"{type(value).__name__}:{value}"
+    return column.map(text)
+
+
+def _splitting(runs: pd.DataFrame, base: list[str], candidates: list[str]) -> list[str]:
+    """``candidates`` that take more than one value within some group of ``base``."""
+    if runs.empty:
+        return []
+    keys = pd.DataFrame({c: _as_key(runs[c]) for c in [*base, *candidates]}, index=runs.index)
+    out = []
+    for column in candidates:
+        counts = keys.groupby(base, sort=False)[column].nunique() if base else [keys[column].nunique()]
+        if (pd.Series(counts) > 1).any():
+            out.append(column)
+    return out
+
 
 def varying_axes(runs: pd.DataFrame, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Axes that take more than one value among ``runs`` (dense's ``-`` does not count)."""
-    out = []
+    """Axes that take more than one value among ``runs`` (dense's ``-`` does not count), then the
+    other recorded settings (``config_columns``) that differ between runs those axes put together,
+    then ``repeat`` where ``mark_repeats`` set one."""
+    out, base = [], []
     for axis in AXES:
-        if axis in exclude or axis not in runs:
+        if axis not in runs:
             continue
         column = runs[axis]
         if axis == "ratio" and (runs["scheme"] != DENSE).any():
@@ -36,8 +85,110 @@ def varying_axes(runs: pd.DataFrame, exclude: tuple[str, ...] = ()) -> list[str]
             column = column[runs["scheme"] != DENSE]
         values = {v for v in column.dropna().astype(str) if v != NOT_APPLICABLE}
         if len(values) > 1:
-            out.append(axis)
+            base.append(axis)
+            if axis not in exclude:
+                out.append(axis)
+    out += [c for c in _splitting(runs, base, config_columns(runs)) if c not in exclude]
+    if REPEAT in runs and REPEAT not in exclude and runs[REPEAT].nunique() > 1:
+        out.append(REPEAT)
     return out
+
+
+def _run_keys(runs: pd.DataFrame) -> pd.Series:
+    """Which run each row is (a curve has a row per epoch): its folder, else the row itself."""
+    if "run_dir" not in runs:
+        return pd.Series([f"#{i}" for i in runs.index], index=runs.index)
+    return runs["run_dir"].where(runs["run_dir"].notna(), pd.Series([f"#{i}" for i in runs.index], index=runs.index))
+
+
+def _same_seed_sets(runs: pd.DataFrame) -> list[pd.DataFrame]:
+    """Each set of two or more runs that share a seed and every setting (AXES and
+    ``config_columns``): one frame of their rows (one per run), in run-folder order."""
+    if runs.empty or REPLICATE not in runs:
+        return []
+    # a job a sweep promised that left no folder has no numbers to average: never a repeat
+    runs = runs[runs["run_dir"].notna()] if "run_dir" in runs else runs
+    if runs.empty:
+        return []
+    per_run = runs.assign(_run=_run_keys(runs)).drop_duplicates("_run")
+    identity = [a for a in AXES if a in per_run] + config_columns(per_run) + [REPLICATE]
+    table = pd.DataFrame({c: _as_key(per_run[c]) for c in identity}, index=per_run.index)
+    sizes = table.groupby(identity, sort=False)[REPLICATE].transform("size")
+    repeated = per_run[sizes > 1]
+    if repeated.empty:
+        return []
+    groups = table.loc[repeated.index].groupby(identity, sort=False).groups
+    return [per_run.loc[index].sort_values("_run").drop(columns="_run") for index in groups.values()]
+
+
+def _copies(group: pd.DataFrame) -> bool:
+    """Runs of one seed whose recorded configs all differ, though only in keys their scheme
+    ignores (dense SGD swept over scope=layerwise,global): one computation, made twice by a grid."""
+    digests = group[CONFIG_DIGEST] if CONFIG_DIGEST in group else pd.Series(dtype=object)
+    return len(digests) == len(group) and digests.notna().all() and digests.nunique() == len(group)
+
+
+def repeated_runs(runs: pd.DataFrame) -> list[pd.DataFrame]:
+    """Each set of runs that share a seed and their whole recorded config (bookkeeping aside):
+    one configuration run more than once, shown apart as repeats (``mark_repeats``)."""
+    return [group for group in _same_seed_sets(runs) if not _copies(group)]
+
+
+def copied_runs(runs: pd.DataFrame) -> list[pd.DataFrame]:
+    """Each set of runs of one seed that differ only in keys their scheme ignores (``_copies``):
+    counted once, from the first (``mark_repeats``)."""
+    return [group for group in _same_seed_sets(runs) if _copies(group)]
+
+
+def mark_repeats(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` in which no seed is counted twice in one configuration.
+
+    Two runs of one seed are not two samples: averaged, they would show as one seed (n=1) and
+    hide how far apart they ended. Runs of one configuration and seed (``repeated_runs``) get
+    ``repeat`` 1, 2, ... (run-folder order), each its own row, and ``-`` goes to the other
+    configurations' runs; runs that differ only in keys their scheme ignores (``copied_runs``:
+    dense SGD at two scopes) are one computation: the first is kept, the others left out.
+    Unchanged where neither happens."""
+    keys = _run_keys(runs)
+    dropped = {_run_keys(group).iloc[i] for group in copied_runs(runs) for i in range(1, len(group))}
+    if dropped:
+        runs, keys = runs[~keys.isin(dropped)], keys[~keys.isin(dropped)]
+    if not repeated_runs(runs):
+        return runs
+    per_run = runs.assign(_run=keys).drop_duplicates("_run")
+    if "run_dir" in per_run:
+        per_run = per_run[per_run["run_dir"].notna()]
+    identity = [a for a in AXES if a in per_run] + config_columns(per_run)
+    table = pd.DataFrame({c: _as_key(per_run[c]) for c in [*identity, REPLICATE]}, index=per_run.index)
+    table["_run"] = per_run["_run"]
+    table = table.sort_values("_run")
+    table[REPEAT] = table.groupby([*identity, REPLICATE], sort=False).cumcount() + 1
+    repeats_of = table.groupby(identity, sort=False)[REPEAT].transform("max")
+    table[REPEAT] = table[REPEAT].astype(object).where(repeats_of > 1, NOT_APPLICABLE)
+    marks = keys.map(dict(zip(table["_run"], table[REPEAT], strict=True))).fillna(NOT_APPLICABLE)
+    return runs.assign(**{REPEAT: marks})
+
+
+def repeat_notes(runs: pd.DataFrame) -> list[str]:
+    """One line per seed that ran more than once in one configuration: the runs, and what to do
+    (give each its own seed); and per seed that a grid ran again under keys its scheme ignores."""
+    def shown(group: pd.DataFrame) -> list[str]:
+        return [_shown_path(d) if isinstance(d, str) else "?" for d in group.get("run_dir", [])]
+
+    lines = []
+    for group in repeated_runs(runs):
+        first = group.iloc[0]
+        differ = [c for c in ("experiment", "code", "host") if c in group and group[c].astype(str).nunique() > 1]
+        also = f"; they differ only in {', '.join(differ)}, which no table groups by" if differ else ""
+        lines.append(f"{len(group)} runs share seed={first[REPLICATE]} and every recorded setting "
+                     f"({', '.join(shown(group))}){also}: shown apart as repeats 1-{len(group)}, never "
+                     "averaged as one seed; give each run its own seed (seed=...)")
+    for group in copied_runs(runs):
+        where = shown(group)
+        lines.append(f"{len(group)} runs of seed={group.iloc[0][REPLICATE]} differ only in settings "
+                     f"{_display_axis('scheme', group.iloc[0]['scheme'])} ignores ({', '.join(where)}): "
+                     f"one computation, counted once, from {where[0]}")
+    return lines
 
 
 def expand_dense(runs: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
@@ -71,13 +222,20 @@ def expand_dense(runs: pd.DataFrame, axes: list[str]) -> pd.DataFrame:
 def summarize(runs: pd.DataFrame, by: list[str], metrics: list[str]) -> pd.DataFrame:
     """Mean, std and n over seeds of each metric for each combination of ``by``.
 
-    Runs repeated with the same configuration and seed are averaged first, so ``n`` counts seeds.
+    ``n`` counts seeds: two runs of one seed in a group are refused (ValueError naming them);
+    ``mark_repeats`` first and ``repeat`` in ``by`` shows them apart.
     """
     runs = runs.copy()
     for column in by:
         runs[column] = runs[column].astype(object).where(runs[column].notna(), NOT_APPLICABLE)
-    per_seed = runs.groupby([*by, REPLICATE], dropna=False, sort=False)[metrics].mean().reset_index()
-    grouped = per_seed.groupby(by, dropna=False, sort=False)[metrics]
+    twice = runs.duplicated([*by, REPLICATE], keep=False)
+    if "run_dir" in runs:  # a promised job that left no folder has no numbers (NaN): n never counts it
+        twice &= runs["run_dir"].notna()
+    if twice.any():
+        shown = ", ".join(str(d) for d in runs.loc[twice].get("run_dir", runs.loc[twice].index))
+        raise ValueError(f"runs {shown} share seed and {', '.join(by)}: one seed is never averaged over "
+                         "runs; mark_repeats, then group by repeat")
+    grouped = runs.groupby(by, dropna=False, sort=False)[metrics]
     mean, std, n = grouped.mean(), grouped.std(ddof=1), grouped.count()
     out = mean.add_suffix("_mean").join(std.add_suffix("_std")).join(n.add_suffix("_n"))
     out = out.reset_index()
@@ -144,13 +302,14 @@ def pivot_table(
     extra_metrics: list[str] | None = None,
 ) -> Table:
     """Rows = ``rows`` + other varying axes, columns = values of ``column``, cells = metric."""
-    done = runs if include_failed else completed(runs)
+    counted = runs if include_failed else completed(runs)
+    done = mark_repeats(counted)
     missing = pd.DataFrame() if include_failed else not_completed(runs)
     fixed = [*rows, *([column] if column else [])]
     others = [a for a in varying_axes(done) if a not in fixed]
     by_rows = [*rows, *others]
     metrics = [metric, *(extra_metrics or [])]
-    notes = _constant_note(done, [*by_rows, *([column] if column else [])])
+    notes = _constant_note(done, [*by_rows, *([column] if column else [])]) + repeat_notes(counted)
     if done.empty:
         return Table(name, title, pd.DataFrame(), pd.DataFrame(), missing.reset_index(drop=True), notes)
     # Dense SGD ignores scope, aggregation, ...: one row of its own ("-"), or copied into each
@@ -161,8 +320,8 @@ def pivot_table(
     display_rows = []
     row_keys = data[by_rows].drop_duplicates()
     column_values = list(sort_rows(data[[column]].drop_duplicates(), [column])[column]) if column else []
-    for key in row_keys.itertuples(index=False):
-        mask = (data[by_rows] == pd.Series(key._asdict())).all(axis=1)
+    for key in row_keys.itertuples(index=False, name=None):  # by position: a config key's name has dots
+        mask = (data[by_rows] == pd.Series(dict(zip(by_rows, key, strict=True)))).all(axis=1)
         entry = {LABELS.get(a, a): _display_axis(a, v) for a, v in zip(by_rows, key, strict=False)}
         if column:
             for value in column_values:

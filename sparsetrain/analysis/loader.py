@@ -14,6 +14,8 @@ would cross files.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
 import json
 import math
@@ -313,6 +315,134 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
     return row
 
 
+# a row's recorded config keys on their way into columns, and a row known by its overrides alone
+CONFIG_FIELDS, PARTIAL_CONFIG = "_config_fields", "_partial_config"
+# the column of config_digest: which runs of one seed ran one configuration twice (group.py)
+CONFIG_DIGEST = "config_digest"
+
+# --- every other recorded config key ----------------------------------------------------------
+# Runs are told apart by every key of their recorded config, not only by AXES: a key not read
+# into an axis becomes a column named by its dotted path (``optim.momentum``), and the tables
+# group by it where it differs between runs they would otherwise put together (group.py).
+#
+# Keys an axis above already reads, each with its own reading of runs from before the key
+# (``scheme.uncompressed``: ``none``, ...): they are that axis, not a column of their own. A prefix
+# covers the keys under it; ``scheme.compressor._target_`` is not covered (a class swapped in
+# under a scheme's name is another compressor).
+COVERED_KEYS = (
+    "scheme.name", "scope", "aggregation", "ratio", "world_size", "seed", "scheme.error_feedback",
+    "scheme.block_size", "scheme.levels", "scheme.bucket_size", "scheme.generator", "scheme.rank",
+    "scheme.compressor", "scheme.memory", "scheme.sync", "scheme.uncompressed", "scheme.warmup_steps",
+    "model.name", "data.name", "data.train_size", "train.epochs", "train.batch_size", "optim.lr",
+    "optim.warmup_epochs", "train.bn_recalibrate", "dist.ddp",
+)
+NOT_COVERED = ("scheme.compressor._target_",)
+# Bookkeeping: where a run wrote, logged, reported or found its files, and how it was kept alive;
+# never what it trained or measured. Two runs that differ only here are one configuration.
+BOOKKEEPING_KEYS = (
+    "wandb",                      # W&B mode, project, entity, group (a sweep's folder name), tags
+    "data.root", "data.download",  # where the data set lives on this machine, fetched or not
+    "train.progress",             # a tqdm bar on a terminal
+    "train.log_every",            # which steps metrics.jsonl logs (the loss peak is recorded every step)
+    "train.timing_warmup",        # how many first steps the phase means leave out
+    "train.device", "train.threads", "dist.backend",  # where it ran (``host`` says which machine)
+    "dist.timeout_s", "dist.master_port",  # how long a dead rank may hang; which port rank 0 listens on
+    "train.checkpoint", "train.save_model", "train.allow_code_change",  # files kept; resume allowed
+)
+# Hydra's own plumbing in a node (``_partial_: true``), never a setting
+PLUMBING_LEAVES = ("_partial_",)
+# A key a run's config lacks was added after the run: the run did what the key's default does
+# (each key was added with a default that keeps earlier runs' behaviour), unless listed here.
+BEFORE_THE_KEY = {"dist.overlap": False}  # dense exchange after backward before dist.overlap existed
+
+
+def _flat_config(node, prefix: str = "") -> dict:
+    """A config as ``{dotted.key: leaf}``; lists as their text, so that rows can be grouped."""
+    if isinstance(node, dict) and node:
+        out = {}
+        for key, value in node.items():
+            out.update(_flat_config(value, f"{prefix}{key}."))
+        return out
+    if isinstance(node, (list, tuple, dict)):
+        node = json.dumps(node, sort_keys=True, default=str)
+    return {prefix[:-1]: node}
+
+
+def _is_config_column(key: str) -> bool:
+    # A top-level key is an axis (world_size, ratio, seed) or, in a promised job's overrides, a
+    # group chosen by name (scheme=topk, experiment=...): never a column of its own, whose name
+    # could be an axis's.
+    if "." not in key:
+        return False
+    if key in NOT_COVERED:
+        return True
+    if key.rpartition(".")[2] in PLUMBING_LEAVES:
+        return False
+    return not any(key == k or key.startswith(k + ".") for k in (*COVERED_KEYS, *BOOKKEEPING_KEYS))
+
+
+def config_fields(config: dict | None) -> dict:
+    """The run's recorded config keys that no axis reads and that are not bookkeeping
+    (``{"optim.momentum": 0.9, ...}``)."""
+    return {k: v for k, v in _flat_config(config or {}).items() if _is_config_column(k)}
+
+
+def config_digest(config: dict | None) -> str | None:
+    """One short hash of the whole recorded config but its seed and bookkeeping: two runs of one
+    seed with the same digest ran one configuration twice; with different digests that read as
+    the same axes, they differ only in keys their scheme ignores (dense SGD's scope)."""
+    if not config:
+        return None
+    kept = {k: v for k, v in _flat_config(config).items()
+            if k != "seed" and k.rpartition(".")[2] not in PLUMBING_LEAVES
+            and not any(k == b or k.startswith(b + ".") for b in BOOKKEEPING_KEYS)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+_SCHEMA_DEFAULTS: dict | None = None
+
+
+def _schema_defaults() -> dict:
+    """The schema's keys and defaults (``sparsetrain.config.schema``: Hydra and OmegaConf, no
+    torch), read once, when a loaded frame lacks a key in some runs."""
+    global _SCHEMA_DEFAULTS
+    if _SCHEMA_DEFAULTS is None:
+        from omegaconf import MISSING
+
+        from sparsetrain.config.schema import schema_keys
+
+        _SCHEMA_DEFAULTS = {k: v for k, v in schema_keys().items() if v != MISSING}
+        _SCHEMA_DEFAULTS.update(BEFORE_THE_KEY)
+    return _SCHEMA_DEFAULTS
+
+
+def _same_value(value):
+    """A value as one comparable text: 0 and 0.0 alike, True and 1 not."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return ("number", float(value))
+    return ("value", json.dumps(value, sort_keys=True, default=str))
+
+
+def _config_columns(frame: pd.DataFrame, fields: list[dict], partial: list[bool]) -> pd.DataFrame:
+    """``frame`` with a column per config key that takes more than one value among its rows (a
+    key the same in every run can tell none apart). A run without the key gets the key's default
+    (``BEFORE_THE_KEY``, else the schema's; None where the schema has none). A row with a
+    ``partial`` config (a job a sweep promised, known by its overrides alone) is None where its
+    overrides say nothing, and that None makes no key vary."""
+    keys = sorted(set().union(*fields)) if fields else []
+    columns = {}
+    for key in keys:
+        default = None
+        if not all(key in f for f, part in zip(fields, partial, strict=True) if not part):
+            default = _schema_defaults().get(key)
+            default = _flat_config(default)[""] if isinstance(default, (list, tuple, dict)) else default
+        values = [f.get(key) if part else f.get(key, default) for f, part in zip(fields, partial, strict=True)]
+        seen = {_same_value(v) for v, f, part in zip(values, fields, partial, strict=True) if not part or key in f}
+        if len(seen) > 1:
+            columns[key] = values
+    return frame.assign(**columns) if columns else frame
+
+
 def _hydra_choices(run: Path) -> dict:
     hydra_cfg = _read_yaml(run / ".hydra" / "hydra.yaml") if (run / ".hydra" / "hydra.yaml").is_file() else None
     return _get(hydra_cfg, "hydra", "runtime", "choices", default={}) or {}
@@ -349,6 +479,8 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
     summary = summary or {}
     config = summary.get("config") or config or {}
     row = _axes_from_config(config, summary.get("applies"))
+    row[CONFIG_FIELDS] = config_fields(config)  # into columns by load_runs (_config_columns)
+    row[CONFIG_DIGEST] = config_digest(config)
     status = summary.get("status") if summary else "no summary"
     row.update(
         status=status or "unknown",
@@ -398,6 +530,11 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
                loss_peak_source="summary" if "train_loss_peak" in summary else None)
     row.update(_code_fields(summary))
     row["host"] = _host_of(summary)
+    # summary.json's layout (sparsetrain.results.SCHEMA_VERSION); 0: written before it said
+    row["schema_version"] = int(summary.get("schema_version") or 0)
+    # an out-of-tree compressor's source (summary's compressor_code.digest): two versions of
+    # one's own class are two configurations; None for sparsetrain's own classes
+    row["compressor_code"] = (summary.get("compressor_code") or {}).get("digest")
     reason = untrained_reason(summary)
     if reason:  # finished, but no better than a uniform guess: not a result to rank
         row.update(status=DID_NOT_TRAIN, error=reason)
@@ -610,6 +747,40 @@ def _strip_override_key(key: str) -> str:
     return key.lstrip("+~")
 
 
+@functools.lru_cache(maxsize=4096)
+def override_value(key: str, text) -> object:
+    """The value Hydra gives ``key=text`` on its command line: ``true``, ``True``: True; ``1e-3``:
+    0.001; ``null``: None; ``'0.1'``: the string; ``[1,2]``: a list. YAML's reading where Hydra's
+    parser refuses the text (a sweep's job never holds such a value, but a preset might)."""
+    from hydra.core.override_parser.types import QuotedString
+    from hydra.errors import HydraException
+
+    def plain(value):
+        if isinstance(value, QuotedString):
+            return value.text
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    text = str(text)
+    try:
+        return plain(_override_parser().parse_override(f"{_strip_override_key(key)}={text}").value())
+    except HydraException:
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+
+
+@functools.cache
+def _override_parser():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create()
+
+
 def expected_grid(sweep: Path) -> tuple[list[str], list[tuple[str, ...]]] | None:
     """The swept keys and every value combination a Hydra multirun in ``sweep`` should run.
 
@@ -655,7 +826,8 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
         for override in _overrides(run):
             key, _, value = override.partition("=")
             given[_strip_override_key(key)] = value
-        seen.add(tuple(given.get(key) for key in keys))
+        # by value, as Hydra reads both: the sweep's `true,false` and the job's recorded `True`
+        seen.add(tuple(_same_value(override_value(key, given[key])) if key in given else None for key in keys))
     multirun = _read_yaml(sweep / "multirun.yaml")
     experiment = _get(multirun, "hydra", "runtime", "choices", "experiment") or sweep.name
     # A value the command line fixed for every job (optim.lr=0.2 beside a swept grid) is the
@@ -664,7 +836,7 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
              if key not in keys and len(_split_sweep_value(value) or ()) == 1]
     rows = []
     for combo in combos:
-        if combo in seen:
+        if tuple(_same_value(override_value(k, v)) for k, v in zip(keys, combo, strict=True)) in seen:
             continue
         config: dict = {}
         for key, value in [*fixed, *zip(keys, combo, strict=False)]:
@@ -676,10 +848,11 @@ def _absent_rows(sweep: Path, runs: list[Path]) -> list[dict]:
                     node = target[parent] = {} if node is None else {"name": node}
                 target = node
             if isinstance(target.get(leaf), dict):
-                target[leaf]["name"] = yaml.safe_load(value)
+                target[leaf]["name"] = override_value(key, value)
             else:
-                target[leaf] = yaml.safe_load(value)
+                target[leaf] = override_value(key, value)
         row = row_from_summary(None, config)
+        row[PARTIAL_CONFIG] = True  # its overrides alone: the rest of its config is unknown
         for axis in ("uncompressed", "warmup_steps"):  # unknown unless the sweep set it
             if f"scheme.{axis}" not in keys:
                 row[axis] = None
@@ -726,10 +899,9 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
     rows = [_run_row(run, stale_after_s) for run in runs]
     for sweep in find_sweep_dirs(*paths):
         rows.extend(_absent_rows(sweep, runs))
-    frame = pd.DataFrame(rows)
+    frame = frame_of_rows(rows)
     if frame.empty:
         return frame
-    frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
     for column, default in (("compressor_options", CLASS_DEFAULTS), ("memory", DEFAULT_MEMORY),
                             ("sync", DEFAULT_SYNC), ("delta", NOT_APPLICABLE)):
         if column in frame:  # only where some run set one: other results keep their columns
@@ -738,6 +910,21 @@ def load_runs(*paths: str | Path, include_failed: bool = True,
     frame = _integer_columns(frame)
     if not include_failed:
         frame = frame[frame["status"].isin(STATUSES_DONE)].reset_index(drop=True)
+    return frame
+
+
+def frame_of_rows(rows: list[dict]) -> pd.DataFrame:
+    """``row_from_summary`` rows as one frame: the axes first, then a column per config key that
+    differs between them (``_config_columns``)."""
+    fields = [row.pop(CONFIG_FIELDS, None) or {} for row in rows]
+    partial = [bool(row.pop(PARTIAL_CONFIG, False)) for row in rows]
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return frame
+    frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
+    frame = _config_columns(frame, fields, partial)
+    if "compressor_code" in frame and frame["compressor_code"].isna().all():  # only where some run recorded one
+        frame = frame.drop(columns="compressor_code")
     return frame
 
 
@@ -771,15 +958,21 @@ def not_completed(runs: pd.DataFrame) -> pd.DataFrame:
 
 def select(frame: pd.DataFrame, where: dict[str, list[str]] | None) -> pd.DataFrame:
     """Rows whose axes take one of the given values (``{"scope": ["layerwise"]}``); dense SGD
-    rows pass the axes it ignores (``-``), and ``dense`` is a scheme name like any other."""
+    rows pass the axes it ignores (``-``), and ``dense`` is a scheme name like any other. A
+    config key that differs between the runs is one too (``{"optim.momentum": ["0"]}``); numbers
+    match by value (``0`` is a recorded ``0.0``)."""
     if not where or frame.empty:
         return frame
     keep = pd.Series(True, index=frame.index)
     for axis, values in where.items():
         if axis not in frame:
-            raise ValueError(f"--where {axis}=...: {axis!r} is not an axis; allowed: {', '.join(AXES)}")
+            keys = [c for c in frame.columns if "." in str(c)]
+            raise ValueError(f"--where {axis}=...: {axis!r} is not an axis, nor a config key that differs "
+                             f"between these runs; allowed: {', '.join([*AXES, *keys])}")
         text = frame[axis].astype(str)
-        keep &= text.isin([str(v) for v in values]) | (text == NOT_APPLICABLE)
+        wanted = {_same_value(override_value(axis, v)) for v in values}
+        by_value = frame[axis].map(lambda v, wanted=wanted: _same_value(v) in wanted)
+        keep &= text.isin([str(v) for v in values]) | by_value | (text == NOT_APPLICABLE)
     return frame[keep]
 
 
@@ -815,12 +1008,14 @@ def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = Fa
     if not include_failed and not runs.empty:
         runs = runs[runs["status"].isin((*STATUSES_DONE, DID_NOT_TRAIN))]
     frames = []
-    keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST and a in runs], "run_dir"]
-    for run in runs.itertuples(index=False):
-        if not isinstance(run.run_dir, str) or not (Path(run.run_dir) / "metrics.jsonl").is_file():
+    # the axes and every other setting that tells runs apart (group.varying_axes reads them)
+    settings = [c for c in runs.columns if "." in str(c) or c in ("compressor_code", "link_rate_bits", CONFIG_DIGEST)]
+    keep = [*COLUMNS_FIRST, *[a for a in AXES if a not in COLUMNS_FIRST and a in runs], *settings, "run_dir"]
+    for run in runs.to_dict("records"):  # not itertuples: a config key's column has dots in its name
+        if not isinstance(run["run_dir"], str) or not (Path(run["run_dir"]) / "metrics.jsonl").is_file():
             continue
         records = []
-        for record in _read_metrics(Path(run.run_dir) / "metrics.jsonl"):
+        for record in _read_metrics(Path(run["run_dir"]) / "metrics.jsonl"):
             if record.get("kind") != kind:
                 continue
             record = dict(record)
@@ -832,7 +1027,7 @@ def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = Fa
         if not records:
             continue
         frame = pd.DataFrame(records).drop(columns=["kind"])
-        info = {column: getattr(run, column) for column in keep}
+        info = {column: run[column] for column in keep}
         for column, value in info.items():
             frame[column] = value  # the run's axes win over any same-named record field
         frames.append(frame)

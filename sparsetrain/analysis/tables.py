@@ -13,13 +13,16 @@ import math
 import pandas as pd
 
 from .group import (
+    REPEAT,
     _cell,
     _constant_note,
     _display_axis,
     _human_bytes,
     expand_dense,
     fmt,
+    mark_repeats,
     pivot_table,
+    repeat_notes,
     summarize,
     varying_axes,
 )
@@ -116,7 +119,8 @@ def budget_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
 
 def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     """RQ5: mean time per phase, time per step and speed-up over dense of the same setting."""
-    done = runs if include_failed else completed(runs)
+    counted = runs if include_failed else completed(runs)
+    done = mark_repeats(counted)
     missing = pd.DataFrame() if include_failed else not_completed(runs)
     title = "RQ5: time per step by phase (ms) and speed-up over dense SGD"
     phases = [p for p in PHASES if f"time_{p}_ms" in done]
@@ -127,19 +131,20 @@ def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     expanded = expand_dense(done, by)
     data = summarize(expanded, by, metrics)
     # Speed-up is relative to dense runs that share every axis but the scheme's own knobs.
-    context = [a for a in by if a not in ("scheme", "ratio", "scope", "aggregation", "error_feedback", "block_size")]
+    context = [a for a in by if a not in ("scheme", "ratio", "scope", "aggregation", "error_feedback", "block_size",
+                                          REPEAT)]
     dense = data[data["scheme"] == DENSE]
     speedups = []
-    for row in data.itertuples(index=False):
+    for row in data.to_dict("records"):  # not itertuples: a config key's column has dots in its name
         match = dense
         for axis in context:
-            match = match[match[axis] == getattr(row, axis)]
+            match = match[match[axis] == row[axis]]
         if "scope" in by:
-            match = match[match["scope"] == row.scope]
+            match = match[match["scope"] == row["scope"]]
         if "aggregation" in by:
-            match = match[match["aggregation"] == row.aggregation]
+            match = match[match["aggregation"] == row["aggregation"]]
         base = match["time_step_ms_mean"].mean() if len(match) else math.nan
-        speedups.append(base / row.time_step_ms_mean if row.time_step_ms_mean else math.nan)
+        speedups.append(base / row["time_step_ms_mean"] if row["time_step_ms_mean"] else math.nan)
     data["speedup"] = speedups
     display_rows = []
     for _, row in data.iterrows():
@@ -152,7 +157,8 @@ def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
         entry[LABELS["speedup"]] = "n/a" if math.isnan(row["speedup"]) else f"{row['speedup']:.2f}x"
         entry[LABELS["test_accuracy"]] = _cell(pd.DataFrame([row]), "test_accuracy")
         display_rows.append(entry)
-    notes = _constant_note(done, by) + ["Phases are mean ms per step after warm-up; speed-up = dense step time / step time."]
+    notes = _constant_note(done, by) + repeat_notes(counted) + [
+        "Phases are mean ms per step after warm-up; speed-up = dense step time / step time."]
     return Table("rq5_speed", title, pd.DataFrame(display_rows), data, missing.reset_index(drop=True), notes)
 
 
@@ -167,12 +173,14 @@ def stability_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     # include_failed adds the runs that did not complete; it must never drop those that did not train.
     keep = runs if include_failed else runs[runs["status"].isin(("completed", DID_NOT_TRAIN))]
     missing = pd.DataFrame() if include_failed else runs[~runs.index.isin(keep.index)]
+    notes_of_seeds = repeat_notes(keep)
+    keep = mark_repeats(keep)
     title = "Stabilisers: what whole 1-D tensors and a compression warm-up change"
     by = ["scheme", "uncompressed", "warmup_steps", *[a for a in varying_axes(keep)
                                                      if a not in ("scheme", "uncompressed", "warmup_steps")]]
     metrics = ["train_loss", "test_accuracy", "test_accuracy_running_bn", "memory_norm_max",
                "bytes_mean_per_step"]
-    notes = _constant_note(keep, by) + [
+    notes = _constant_note(keep, by) + notes_of_seeds + [
         "trained = final train loss below ln 10 (a uniform guess); max memory norm: the largest "
         "logged norm of rank 0's error-feedback memory, max over seeds; bytes: mean per step over "
         "the run, warm-up steps included."]

@@ -59,7 +59,14 @@ from sparsetrain.costmodel import (
 )
 
 from .figures import LINESTYLES, MARKERS, _empty, _label, _new_figure, scheme_color, style
-from .group import _constant_note, _display_axis, sort_rows, varying_axes
+from .group import (
+    _constant_note,
+    _display_axis,
+    mark_repeats,
+    repeat_notes,
+    sort_rows,
+    varying_axes,
+)
 from .loader import (
     COMPUTE_PHASES,
     REPLICATE,
@@ -365,7 +372,8 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     how many of the seeds did). Runs that did not complete or did not train are listed under it.
     ``compute``: see ``predict_runs``."""
     model = model or default_model()
-    done = completed(runs)
+    done = mark_repeats(completed(runs))
+    seed_notes = repeat_notes(completed(runs))
     missing = not_completed(runs).reset_index(drop=True)
     # the split the completed runs' curves read (a run that never completed has no accuracy at all)
     split = "validation" if not done.empty and "val_accuracy" in done and done["val_accuracy"].notna().all() \
@@ -390,7 +398,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     if done.empty:
         return Table("time_to_accuracy", title, pd.DataFrame(), pd.DataFrame(), missing, notes)
     by = ["scheme", *[a for a in varying_axes(done) if a != "scheme"]]
-    notes = _constant_note(done, by) + notes
+    notes = _constant_note(done, by) + seed_notes + notes
     buckets = borrowed_buckets(done)
     recorded = int(done["overlap_buckets"].apply(_has).sum()) if "overlap_buckets" in done else 0
     borrowed = int(buckets.apply(_has).sum()) - recorded

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .loader import COLUMNS_FIRST, _integer_columns, row_from_summary
+from .loader import _integer_columns, frame_of_rows, row_from_summary
 
 
 def load_wandb_runs(path: str, filters: dict | None = None, api=None) -> pd.DataFrame:
@@ -39,7 +39,7 @@ def load_wandb_runs(path: str, filters: dict | None = None, api=None) -> pd.Data
         row = row_from_summary(summary, config)
         row.update(experiment=getattr(run, "group", None), sweep_dir=None, run_dir=getattr(run, "url", None), overrides="")
         rows.append(row)
-    frame = pd.DataFrame(rows)
+    frame = frame_of_rows(rows)
     if frame.empty:
         return frame
-    return _integer_columns(frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]])
+    return _integer_columns(frame)

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from sparsetrain.compress import kernels
 from sparsetrain.errors import one_line_error
-from sparsetrain.provenance import code_version, describe, host
+from sparsetrain.provenance import code_version, compressor_code, describe, host
 from sparsetrain.rank import RankInfo
 from sparsetrain.results import (
     METRICS,
@@ -143,6 +143,8 @@ class RunRecord:
             resumed_from_step=step if resumed else None,
             code=self.code,
             code_commits=self.code_commits,
+            # an out-of-tree compressor's source, so that two versions of it are never averaged
+            compressor_code=compressor_code((config["scheme"].get("compressor") or {}).get("_target_")),
             hosts=self.hosts,
             kernels=kernels.backend(),  # the quantizers' CPU kernels: numba's, or the numpy paths
             slurm_job_id=self.info.slurm_job_id,

@@ -1,0 +1,183 @@
+"""Issue 62: the analysis never merges runs that differ, never averages two runs of one seed, and
+reads a sweep's overrides by value. Run folders written here by the results-file contract
+(``test_analysis.write_run`` / ``write_sweep``), analysed in-process."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from test_analysis import _row, make_config, write_run, write_sweep
+
+from sparsetrain import analysis as sa
+from sparsetrain.analysis.__main__ import main as analysis_main
+from sparsetrain.analysis.group import varying_axes
+from sparsetrain.analysis.loader import select
+from sparsetrain.analysis.tables import runs_table
+from sparsetrain.results import RunWriter
+
+ACCURACY = "test accuracy (%)"
+
+
+def _edit_summary(run: Path, **fields) -> None:
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, **fields}))
+
+
+def test_runs_that_differ_in_any_recorded_key_are_rows_of_their_own(tmp_path):
+    """optim.momentum 0.9 and 0 became one row: no axis read it. Bookkeeping keys (W&B group, how
+    often it logged, the device) and a key a run predates at its default tell nothing apart."""
+    for seed in (0, 1):
+        for momentum in (0.9, 0.0):
+            config = make_config(seed=seed, **{"optim.momentum": momentum, "wandb.group": f"g{seed}",
+                                               "train.log_every": 5 + seed, "train.device": ["cpu", "auto"][seed]})
+            if seed:  # written after train.curve_points existed, at its default: the same setting
+                config["train"]["curve_points"] = 1
+            config["scheme"]["compressor"] = {"_target_": "sparsetrain.compress.TopK", "_partial_": True}
+            write_run(tmp_path / f"m{momentum}_s{seed}", config)
+    # the compressor's class differs with the scheme: it splits nothing, so it adds no column
+    randk = make_config(scheme="randk")
+    randk["scheme"]["compressor"] = {"_target_": "sparsetrain.compress.RandomK", "_partial_": True}
+    write_run(tmp_path / "randk", randk)
+    table = runs_table(sa.load_runs(tmp_path))
+    assert len(table.display) == 3, table.display
+    assert list(table.display["optim.momentum"]) == ["0.0", "0.9", "0.9"]
+    for momentum in ("0.0", "0.9"):
+        assert "(n=2)" in _row(table, scheme="top-k", **{"optim.momentum": momentum})[ACCURACY]
+    assert not {"wandb.group", "train.log_every", "train.device", "train.curve_points",
+                "scheme.compressor._target_"} & set(table.display)
+    # the same split in every grouping: the figures' and time to accuracy's
+    assert "optim.momentum" in varying_axes(sa.load_runs(tmp_path))
+    assert "optim.momentum" in sa.curves_of(sa.load_runs(tmp_path))
+    # a slice by it, by value: the recorded 0.0 is the 0 one types
+    assert set(select(sa.load_runs(tmp_path), {"optim.momentum": ["0"]})["optim.momentum"]) == {0.0}
+
+
+def test_runs_of_one_seed_are_never_averaged_into_one(tmp_path, capsys):
+    """Three DDP runs of seed 0 at 52.5 / 65.5 / 65.5% showed as "61.17 (n=1)", 0/1 blew up
+    though one had: each is its own row now, and the table says which runs and what to change."""
+    for i, accuracy in enumerate((0.525, 0.655, 0.655)):
+        run = write_run(tmp_path / f"ddp{i}", make_config(**{"dist.ddp": True}))
+        peak = {"after_step_20": {"train_loss": 5.0 if i == 0 else 1.0, "step": 30}}
+        _edit_summary(run, test_accuracy=accuracy, train_loss_peak=peak)
+    table = runs_table(sa.load_runs(tmp_path))
+    cells = dict(zip(table.display["repeat"], table.display[ACCURACY], strict=True))
+    assert cells == {"1": "52.50 (n=1)", "2": "65.50 (n=1)", "3": "65.50 (n=1)"}, table.display
+    blew_up = dict(zip(table.display["repeat"], table.display["blew up, recovered"], strict=True))
+    assert blew_up == {"1": "1/1", "2": "0/1", "3": "0/1"}
+    note = [n for n in table.notes if "share seed=0" in n]
+    assert len(note) == 1 and all(f"ddp{i}" in note[0] for i in range(3)) and "give each run its own seed" in note[0]
+    assert analysis_main([str(tmp_path), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert "warning: 3 runs share seed=0 and every recorded setting" in capsys.readouterr().err
+    # a configuration whose seeds all differ stays one row beside them, its seeds averaged
+    for seed in (0, 1):
+        write_run(tmp_path / "more" / f"randk{seed}", make_config(scheme="randk", seed=seed))
+    table = runs_table(sa.load_runs(tmp_path))
+    assert "(n=2)" in _row(table, scheme="random-k", repeat="-")[ACCURACY]
+    # the time-per-phase figure and time to accuracy group the same way (no error, no mean)
+    runs = sa.load_runs(tmp_path)
+    sa.plot_time_per_phase(runs)
+    tta = sa.time_to_accuracy_table(runs, 0.5, [1.0], [2])
+    assert "repeat" in tta.data and any("share seed=0" in n for n in tta.notes)
+
+
+def test_a_grid_that_ran_dense_sgd_at_two_scopes_counts_its_seed_once(tmp_path):
+    """scheme=none,topk scope=layerwise,global runs dense SGD twice per seed under a key it
+    ignores: one computation, counted once (from the first run), never a mean of the two."""
+    sweep = write_sweep(tmp_path / "grid", {"scheme": "none,topk", "scope": "layerwise,global"}, "mine")
+    _edit_summary(sweep / "0", test_accuracy=0.52)  # dense at layerwise
+    _edit_summary(sweep / "1", test_accuracy=0.60)  # dense at global: the same seed, 0
+    table = runs_table(sa.load_runs(sweep))
+    assert _row(table, scheme="dense SGD")[ACCURACY] == "52.00 (n=1)", table.display
+    assert "repeat" not in table.display
+    assert any("differ only in settings dense SGD ignores" in note and "counted once" in note for note in table.notes)
+
+
+def test_summarize_refuses_two_runs_of_one_seed(tmp_path):
+    for i in range(2):
+        write_run(tmp_path / f"r{i}", make_config())
+    runs = sa.load_runs(tmp_path)
+    with pytest.raises(ValueError, match="share seed"):
+        sa.summarize(runs, ["scheme"], ["test_accuracy"])
+
+
+def _as_hydra_records(sweep: Path, recorded: dict[str, str]) -> None:
+    """Rewrite each job's overrides.yaml as Hydra's sweeper records them: ``true`` -> ``True``,
+    ``1e-3`` -> ``0.001`` (``BasicSweeper.split_arguments``)."""
+    for overrides in sweep.glob("*/.hydra/overrides.yaml"):
+        items = yaml.safe_load(overrides.read_text())
+        fixed = []
+        for item in items:
+            key, _, value = item.partition("=")
+            fixed.append(f"{key}={recorded.get(value, value)}")
+        overrides.write_text(yaml.safe_dump(fixed))
+
+
+def test_a_sweep_over_booleans_numbers_and_null_has_no_absent_job(tmp_path, capsys):
+    """scheme.error_feedback=true,false: Hydra records the job's override as True, and every job
+    read as absent (--strict exited 3). Values match by value, as Hydra parses them."""
+    sweep = write_sweep(tmp_path / "sweep", {"scheme.error_feedback": "true,false", "optim.lr": "1e-3,0.1",
+                                             "train.stop_at_accuracy": "null,0.9"}, "mine")
+    _as_hydra_records(sweep, {"true": "True", "false": "False", "1e-3": "0.001"})
+    runs = sa.load_runs(sweep)
+    assert len(runs) == 8 and set(runs["status"]) == {"completed"}, runs[["status", "overrides"]]
+    assert analysis_main([str(sweep), "--out", str(tmp_path / "out"), "--strict", "--quiet"]) == 0
+    assert "not in the numbers" not in capsys.readouterr().err
+    # a job that did leave no folder is still promised, with the values the sweep gave it
+    (sweep / "7").rename(tmp_path / "gone")
+    absent = sa.load_runs(sweep).set_index("status").loc[["absent"]]
+    assert len(absent) == 1 and absent.iloc[0]["error_feedback"] in (False,) and absent.iloc[0]["lr"] == 0.1
+
+
+def test_the_override_is_read_as_hydra_reads_it():
+    from sparsetrain.analysis.loader import override_value
+
+    assert override_value("a", "True") is True and override_value("a", "false") is False
+    assert override_value("a", "null") is None and override_value("a", "1e-3") == 0.001
+    assert override_value("a", "'0.1'") == "0.1" and override_value("+a", "[1,2]") == [1, 2]
+    assert override_value("a", "topk") == "topk"
+
+
+OWN = '''from sparsetrain.compress import TopK
+
+
+class Mine(TopK):
+    """version {version}"""
+'''
+
+
+def test_an_out_of_tree_compressors_source_is_recorded_and_two_versions_are_two_rows(tmp_path, monkeypatch):
+    from sparsetrain.provenance import compressor_code
+
+    monkeypatch.syspath_prepend(str(tmp_path / "code"))
+    (tmp_path / "code").mkdir()
+    digests = []
+    for version in (1, 2):
+        (tmp_path / "code" / f"own_v{version}.py").write_text(OWN.format(version=version))
+        code = compressor_code(f"own_v{version}.Mine")
+        assert code["target"] == f"own_v{version}.Mine" and code["files"] == [str(tmp_path / "code" / f"own_v{version}.py")]
+        digests.append(code["digest"])
+    assert digests[0] != digests[1]
+    assert compressor_code("sparsetrain.compress.TopK") is None and compressor_code(None) is None
+    sys.modules.pop("own_v1", None), sys.modules.pop("own_v2", None)
+    # two runs of one seed and config, on two versions of one's own class: two configurations
+    for version, digest in enumerate(digests, 1):
+        run = write_run(tmp_path / "runs" / f"v{version}", make_config())
+        _edit_summary(run, compressor_code={"target": "own.Mine", "files": ["own.py"], "digest": digest})
+    table = runs_table(sa.load_runs(tmp_path / "runs"))
+    assert sorted(table.display["compressor_code"]) == sorted(digests) and "repeat" not in table.display
+
+
+def test_summary_json_says_its_schema_version(tmp_path):
+    from sparsetrain.results import SCHEMA_VERSION
+
+    writer = RunWriter(tmp_path / "new")
+    writer.start(config=make_config())
+    assert json.loads((tmp_path / "new" / "summary.json").read_text())["schema_version"] == SCHEMA_VERSION >= 1
+    write_run(tmp_path / "old", make_config())  # written before the field: version 0
+    runs = sa.load_runs(tmp_path).set_index("run_dir")
+    assert runs.loc[str((tmp_path / "old").resolve()), "schema_version"] == 0
+    assert runs.loc[str((tmp_path / "new").resolve()), "schema_version"] == SCHEMA_VERSION
