@@ -181,3 +181,18 @@ def test_summary_json_says_its_schema_version(tmp_path):
     runs = sa.load_runs(tmp_path).set_index("run_dir")
     assert runs.loc[str((tmp_path / "old").resolve()), "schema_version"] == 0
     assert runs.loc[str((tmp_path / "new").resolve()), "schema_version"] == SCHEMA_VERSION
+
+
+def test_a_verdict_side_with_two_runs_of_one_seed_stops_in_one_line():
+    # findings' sides went through a per-seed mean: three runs of seed 0 became one "seed"
+    import pandas as pd
+
+    from sparsetrain.analysis.findings import side_accuracy
+
+    side = pd.DataFrame({"seed": [0, 0, 1], "status": "completed", "test_accuracy": [0.525, 0.655, 0.66],
+                         "run_dir": ["sweep/a", "sweep/b", "sweep/c"]})
+    with pytest.raises(ValueError) as refused:
+        side_accuracy(side)
+    message = str(refused.value)
+    assert "\n" not in message and "seed 0 has 2 runs" in message and "sweep/a, sweep/b" in message
+    assert side_accuracy(side.iloc[1:]).to_dict() == {0: 65.5, 1: 66.0}

@@ -252,7 +252,7 @@ def _side(runs: pd.DataFrame, axes: dict, base: dict) -> pd.DataFrame:
 def side_accuracy(side: pd.DataFrame) -> pd.Series:
     """Final test accuracy (%) per seed of a side's completed runs."""
     done = completed(side)
-    return per_seed(done["test_accuracy"] * 100, done["seed"])
+    return per_seed(done["test_accuracy"] * 100, done["seed"], done["run_dir"] if "run_dir" in done else None)
 
 
 def correct_by_seed(side: pd.DataFrame) -> dict:

@@ -48,9 +48,20 @@ class Difference:
         return not math.isnan(self.p)
 
 
-def per_seed(values: pd.Series, seeds: pd.Series) -> pd.Series:
-    """One value per seed (the mean of a seed's repeated runs), indexed by seed, sorted."""
-    return pd.Series(values.to_numpy(dtype=float), index=seeds.to_numpy()).groupby(level=0).mean().sort_index()
+def per_seed(values: pd.Series, seeds: pd.Series, names: pd.Series | None = None) -> pd.Series:
+    """One value per seed, indexed by seed, sorted. Two runs of one seed are never averaged: a
+    mean of repeats would count as one seed and hide their spread, so they stop with one line
+    naming them (``names``: the runs' folders)."""
+    seeds = pd.Series(seeds.to_numpy())
+    repeated = seeds[seeds.duplicated(keep=False)]
+    if len(repeated):
+        seed = repeated.iloc[0]
+        which = "" if names is None else ": " + ", ".join(
+            map(str, pd.Series(names.to_numpy())[seeds == seed]))
+        raise ValueError(f"seed {seed} has {int((seeds == seed).sum())} runs on one side of a comparison{which}; "
+                         f"a verdict pairs one run per seed: give each run its own seed, or narrow the side "
+                         f"(--where) to one of them")
+    return pd.Series(values.to_numpy(dtype=float), index=seeds.to_numpy()).sort_index()
 
 
 def compare(a: pd.Series, b: pd.Series, confidence: float = 0.95) -> Difference:
