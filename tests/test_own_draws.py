@@ -1,13 +1,16 @@
 """A researcher's random compressor under DDP (issue 62, "nothing silently wrong"): written as
-docs/own_compressor.md says (each tensor's numbers from ``tensor_seed``), it trains through the
-DDP hook bit for bit as through the trainer's exchange; one that keys its draws on its own
-segment numbers (a DDP bucket's are not the model's) is refused before it trains, in one line.
-2 gloo ranks, a small CNN in several DDP buckets, in-process."""
+docs/own_compressor.md says (its class, taken from the page: each tensor's numbers from
+``tensor_seed``), it trains through the DDP hook bit for bit as through the trainer's exchange;
+one that keys its draws on its own segment numbers (a DDP bucket's are not the model's) is
+refused before it trains, in one line. 2 gloo ranks, a small CNN in several DDP buckets."""
+
+import re
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from conftest import ROOT
 from test_ddp_hook import CAP_MB, _free_port, batch, net
 
 from sparsetrain.comm import build_exchange
@@ -18,17 +21,17 @@ from sparsetrain.timing import NULL_TIMER
 SEED, RATIO, STEPS, LR = 7, 0.1, 4, 0.1
 
 
-class PerTensorRandomK(Compressor):
-    """Random-k, each tensor's k_j positions drawn from its own seed: ``tensor_seed`` (the docs'
-    way)."""
+def _from_docs(name: str):
+    """The class ``name`` as docs/own_compressor.md writes it (its python block, run as is)."""
+    text = (ROOT / "docs" / "own_compressor.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if f"class {name}(" in b)
+    namespace = {"torch": torch, "Compressor": Compressor}
+    exec(block, namespace)
+    return namespace[name]
 
-    def select(self, acc, seed):
-        picks = []
-        for j, (o, n) in enumerate(zip(self.layout.offsets, self.layout.sizes)):
-            gen = torch.Generator().manual_seed(self.tensor_seed(seed, j))
-            picks.append(torch.randperm(n, generator=gen)[: self.ks[j]] + o)
-        idx = torch.cat(picks)
-        return idx, idx
+
+# random-k, each tensor's k_j positions drawn from its own seed: ``tensor_seed`` (the docs' way)
+PerTensorRandomK = _from_docs("PerTensorRandomK")
 
 
 class OwnNumbersRandomK(PerTensorRandomK):
