@@ -339,11 +339,10 @@ class SparseHookState:
             cls = type(red.compressor).__name__
             raise ConfigError(
                 f"{cls} sends other numbers for a DDP bucket's tensors than for the same tensors in "
-                f"the trainer (scheme.compressor={cls}, dist.ddp=true, scope=layerwise): its random draws "
-                f"follow the bucket's segment numbers; draw segment j's numbers from "
-                f"self.tensor_seed(seed, j) (keyed by the model's tensor), or, for one stream over all "
-                f"tensors, set draws_span_segments and implement share_draws (docs/own_compressor.md, "
-                f"'Random draws')")
+                f"the trainer (dist.ddp=true, scope=layerwise): what it draws or computes depends on "
+                f"the bucket; draw segment j's numbers from self.tensor_seed(seed, j) (keyed by the "
+                f"model's tensor), or, for one stream over all tensors, set draws_span_segments and "
+                f"implement share_draws (docs/own_compressor.md, 'Random draws')")
 
     # --- the hook ---------------------------------------------------------------------------
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
