@@ -7,11 +7,14 @@ built-in scheme."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from conftest import SCHEME_TARGETS, compressor_for
+from conftest import ROOT, SCHEME_TARGETS, TINY, compressor_for, read_json, run_cli
 from test_ddp_hook import CAP_MB, _free_port, batch, net
 
 from sparsetrain.comm import build_reducer
@@ -190,3 +193,48 @@ def test_under_ddp_the_state_must_be_in_pieces(tmp_path):
     assert out["state_dict_only"] is not None and out["state_dict_only"].startswith(
         "CheckpointOnly.prev changed in the first compressed step but CheckpointOnly's pieces / adopt does "
         "not carry it"), out["state_dict_only"]
+
+
+# ---- from the command line: the run stops at its first step, one error line --------------------
+DRIFT_MODULE = '''\
+import torch
+
+from sparsetrain.compress import TopK
+
+
+class Drifting(TopK):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.prev = torch.zeros(self.numel, device=self.device)
+
+    def select(self, acc, seed):
+        out = super().select(acc + 0.5 * self.prev, seed)
+        self.prev = acc.clone()
+        return out
+'''
+DRIFT_YAML = """\
+defaults:
+  - base_scheme
+  - _self_
+name: drifting
+compressor:
+  _target_: drift.Drifting
+  _partial_: true
+"""
+
+
+@pytest.mark.parametrize("path", ["trainer", "ddp"])
+def test_the_command_line_stops_an_undeclared_state_at_the_first_step(path, tmp_path):
+    (tmp_path / "conf" / "scheme").mkdir(parents=True)
+    (tmp_path / "conf" / "scheme" / "drifting.yaml").write_text(DRIFT_YAML)
+    (tmp_path / "drift.py").write_text(DRIFT_MODULE)
+    extra = ("dist.ddp=true", "dist.bucket_cap_mb=0.05") if path == "ddp" else ()
+    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=drifting", "world_size=2",
+                   "train.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}", *extra,
+                   env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    route = "pieces / adopt" if path == "ddp" else "state_dict / load_state_dict"
+    want = f"Drifting.prev changed in the first compressed step but Drifting's {route} does not carry it"
+    assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["status"] == "failed" and want in summary["error"], summary
