@@ -56,6 +56,7 @@ re-homing loads a checkpoint into any bucket layout.
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
 import contextlib
+import copy
 import functools
 import math
 import time
@@ -75,6 +76,7 @@ from sparsetrain.compress import (
     step_seed,
     uncompressed_flags,
 )
+from sparsetrain.errors import ConfigError
 from sparsetrain.timing import NULL_TIMER
 
 #: the prefix of a compressor's per-parameter state among a parameter's memory pieces
@@ -166,6 +168,7 @@ class SparseHookState:
         whole = uncompressed_flags([params[i].shape for i in trained], self.uncompressed)
         self._segment = {key: s for s, key in enumerate(key for key, w in zip(trained, whole, strict=True) if not w)}
         self._whole = None  # the trainer's compressor, built when a bucket first needs its draws
+        self._probe = None  # ((device, dtype), probe gradient, the trainer's update of it): _check_draws
         self.step = 0
         self._buckets: dict[int, _Bucket] = {}
         self._pending: dict[int, torch.Tensor] = {}  # memory of parameters waiting for their bucket
@@ -281,9 +284,14 @@ class SparseHookState:
             device=buf.device, dtype=buf.dtype, compressor=compressor, shapes=[tuple(shapes[i]) for i in order],
         )
         plan = _Bucket(keys, shapes, flags, reducer)
-        if plan.reducer is not None and layerwise and plan.reducer.compressor.draws_span_segments:
-            plan.reducer.compressor.share_draws(self._model_compressor(buf.device),
-                                                [self._segment[key] for key, _ in plan.compressed])
+        if plan.reducer is not None:
+            plan.reducer.kept_route = "pieces"  # the state this hook moves and saves
+        if plan.reducer is not None and layerwise:
+            segments = [self._segment[key] for key, _ in plan.compressed]
+            plan.reducer.compressor.set_segment_ids(segments)  # what ``tensor_seed`` keys on
+            if plan.reducer.compressor.draws_span_segments:
+                plan.reducer.compressor.share_draws(self._model_compressor(buf.device), segments)
+            self._check_draws(plan.reducer, segments, buf)
         if plan.reducer is not None:  # the bucket takes its parameters' memory, every buffer of it
             buffers, pos, kept = plan.reducer.memory.buffers(), 0, []
             for key, n in plan.compressed:
@@ -301,11 +309,47 @@ class SparseHookState:
         self._buckets[index] = plan
         return plan
 
+    def _check_draws(self, red: SparseReducer, segments, buf: torch.Tensor) -> None:
+        """Layer-wise, a bucket's compressor must send for its tensors what the trainer's sends
+        for them. Checked once per bucket layout on a probe gradient, both run on copies as one
+        rank alone (nothing sent; no state changes): a compressor that draws from the bucket's
+        own segment numbers, or one stream over its segments, without ``tensor_seed`` or
+        ``share_draws`` is refused here in one line, rather than training otherwise than the
+        trainer without a word."""
+        if list(segments) == list(range(len(self._segment))):
+            return  # the bucket is the model, in its order: nothing to compare
+        whole = self._model_compressor(buf.device)
+        try:
+            model_copy = copy.deepcopy(whole)
+            bucket_copy = copy.deepcopy(red.compressor, {id(whole): model_copy})
+        except Exception:  # noqa: BLE001  (a compressor that cannot be copied is not checked)
+            return
+        key = (buf.device, buf.dtype)
+        if self._probe is None or self._probe[0] != key:
+            gen = torch.Generator().manual_seed(0x5EED)
+            acc = torch.randn(whole.numel, generator=gen, dtype=torch.float64).to(buf.dtype).to(buf.device)
+            self._probe = (key, acc, _alone(model_copy, acc, self, red))
+        _, acc, want = self._probe
+        offsets, sizes = whole.layout.offsets, whole.layout.sizes
+        mine = torch.cat([acc[offsets[s] : offsets[s] + sizes[s]] for s in segments])
+        got = _alone(bucket_copy, mine, self, red)
+        want = torch.cat([want[offsets[s] : offsets[s] + sizes[s]] for s in segments])
+        scale = float(want.abs().max()) if want.numel() else 0.0
+        if float((got - want).abs().max()) > 1e-4 * scale:
+            cls = type(red.compressor).__name__
+            raise ConfigError(
+                f"{cls} sends other numbers for a DDP bucket's tensors than for the same tensors in "
+                f"the trainer (dist.ddp=true, scope=layerwise): what it draws or computes depends on "
+                f"the bucket; draw segment j's numbers from self.tensor_seed(seed, j) (keyed by the "
+                f"model's tensor), or, for one stream over all tensors, set draws_span_segments and "
+                f"implement share_draws (docs/own_compressor.md, 'Random draws')")
+
     # --- the hook ---------------------------------------------------------------------------
     def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buf = bucket.buffer()
         index, step = bucket.index(), self.step
         if index == 0:  # DDP reduces buckets in index order: a new iteration's accounting
+            self.check_kept_state()
             self.bytes_sent.clear()
             self.dense_bytes.clear()
             self.decompress_ms.clear()
@@ -339,6 +383,15 @@ class SparseHookState:
             done.set_result(finish())
             return done
         return work.get_future().then(finish)
+
+    def check_kept_state(self) -> None:
+        """Each bucket's compressor and memory, once after its first compressed step: refused
+        (``CheckpointError``) where it keeps a tensor that ``pieces`` / ``BUFFERS`` do not carry
+        (``SparseReducer.check_kept_state``). The hook checks at each iteration's start; the
+        trainer right after each step."""
+        for plan in list(self._buckets.values()):
+            if plan.reducer is not None:
+                plan.reducer.check_kept_state()
 
     # --- what the trainer reads --------------------------------------------------------------
     def plan(self, bucket: dist.GradBucket) -> None:
@@ -408,6 +461,18 @@ class SparseHookState:
                 if used != t.numel():
                     raise ValueError(f"a saved bucket's {name} has {t.numel()} entries, its parameters {used}")
         self.step = int(state["step"])
+
+
+def _alone(compressor, acc: torch.Tensor, state: SparseHookState, red: SparseReducer) -> torch.Tensor:
+    """The update ``compressor`` decodes from ``acc`` at the first compressed step, run as one rank
+    alone with ``red``'s seed and rank (its draws are this rank's), without memory."""
+    alone = SparseReducer(compressor, aggregation=state.aggregation, world_size=1, rank=state.rank,
+                          seed=red.seed, error_feedback=False, device=acc.device, dtype=acc.dtype)
+    alone._kept = True  # a probe: not a step of the run
+    out = acc.clone()
+    with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []):
+        alone.finish(alone.start(out, state.warmup_steps, async_op=False))
+    return out
 
 
 class _ExchangeClock:

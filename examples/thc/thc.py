@@ -8,16 +8,17 @@ themselves (no decoding before the sum, no AllGather). Per step, per tensor::
                     update = (sum_r c_r) * s / (L * W)         W ranks; W * L <= 127 fits int8
 
 Stochastic rounding makes each rank's codes unbiased (E[c_r] s / L = acc_r); error feedback keeps
-``acc - c_r s / L``, this rank's own quantization error. The draws are per tensor (one seed each,
-per rank), so a DDP bucket draws what the trainer draws for its tensors. The tensors that travel
-whole ride in a round of their own, before these two (neither sums floats).
+``acc - c_r s / L``, this rank's own quantization error. The draws are per tensor and rank, from
+``tensor_seed`` (keyed by the model's tensor), so a DDP bucket draws what the trainer draws for
+its tensors. The tensors that travel whole ride in a round of their own, before these two
+(neither sums floats).
 
 This file is the whole method; conf/scheme/thc.yaml names it.
 """
 
 import torch
 
-from sparsetrain.compress import Compressor, Payload, step_seed
+from sparsetrain.compress import Compressor, Payload
 from sparsetrain.compress.base import Round
 
 
@@ -27,7 +28,6 @@ class IntegerSum(Compressor):
     shared_positions = True  # codes on a shared grid can be summed: one AllReduce
     sends_entries = False
     ratio_applies = False  # every entry is sent: the analysis shows ratio 1.0
-    draws_span_segments = True  # per-tensor seeds: a bucket takes the model's segment numbers
 
     def __init__(self, ratio=1.0, layout=None, scope="layerwise", *, device="cpu", levels: int = 15):
         super().__init__(1.0, layout, scope, device=device)  # every entry is sent: ratio does not apply
@@ -41,22 +41,20 @@ class IntegerSum(Compressor):
         return (Round("max", floats=len(self.layout)), Round("sum", ints=self.numel, int_dtype=torch.int8))
 
     def _segments(self):
-        """(this compressor's segment, the model's segment number, start, size) of each tensor."""
-        source = self._draw_source
-        for j, (o, n) in enumerate(zip(self.layout.offsets, self.layout.sizes, strict=True)):
-            yield j, (source[1][j] if source else j), o, n
+        """(segment, start, size) of each tensor."""
+        return enumerate(zip(self.layout.offsets, self.layout.sizes, strict=True))
 
     def send(self, r, step, mine):
         if r == 0:  # this rank's max |acc| per tensor; the MAX makes it the shared scale
-            for j, _, o, n in self._segments():
+            for j, (o, n) in self._segments():
                 mine.floats[j] = step.acc[o : o + n].abs().max()
             return
         if step.world * self.levels > 127:
             raise ValueError(f"scheme.compressor.levels={self.levels} is not allowed with world_size={step.world}: "
                              f"the sum of the ranks' codes must fit int8 (world_size x levels <= 127)")
         scale = step.scratch["scale"]
-        for j, seg, o, n in self._segments():
-            gen = torch.Generator(device=step.acc.device).manual_seed(step_seed(step.seed, seg, step.rank))
+        for j, (o, n) in self._segments():  # tensor j's own numbers, this rank's
+            gen = torch.Generator(device=step.acc.device).manual_seed(self.tensor_seed(step.seed, j, step.rank))
             u = torch.rand(n, generator=gen, device=step.acc.device, dtype=step.acc.dtype)
             s = float(scale[j])
             x = step.acc[o : o + n] * (self.levels / s) if s > 0 else torch.zeros_like(u)

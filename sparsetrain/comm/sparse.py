@@ -38,6 +38,7 @@ from sparsetrain.comm.protocol import ExchangeStats
 from sparsetrain.comm.rules import check_aggregation
 from sparsetrain.compress import ErrorFeedback, compressed_first, compression_stats, step_seed
 from sparsetrain.compress.base import Message, Round, StepState
+from sparsetrain.compress.kept import check_kept, snapshot
 from sparsetrain.timing import NULL_TIMER, PhaseTimer
 
 
@@ -185,6 +186,11 @@ class SparseReducer:
     every rank decoded (``Payload.decoded``: PowerSGD's memory is ``acc - P Q^T``). Then the
     memory's ``update`` sees the decoded update and may overwrite it with the one applied (EF21's
     shared estimate); by default it leaves it as it is.
+
+    Over the first compressed step the compressor and the memory are checked for state they keep
+    but do not declare (``compress.kept``): ``reduce`` checks right after it, the DDP hook at the
+    start of the next (``check_kept_state``). ``kept_route`` says what must carry that state:
+    ``state_dict`` (the trainer's checkpoints) or ``pieces`` (the DDP hook's).
     """
 
     def __init__(
@@ -222,6 +228,10 @@ class SparseReducer:
                                                 dtype=dtype)
         self.flat_placement = Placement.flat(self.compressed_numel, self.uncompressed_numel)
         self._decoded: torch.Tensor | None = None  # decoding buffer for a placement of several runs
+        self.kept_route = "state_dict"
+        # the kept-state check: None (not started), [compressor, memory snapshots, step done], or
+        # True (checked)
+        self._kept: list | bool | None = None
 
         rounds = list(compressor.rounds(aggregation))
         if not rounds:
@@ -293,6 +303,8 @@ class SparseReducer:
         pending = self.start(flat_grad, step, placement=placement, want_stats=want_stats, timer=timer,
                              async_op=False)
         self.finish(pending, timer)
+        with timer.untimed():
+            self.check_kept_state()
         error, norm = pending.stats or (None, None)
         return ExchangeStats(
             self.bytes_sent_per_step,
@@ -312,6 +324,9 @@ class SparseReducer:
         (default: the trainer's ``[compressed | whole]``). ``want_stats``: the compression error
         and memory norm (a host sync on CUDA, left out of the step's time)."""
         placement = placement or self.flat_placement
+        if self._kept is None:  # the first compressed step: what the two hold before it
+            with timer.untimed():
+                self._kept = [snapshot(self.compressor), snapshot(self.memory), False]
         pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
         # the fused kernels take the gradient as one tensor, and measure no compression error
         fused = self._fused if len(pieces) == 1 and not want_stats else None
@@ -379,6 +394,24 @@ class SparseReducer:
             if len(runs) > 1:
                 for a, f, n in runs:
                     buf[a : a + n].copy_(out[f : f + n])
+        if isinstance(self._kept, list):
+            self._kept[2] = True
+
+    def check_kept_state(self) -> None:
+        """Once the first compressed step is done (and once only): raise ``CheckpointError`` when
+        the compressor or the memory changed a tensor that its declared state (``kept_route``)
+        would not bring back on a resume (``compress.kept``)."""
+        if not (isinstance(self._kept, list) and self._kept[2]):
+            return
+        comp, mem, _ = self._kept
+        self._kept = True
+        c, m = self.compressor, self.memory
+        if self.kept_route == "pieces":  # the DDP hook moves and saves these
+            check_kept(c, comp, lambda r: r.adopt(c.pieces()), "pieces / adopt")
+            check_kept(m, mem, lambda r: [b.copy_(m.buffers()[n]) for n, b in r.buffers().items()], "BUFFERS")
+        else:
+            check_kept(c, comp, lambda r: r.load_state_dict(c.state_dict()), "state_dict / load_state_dict")
+            check_kept(m, mem, lambda r: r.load_state_dict(m.state_dict()), "BUFFERS")
 
     def _receive(self, i: int, pending: SparseStep, out) -> None:
         """Round ``i``'s result to the compressor, and the whole tensors (averaged) back into the

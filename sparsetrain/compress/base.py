@@ -224,6 +224,11 @@ class Compressor:
     draws_span_segments: ClassVar[bool] = False
     #: True when the class needs its tensors' shapes (``shapes=`` at construction), not sizes only
     needs_shapes: ClassVar[bool] = False
+    #: Attributes that are caches or scratch space, rewritten before they are read, which a
+    #: checkpoint need not carry: the kept-state check (``compress.kept``) does not compare them
+    #: (a subclass names its own; its bases' count too). Any other tensor the class changes across
+    #: steps goes in ``state_dict`` and ``pieces``.
+    transient: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:
@@ -239,6 +244,9 @@ class Compressor:
         self.ks: list[int] = [k_for(self.ratio, n) for n in self.layout.sizes]
         self.k: int = sum(self.ks)
         self._draw_source: tuple[Compressor, list[int]] | None = None  # see share_draws
+        #: the model's tensor number of each segment (``tensor_seed``): 0, 1, ... in the trainer;
+        #: in a DDP bucket, the numbers its tensors have in the trainer's layout (set by the hook)
+        self.segment_ids: list[int] = list(range(len(self.layout)))
         if options:
             raise TypeError(f"{type(self).__name__} got unknown options {sorted(options)}")
 
@@ -269,6 +277,21 @@ class Compressor:
         """Expand wire positions to the k entry indices (int64), in the order of values."""
         return positions.long()
 
+    def tensor_seed(self, seed: int, j: int, rank: int | None = None) -> int:
+        """The seed of segment ``j``'s random numbers this step (``seed``: the step's, as given
+        to ``select`` / ``send``; ``rank``: a seed of this rank's own, e.g. ``step.rank``).
+        It is keyed by the tensor's number in the model (``segment_ids``), not by ``j``, so the
+        trainer and every DDP bucket draw the same numbers for the same tensor."""
+        return step_seed(seed, self.segment_ids[j], rank)
+
+    def set_segment_ids(self, ids) -> None:
+        """Say which of the model's tensors this compressor's segments are (the DDP hook, for a
+        bucket's compressor; layer-wise)."""
+        ids = [int(i) for i in ids]
+        if len(ids) != len(self.layout):
+            raise ValueError(f"{len(ids)} segment ids for the {len(self.layout)} segments of {self!r}")
+        self.segment_ids = ids
+
     def share_draws(self, source: Compressor, segments) -> None:
         """Draw, from now on, the numbers that ``source`` draws for its ``segments`` (this class
         with the same options over a larger layout, e.g. the model's; ``segments``: which of its
@@ -282,6 +305,7 @@ class Compressor:
                 [source.ks[s] for s in segments] != list(self.ks):
             raise ValueError(f"segments {segments[:8]} of {source!r} are not the segments of {self!r}")
         self._draw_source = (source, segments)
+        self.set_segment_ids(segments)
 
     def bucket_options(self) -> dict:
         """Options a compressor of this class over some of these tensors (a DDP bucket's) must be

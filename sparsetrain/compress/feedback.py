@@ -38,6 +38,9 @@ class Memory:
     ``numel``: the compressed entries; ``enabled``: False keeps nothing (``acc = grad``)."""
 
     BUFFERS: ClassVar[tuple[str, ...]] = ()
+    #: Attributes that are caches or scratch space, rewritten before they are read: not compared
+    #: by the kept-state check (``compress.kept``). Any other tensor kept across steps is a buffer.
+    transient: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, numel: int, *, enabled: bool = True, device="cpu", dtype=torch.float32):
         self.enabled = bool(enabled)

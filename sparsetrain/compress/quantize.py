@@ -247,6 +247,8 @@ class Quantizer(Compressor):
     allreduce_refusal = "sends every rank's own codes and scales, which cannot be summed"
     #: set by each subclass (or its constructor)
     bits_per_entry: ClassVar[int] = 1
+    # work buffers and tables built on first use (the kept-state check leaves them out)
+    transient: ClassVar[tuple[str, ...]] = ("_scratch", "_entry_tables", "_sizes", "_norm_places")
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, device="cpu", **options):
         super().__init__(1.0, layout, scope, device=device, **options)  # ratio does not apply
@@ -502,6 +504,7 @@ class QSGD(Quantizer):
     #: CUDA (the two draw different numbers; every QSGD run before ``scheme.generator`` existed)
     GENERATORS = ("counter", "pcg64")
     draws_span_segments = True  # one stream of uniforms over every entry (see uniforms)
+    transient = ("_drawn", "_drawn_key")  # the latest draw, a cache
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127,
                  bucket_size: int | None = 512, generator: str = "counter", **kw):

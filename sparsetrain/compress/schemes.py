@@ -71,6 +71,8 @@ class TopK(Compressor):
     shared_positions = False
     deterministic = True
     SMALL = 8192  # segments up to this size: every entry is a candidate
+    # work buffers and tables built on first use (the kept-state check leaves them out)
+    transient = ("_scratch", "_mask", "_sample_np", "_chunks", "_small", "_small_fast", "_tables")
 
     def __init__(self, ratio, layout, scope="layerwise", **kw):
         super().__init__(ratio, layout, scope, **kw)
@@ -337,6 +339,7 @@ class RandomK(Compressor):
 
     shared_positions = True
     draws_span_segments = True
+    transient = ("_drawn",)  # the latest draw, a cache
 
     def __init__(self, ratio, layout, scope="layerwise", **kw):
         super().__init__(ratio, layout, scope, **kw)

@@ -228,6 +228,9 @@ class DDPExchange:
         timer.move("backward", "decompress", decompress)
         timer.move("backward", "exchange", waited - decompress + inside)
         compressing = self.compresses and step >= self.warmup_steps
+        if self.sparse is not None and compressing:
+            with timer.untimed():  # once, after the first compressed step: state kept undeclared
+                self.sparse.check_kept_state()
         if self.sparse is not None:
             sent = self.sparse.bytes_sent_per_step  # as the hook sent it in this iteration
         else:

@@ -1,0 +1,240 @@
+"""State a compressor or memory keeps across steps must be declared (issue 62, "nothing silently
+wrong"): a tensor kept outside ``state_dict`` / ``pieces`` / ``BUFFERS`` would be lost on resume
+(and, under DDP, when DDP rebuilds its buckets), so the exchange refuses it after its first
+compressed step, in one line naming the class, the attribute and what to implement
+(``compress.kept``). Declared state, and caches named in ``transient``, pass; so does every
+built-in scheme."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from conftest import ROOT, SCHEME_TARGETS, TINY, compressor_for, read_json, run_cli
+from test_ddp_hook import CAP_MB, _free_port, batch, net
+
+from sparsetrain.comm import build_reducer
+from sparsetrain.compress import Layout, Memory, TopK
+from sparsetrain.errors import CheckpointError
+from sparsetrain.timing import NULL_TIMER
+
+SIZES = [300, 120, 40]
+
+
+class Drifting(TopK):
+    """Top-k of acc plus half the previous step's acc: ``prev`` is kept across steps."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.prev = torch.zeros(self.numel)
+
+    def select(self, acc, seed):
+        out = super().select(acc + 0.5 * self.prev, seed)
+        self.prev = acc.clone()
+        return out
+
+
+class DeclaredDrifting(Drifting):
+    """The same, ``prev`` declared for checkpoints (``state_dict``) and for DDP (``pieces``)."""
+
+    def state_dict(self):
+        return {"prev": self.prev.clone()}
+
+    def load_state_dict(self, state):
+        self.prev = state["prev"].clone()
+
+    def pieces(self):
+        return [{"prev": self.prev[o : o + n].clone()} for o, n in zip(self.layout.offsets, self.layout.sizes)]
+
+    def adopt(self, pieces):
+        if pieces and all("prev" in p for p in pieces):
+            self.prev = torch.cat([p["prev"] for p in pieces])
+
+
+class CachingDrifting(Drifting):
+    """The same, ``prev`` said to be a cache (it is not: the opt-out is the class's word)."""
+
+    transient = ("prev",)
+
+
+class Momentum(Memory):
+    """acc = grad + m u; keeps ``u`` in an attribute of its own, not among its ``BUFFERS``."""
+
+    BUFFERS = ("memory",)
+
+    def __init__(self, numel, **kw):
+        super().__init__(numel, **kw)
+        self.u = torch.zeros(numel, dtype=kw.get("dtype", torch.float32))
+
+    def accumulate(self, grad):
+        self.u.mul_(0.9).add_(grad)
+        return self.memory.add_(self.u)
+
+    def forget(self, payload, compressor):
+        compressor.forget(self.memory, payload)
+
+
+class DeclaredMomentum(Momentum):
+    BUFFERS = ("memory", "u")
+
+    def __init__(self, numel, **kw):
+        Memory.__init__(self, numel, **kw)
+
+
+def _steps(compressor, memory=None, steps=2, scope="layerwise"):
+    red = build_reducer("mine", scope, "allgather", 0.1, Layout.from_sizes(SIZES), world_size=1, rank=0,
+                        seed=0, compressor=compressor, memory=memory)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        red.reduce(torch.randn(sum(SIZES), generator=gen), step, NULL_TIMER)
+    return red
+
+
+def _refusal(compressor, memory=None) -> str:
+    try:
+        _steps(compressor, memory)
+    except CheckpointError as exc:
+        return str(exc)
+    raise AssertionError("state kept undeclared was not refused")
+
+
+def test_a_compressor_keeping_a_tensor_undeclared_is_refused_after_its_first_step():
+    msg = _refusal(Drifting)
+    assert "\n" not in msg
+    assert msg.startswith("Drifting.prev changed in the first compressed step but Drifting's state_dict / "
+                          "load_state_dict does not carry it"), msg
+    assert "name it in Drifting.transient" in msg and "'Kept state'" in msg
+
+
+def test_declared_state_and_a_declared_cache_pass():
+    red = _steps(DeclaredDrifting, steps=3)
+    assert red._kept is True  # checked, once
+    _steps(CachingDrifting, steps=3)
+    _steps(compressor_for("randk"), DeclaredMomentum, steps=3)
+
+
+def test_a_memory_keeping_a_tensor_outside_its_buffers_is_refused():
+    msg = _refusal(compressor_for("randk"), Momentum)
+    assert msg.startswith("Momentum.u changed in the first compressed step but Momentum's BUFFERS does not "
+                          "carry it"), msg
+
+
+def test_every_built_in_scheme_passes_the_check():
+    shapes = [(30, 10), (12, 10), (4, 10)]
+    checked = []
+    for scheme, target in SCHEME_TARGETS.items():
+        if target is None:  # no compressor: dense SGD, torch's hooks
+            continue
+        for scope in ("layerwise", "global"):
+            for agg in ("allgather", "allreduce"):
+                try:
+                    red = build_reducer(scheme, scope, agg, 0.1, Layout.from_sizes(SIZES), world_size=1, rank=0,
+                                        seed=0, compressor=compressor_for(scheme), shapes=shapes,
+                                        uncompressed=[False] * 3)
+                except ValueError:  # a combination the scheme refuses (top-k with AllReduce, ...)
+                    continue
+                gen = torch.Generator().manual_seed(0)
+                for step in range(3):
+                    red.reduce(torch.randn(sum(SIZES), generator=gen), step, NULL_TIMER)
+                assert red._kept is True
+                checked.append((scheme, scope, agg))
+    assert {s for s, _, _ in checked} >= {"topk", "randk", "blockk", "signsgd", "qsgd", "powersgd"}, checked
+
+
+# ---- under DDP: the hook moves and saves ``pieces``, not ``state_dict`` ---------------------------
+class CheckpointOnly(DeclaredDrifting):
+    """``prev`` declared for checkpoints only: DDP's bucket rebuild (and its checkpoints) lose it."""
+
+    def pieces(self):
+        return [{} for _ in self.layout.sizes]
+
+    def adopt(self, pieces):
+        pass
+
+
+def _ddp_run(compressor) -> str | None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from sparsetrain.ddp import SparseHookState, sparse_hook
+
+    model = DDP(net(), bucket_cap_mb=CAP_MB)
+    state = SparseHookState(model, "mine", "layerwise", "allgather", 0.1, compressor=compressor)
+    model.register_comm_hook(state, sparse_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            F.cross_entropy(model(batch(0, step)[0]), batch(0, step)[1]).backward()
+            opt.step()
+            state.check_kept_state()  # as the trainer does after each step
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _worker(rank, world, port, path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.save({"pieces": _ddp_run(DeclaredDrifting), "state_dict_only": _ddp_run(CheckpointOnly)},
+                   f"{path}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_ddp_the_state_must_be_in_pieces(tmp_path):
+    mp.spawn(_worker, args=(1, _free_port(), str(tmp_path)), nprocs=1, join=True)
+    out = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    assert out["pieces"] is None
+    assert out["state_dict_only"] is not None and out["state_dict_only"].startswith(
+        "CheckpointOnly.prev changed in the first compressed step but CheckpointOnly's pieces / adopt does "
+        "not carry it"), out["state_dict_only"]
+
+
+# ---- from the command line: the run stops at its first step, one error line --------------------
+DRIFT_MODULE = '''\
+import torch
+
+from sparsetrain.compress import TopK
+
+
+class Drifting(TopK):
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.prev = torch.zeros(self.numel, device=self.device)
+
+    def select(self, acc, seed):
+        out = super().select(acc + 0.5 * self.prev, seed)
+        self.prev = acc.clone()
+        return out
+'''
+DRIFT_YAML = """\
+defaults:
+  - base_scheme
+  - _self_
+name: drifting
+compressor:
+  _target_: drift.Drifting
+  _partial_: true
+"""
+
+
+@pytest.mark.parametrize("path", ["trainer", "ddp"])
+def test_the_command_line_stops_an_undeclared_state_at_the_first_step(path, tmp_path):
+    (tmp_path / "conf" / "scheme").mkdir(parents=True)
+    (tmp_path / "conf" / "scheme" / "drifting.yaml").write_text(DRIFT_YAML)
+    (tmp_path / "drift.py").write_text(DRIFT_MODULE)
+    extra = ("dist.ddp=true", "dist.bucket_cap_mb=0.05") if path == "ddp" else ()
+    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=drifting", "world_size=2",
+                   "train.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}", *extra,
+                   env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    route = "pieces / adopt" if path == "ddp" else "state_dict / load_state_dict"
+    want = f"Drifting.prev changed in the first compressed step but Drifting's {route} does not carry it"
+    assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["status"] == "failed" and want in summary["error"], summary
