@@ -26,6 +26,7 @@ class EF21(Memory):
     message applied, nothing kept."""
 
     BUFFERS = ("g_i", "g")
+    transient = ("_acc",)  # rewritten by every accumulate before it is read: not state
 
     def __init__(self, numel, **kw):
         super().__init__(numel, **kw)
