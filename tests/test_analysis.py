@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import analysis_cli
 
 from sparsetrain import analysis as sa
 
@@ -672,8 +673,13 @@ def test_report_per_study(results, tmp_path):
 
 
 def _cli(*args, cwd=None):
+    return analysis_cli(*args, cwd=cwd)
+
+
+def _command(*args):
+    """The analysis through the real command: its exit codes and what reaches stderr."""
     return subprocess.run([sys.executable, "-m", "sparsetrain.analysis", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd)
+                          capture_output=True, text=True)
 
 
 def test_cli_writes_and_prints(results, tmp_path):
@@ -751,14 +757,15 @@ def test_cli_studies_assembles_each_study_from_its_sources(results, tmp_path):
     assert _cli("--studies", tmp_path / "figures", "--out", tmp_path / "x").returncode == 1
 
 
-def test_cli_exit_codes(tmp_path):
+@pytest.mark.parametrize("run", [_cli, pytest.param(_command, marks=pytest.mark.slow)], ids=["in-process", "command"])
+def test_cli_exit_codes(run, tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = _cli(tmp_path / "empty", "--out", tmp_path / "o")
+    proc = run(tmp_path / "empty", "--out", tmp_path / "o")
     assert proc.returncode == 1 and "no runs found" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = _cli(tmp_path / "does-not-exist", "--out", tmp_path / "o")
+    proc = run(tmp_path / "does-not-exist", "--out", tmp_path / "o")
     assert proc.returncode == 2 and "does-not-exist" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _cli("--out", tmp_path / "o")
+    proc = run("--out", tmp_path / "o")
     assert proc.returncode == 2
 
 

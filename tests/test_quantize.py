@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TINY, compressor_for, read_json, read_jsonl, run_cli
+from conftest import TINY, compressor_for, read_json, read_jsonl, refusal, run_cli
 
 from sparsetrain.comm import build_reducer, check_combination
 from sparsetrain.compress import (
@@ -736,13 +736,14 @@ def test_two_ranks_apply_the_same_average(gloo_results, name, scope):
 SHORT = (*TINY, "world_size=2", "train.max_steps=4", "train.log_every=1")
 
 
+# The fast tier: signSGD through the trainer, QSGD through DDP; the full tier every row.
 @pytest.mark.parametrize("overrides, bits", [
     (("scheme=signsgd",), 1),
-    (("scheme=qsgd", "scheme.levels=3"), 3),
-    (("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2),
-    (("scheme=signsgd", "dist.ddp=true"), 1),
+    pytest.param(("scheme=qsgd", "scheme.levels=3"), 3, marks=pytest.mark.slow),
+    pytest.param(("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2, marks=pytest.mark.slow),
+    pytest.param(("scheme=signsgd", "dist.ddp=true"), 1, marks=pytest.mark.slow),
     (("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3),
-    (("scheme=qsgd", "scheme.levels=1", "scheme.generator=pcg64"), 2),
+    pytest.param(("scheme=qsgd", "scheme.levels=1", "scheme.generator=pcg64"), 2, marks=pytest.mark.slow),
 ])
 def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_path):
     run = tmp_path / "run"
@@ -774,21 +775,32 @@ def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_pa
     assert (s["memory_norm_max"] > 0) == ef
 
 
-def test_cli_bad_options_stop_with_one_line(tmp_path):
-    for overrides, needle in (
-        (("scheme=qsgd", "scheme.levels=0"), "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
-        (("scheme=qsgd", "scheme.levels=1.5"), "scheme.levels=1.5 is not allowed"),
-        (("scheme=signsgd", "scheme.levels=3"), "scheme=signsgd has no key 'levels'; levels belongs to scheme=qsgd"),
-        (("scheme=qsgd", "scheme.bucket_size=0"), "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
-        (("scheme=signsgd", "scheme.bucket_size=64"), "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
-        (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
-        (("scheme=qsgd", "scheme.generator=philox"), "scheme.generator='philox' is not allowed; use one of counter, pcg64"),
-        (("scheme=signsgd", "scheme.generator=pcg64"), "scheme=signsgd has no key 'generator'; generator belongs to scheme=qsgd"),
-    ):
-        proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)
-        assert proc.returncode != 0
-        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+BAD_OPTIONS = (
+    (("scheme=qsgd", "scheme.levels=0"), "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
+    (("scheme=qsgd", "scheme.levels=1.5"), "scheme.levels=1.5 is not allowed"),
+    (("scheme=signsgd", "scheme.levels=3"), "scheme=signsgd has no key 'levels'; levels belongs to scheme=qsgd"),
+    (("scheme=qsgd", "scheme.bucket_size=0"), "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
+    (("scheme=signsgd", "scheme.bucket_size=64"), "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
+    (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
+    (("scheme=signsgd", "scheme.generator=pcg64"), "scheme=signsgd has no key 'generator'; generator belongs to scheme=qsgd"),
+)
+# refused by the compressor's class as the ranks build it, not by the checks before them
+BAD_GENERATOR = (("scheme=qsgd", "scheme.generator=philox"), "scheme.generator='philox' is not allowed; use one of counter, pcg64")
+
+
+def test_bad_options_are_refused_with_one_line():
+    for overrides, needle in BAD_OPTIONS:
+        assert needle in refusal(*TINY, *overrides), overrides
+
+
+# Through the command line: the option the ranks refuse in the fast tier, every one in the full tier.
+@pytest.mark.parametrize("overrides, needle", [
+    BAD_GENERATOR, *(pytest.param(*case, marks=pytest.mark.slow) for case in BAD_OPTIONS)])
+def test_cli_bad_options_stop_with_one_line(overrides, needle, tmp_path):
+    proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
 
 
 def test_make_bench_times_the_quantizer_kernels_and_checks_their_goals():
