@@ -115,3 +115,15 @@ def test_readme_is_a_front_page():
     assert {"run", "test", "test-full", "help"} <= set(targets)
     assert len(text.split()) < 600, "the README is a front page: detail goes to REPRODUCTION.md or docs/"
     assert max(len(line) for line in text.splitlines()) <= 300
+
+
+def test_performance_md_opens_with_a_summary_and_a_contents_list():
+    """docs/performance.md is long: a summary and a contents list come first, the list names every
+    section below it and each of its links lands on a heading."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    headings = re.findall(r"^(##+) (.+)$", text, flags=re.M)
+    assert [h for _, h in headings[:2]] == ["Summary", "Contents"]
+    contents = text.split("## Contents\n", 1)[1].strip().split("\n\n", 1)[0]
+    listed = re.findall(r"\[(.+?)\]\(#([^)]+)\)", contents)
+    assert [name for name, _ in listed] == [h.replace("`", "") for _, h in headings[2:]]
+    assert all(anchor == _slug(h) for (_, anchor), (_, h) in zip(listed, headings[2:]))
