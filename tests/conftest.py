@@ -187,6 +187,21 @@ def read_jsonl(path: Path) -> list[dict]:
 TINY = ("debug=tiny",)
 
 
+@pytest.fixture(scope="session")
+def real_sweep(tmp_path_factory) -> Path:
+    """A results tree holding one real tiny sweep (results/rq1_scope: dense SGD and block-k at 2
+    ranks, 3 steps, and top-k with AllReduce, which is refused: a failed point), run once a
+    session for every test that only reads it (the analysis, the notebooks). Returns the tree."""
+    results = tmp_path_factory.mktemp("real_sweep") / "results"
+    sweep = results / "rq1_scope"
+    proc = run_cli(*TINY, "-m", "scheme=none,blockk,topk", "aggregation=allreduce", "world_size=2",
+                   "train.max_steps=3", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode != 0  # top-k with AllReduce is refused; the others complete
+    statuses = sorted(read_json(p)["status"] for p in sweep.glob("*/summary.json"))
+    assert statuses == ["completed", "completed", "failed"], proc.stderr[-3000:]
+    return results
+
+
 @pytest.fixture
 def tiny():
     return TINY
