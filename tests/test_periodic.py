@@ -213,6 +213,7 @@ def test_evaluation_sees_the_synchronised_model(two):
 SHORT = (*TINY, "world_size=2", "train.log_every=1", "train.save_model=true")
 
 
+@pytest.mark.slow  # two runs; local SGD and DiLoCo follow their definitions above, in-process
 def test_cli_bytes_per_synchronisation_and_per_step(tmp_path):
     """Bytes by hand: a synchronisation sends the parameters (4 bytes an entry) and the float
     batch-norm buffers, on the last step of each period; per step, that over the period. The

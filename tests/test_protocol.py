@@ -49,6 +49,7 @@ def test_a_validation_split_does_not_depend_on_the_seed_and_none_changes_nothing
     assert torch.equal(d.train_x, b.train_x) and torch.equal(d.test_x, b.test_x)
 
 
+@pytest.mark.slow  # a 2-epoch run; the split itself is checked in-process above
 def test_a_run_records_validation_and_test_and_judges_training_on_validation(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*TINY, "world_size=2", "data.val_size=64", "train.epochs=2", f"hydra.run.dir={run}")

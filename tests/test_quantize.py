@@ -142,9 +142,10 @@ def test_scaled_sign_is_exact(scope):
 # ---- QSGD: unbiased, within its variance bound, reproducible -------------------------------------------
 @pytest.mark.parametrize("generator", QSGD.GENERATORS)
 @pytest.mark.parametrize("path", ["numpy", "torch"])
-@pytest.mark.parametrize("levels", [1, 4, 200])
+# the fast tier: 4 levels, whole tensors; the full tier every level and bucket size
+@pytest.mark.parametrize("levels", [pytest.param(1, marks=pytest.mark.slow), 4, pytest.param(200, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scope", SCOPES)
-@pytest.mark.parametrize("bucket_size", [None, 16])
+@pytest.mark.parametrize("bucket_size", [None, pytest.param(16, marks=pytest.mark.slow)])
 def test_qsgd_is_unbiased_within_its_variance(bucket_size, levels, scope, path, generator, monkeypatch):
     """The mean of N decodes tends to x: each decoded entry is ||x|| sign(x_i) l_i / s with ||x||
     its bucket's norm and l_i one of two neighbouring levels, so its variance is at most
@@ -736,13 +737,14 @@ def test_two_ranks_apply_the_same_average(gloo_results, name, scope):
 SHORT = (*TINY, "world_size=2", "train.max_steps=4", "train.log_every=1")
 
 
-# The fast tier: signSGD through the trainer, QSGD through DDP; the full tier every row.
+# The fast tier: signSGD through the trainer (both quantizers through DDP's hook: test_ddp_trainer.py);
+# the full tier every row.
 @pytest.mark.parametrize("overrides, bits", [
     (("scheme=signsgd",), 1),
     pytest.param(("scheme=qsgd", "scheme.levels=3"), 3, marks=pytest.mark.slow),
     pytest.param(("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2, marks=pytest.mark.slow),
     pytest.param(("scheme=signsgd", "dist.ddp=true"), 1, marks=pytest.mark.slow),
-    (("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3),
+    pytest.param(("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3, marks=pytest.mark.slow),
     pytest.param(("scheme=qsgd", "scheme.levels=1", "scheme.generator=pcg64"), 2, marks=pytest.mark.slow),
 ])
 def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_path):

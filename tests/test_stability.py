@@ -29,6 +29,7 @@ def test_divergence_stops_every_rank_with_the_step_and_keeps_the_checkpoint(tmp_
     assert [r["epoch"] for r in epochs] == [1]  # the diverged state was never evaluated
 
 
+@pytest.mark.slow  # a run; warm-up through the command line: test_ddp_trainer.py's block-k hook run
 def test_warmup_then_compression_and_whole_vectors_in_the_summary(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*TINY, "scheme=blockk", "world_size=2", "train.max_steps=6", "train.log_every=1",
