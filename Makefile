@@ -8,7 +8,7 @@ RESULTS ?= results
 FIGURES ?= figures
 ANALYSE = $(PY) -m sparsetrain.analysis --quiet
 
-.PHONY: help venv data run test test-full lint figures notebooks bench bench-step bench-ddp bench-model gpu-check slurm-up slurm-down clean
+.PHONY: help venv data run test test-full test-rest lint figures notebooks bench bench-step bench-ddp bench-model gpu-check slurm-up slurm-down clean
 
 help:  ## show this help
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
@@ -28,11 +28,17 @@ data:  ## make Fashion-MNIST available offline (Debian package when apt and root
 run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 ranks, Fashion-MNIST
 	$(PY) -m sparsetrain.benchmarks.compare
 
-test: venv data  ## the test suite, slow tests left out (about 30 minutes on 2 quiet cores)
-	$(PY) -m pytest -m "not slow" -q
+# The two test tiers (docs/testing.md); each prints its 15 slowest tests, so a slow one shows.
+PYTEST = $(PY) -m pytest -q --durations=15
 
-test-full: venv data  ## every test, slow ones too
-	$(PY) -m pytest -q
+test: venv data  ## the fast test tier: every part of the package once (under 10 minutes on 2 quiet cores)
+	$(PYTEST) -m "not slow"
+
+test-full: venv data  ## every test: the fast tier and the full matrices, notebooks, install, netns, SLURM
+	$(PYTEST)
+
+test-rest: venv data  ## the tests `make test` leaves out (CI runs `make test`, then this)
+	$(PYTEST) -m slow
 
 lint: venv  ## ruff
 	$(VENV)/bin/ruff check sparsetrain tests scripts

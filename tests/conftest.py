@@ -109,6 +109,53 @@ def run_cli(*overrides: str, cwd: Path | None = None, env: dict | None = None, t
     )
 
 
+def refusal(*overrides: str) -> str:
+    """The one line a command with ``overrides`` is refused with before any rank starts, found
+    in-process by the checks ``sparsetrain.launch.cli`` makes in that order: the override check,
+    Hydra's composition against the schemas, then ``validate``. Fails the test when nothing
+    refuses it. (Each error class keeps one test through the command line, for its exit code and
+    its one line on stderr: docs/testing.md.)"""
+    from sparsetrain.config import ConfigError, check_overrides, compose, validate
+
+    try:
+        check_overrides(list(overrides))
+        validate(compose(list(overrides)), env={})
+    except ConfigError as exc:
+        message = str(exc)
+        assert "\n" not in message, message
+        return message
+    pytest.fail(f"{' '.join(overrides)} was not refused")
+
+
+def analysis_cli(*args, module: str = "sparsetrain.analysis", cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m <module> *args`` run in this process (its ``main``, in ``cwd``), as a
+    CompletedProcess: what it printed, and its exit code. The analysis needs no torch and no
+    ranks, so a process of its own adds only start-up time; tests/test_analysis.py keeps one
+    through the real command for its exit codes."""
+    import contextlib
+    import importlib
+    import io
+    import warnings
+
+    # a package's main is in its __main__ (python -m sparsetrain.analysis), a module's in itself
+    main = importlib.import_module(f"{module}.__main__" if module == "sparsetrain.analysis" else module).main
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        # as `python -m`: warnings shown once each, as in a fresh process
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.resetwarnings()
+            warnings.simplefilter("default")
+            if cwd is not None:
+                os.chdir(cwd)
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as exc:  # argparse's refusals and --help
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess([module, *map(str, args)], code or 0, out.getvalue(), err.getvalue())
+
+
 def wait_until(cond, proc: subprocess.Popen, what: str, timeout: float = 300, poll: float = 0.05) -> None:
     """Poll ``cond()`` until it holds; fail if ``proc`` ends first or ``timeout`` passes (then
     ``proc`` is killed). A file being replaced while read counts as 'not yet'."""
@@ -138,6 +185,21 @@ def read_jsonl(path: Path) -> list[dict]:
 # ResNet-20, 512/128 examples, batch 32, one thread, no progress bar, W&B disabled). Overrides
 # given after it win over it.
 TINY = ("debug=tiny",)
+
+
+@pytest.fixture(scope="session")
+def real_sweep(tmp_path_factory) -> Path:
+    """A results tree holding one real tiny sweep (results/rq1_scope: dense SGD and block-k at 2
+    ranks, 3 steps, and top-k with AllReduce, which is refused: a failed point), run once a
+    session for every test that only reads it (the analysis, the notebooks). Returns the tree."""
+    results = tmp_path_factory.mktemp("real_sweep") / "results"
+    sweep = results / "rq1_scope"
+    proc = run_cli(*TINY, "-m", "scheme=none,blockk,topk", "aggregation=allreduce", "world_size=2",
+                   "train.max_steps=3", f"hydra.sweep.dir={sweep}")
+    assert proc.returncode != 0  # top-k with AllReduce is refused; the others complete
+    statuses = sorted(read_json(p)["status"] for p in sweep.glob("*/summary.json"))
+    assert statuses == ["completed", "completed", "failed"], proc.stderr[-3000:]
+    return results
 
 
 @pytest.fixture
@@ -189,3 +251,79 @@ def empty_slurm_queue():
         if time.monotonic() > deadline:
             pytest.fail(f"the SLURM cluster still has jobs after 300 s: {slurm_state()}")
         time.sleep(1)
+
+
+# ---- what a tier costs (docs/testing.md) --------------------------------------------------------
+# SPARSETRAIN_TEST_COST=<file> makes every Python interpreter the tests start (a command, a rank, a
+# SLURM job: any that inherits the environment) append its test's id to <file>, through a
+# sitecustomize put first on PYTHONPATH; commands that are not Python (git, make, srun) are counted
+# where the test starts them. Each test's wall time and CPU time (its own and its finished
+# child processes': on a loaded machine the CPU time still says what the test costs) go there too.
+# At the end pytest prints the totals and the tests that cost most.
+_COST_FILE = os.environ.get("SPARSETRAIN_TEST_COST")
+_SITECUSTOMIZE = """import os
+with open(os.environ["SPARSETRAIN_TEST_COST"], "a") as f:
+    f.write("python\\t" + os.environ.get("SPARSETRAIN_TEST_ID", "?") + "\\n")
+"""
+
+
+def _count_launches(tmp_dir: Path) -> None:
+    (tmp_dir / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_dir), os.environ.get("PYTHONPATH")) if p)
+    init = subprocess.Popen.__init__
+
+    def counted(self, args, *rest, **kwargs):
+        program = Path(str(args[0] if isinstance(args, (list, tuple)) else str(args).split()[0])).name
+        env = kwargs.get("env") or os.environ
+        # a Python one counts itself, unless its environment drops the sitecustomize
+        if not program.startswith("python") or str(tmp_dir) not in env.get("PYTHONPATH", ""):
+            with open(_COST_FILE, "a") as f:
+                kind = "python" if program.startswith("python") else program
+                f.write(f"{kind}\t{os.environ.get('SPARSETRAIN_TEST_ID', '?')}\n")
+        init(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = counted
+
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_configure(config):
+    if _COST_FILE:
+        import tempfile
+
+        _count_launches(Path(tempfile.mkdtemp(prefix="sparsetrain-cost-")))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _COST_FILE:
+        yield
+        return
+    os.environ["SPARSETRAIN_TEST_ID"] = item.nodeid
+    wall, cpu = time.monotonic(), _cpu_seconds()
+    yield
+    with open(_COST_FILE, "a") as f:
+        f.write(f"cost\t{item.nodeid}\t{time.monotonic() - wall:.2f}\t{_cpu_seconds() - cpu:.2f}\n")
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _COST_FILE or not Path(_COST_FILE).exists():
+        return
+    from collections import Counter
+
+    rows = [line.split("\t") for line in Path(_COST_FILE).read_text().splitlines()]
+    launches = [row for row in rows if row[0] != "cost"]
+    costs = {row[1]: (float(row[2]), float(row[3])) for row in rows if row[0] == "cost"}
+    per_test = Counter(row[1] for row in launches)
+    python = sum(row[0] == "python" for row in launches)
+    write = terminalreporter.write_line
+    write(f"cost: {len(costs)} tests, {sum(w for w, _ in costs.values()):.0f} s wall, "
+          f"{sum(c for _, c in costs.values()):.0f} s CPU; processes started: {len(launches)} "
+          f"({python} Python interpreters, {len(launches) - python} other commands) by {len(per_test)} tests")
+    for test, (w, c) in sorted(costs.items(), key=lambda kv: -kv[1][1])[:25]:
+        write(f"  {c:7.1f} s CPU {w:7.1f} s wall {per_test.get(test, 0):4d} processes  {test}")

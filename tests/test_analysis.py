@@ -21,6 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from conftest import analysis_cli
 
 from sparsetrain import analysis as sa
 
@@ -655,6 +656,7 @@ def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):
     assert all("(n=2)" in cell for cell in table.display["test accuracy (%)"])
 
 
+@pytest.mark.slow  # every study's tables and figures
 def test_report_per_study(results, tmp_path):
     out = tmp_path / "report"
     written = sa.write_report(results, out=out)
@@ -672,8 +674,13 @@ def test_report_per_study(results, tmp_path):
 
 
 def _cli(*args, cwd=None):
+    return analysis_cli(*args, cwd=cwd)
+
+
+def _command(*args):
+    """The analysis through the real command: its exit codes and what reaches stderr."""
     return subprocess.run([sys.executable, "-m", "sparsetrain.analysis", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd)
+                          capture_output=True, text=True)
 
 
 def test_cli_writes_and_prints(results, tmp_path):
@@ -724,6 +731,7 @@ def test_missing_runs_are_named_relative_to_the_working_directory(results, monke
     assert str(results.parent) not in table.to_csv_frame().to_csv()
 
 
+@pytest.mark.slow  # every study's tables and figures, three times
 def test_cli_studies_assembles_each_study_from_its_sources(results, tmp_path):
     """--studies: each study from the sweeps SOURCES names (RQ2's table holds RQ1's layer-wise 1%
     points beside its own), stale study folders go, and bad combinations are refused."""
@@ -751,14 +759,15 @@ def test_cli_studies_assembles_each_study_from_its_sources(results, tmp_path):
     assert _cli("--studies", tmp_path / "figures", "--out", tmp_path / "x").returncode == 1
 
 
-def test_cli_exit_codes(tmp_path):
+@pytest.mark.parametrize("run", [_cli, pytest.param(_command, marks=pytest.mark.slow)], ids=["in-process", "command"])
+def test_cli_exit_codes(run, tmp_path):
     (tmp_path / "empty").mkdir()
-    proc = _cli(tmp_path / "empty", "--out", tmp_path / "o")
+    proc = run(tmp_path / "empty", "--out", tmp_path / "o")
     assert proc.returncode == 1 and "no runs found" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = _cli(tmp_path / "does-not-exist", "--out", tmp_path / "o")
+    proc = run(tmp_path / "does-not-exist", "--out", tmp_path / "o")
     assert proc.returncode == 2 and "does-not-exist" in proc.stderr and "Traceback" not in proc.stderr
-    proc = _cli("--out", tmp_path / "o")
+    proc = run("--out", tmp_path / "o")
     assert proc.returncode == 2
 
 
@@ -794,7 +803,9 @@ def _grid(params) -> list[list[str]]:
             for combo in itertools.product(*(str(params[k]).split(",") for k in keys))]
 
 
-@pytest.mark.parametrize("name", [*STUDY_NAMES, *OTHER_PRESETS, *(f"paper/{n}" for n in STUDY_NAMES[1:])])
+# the fast tier composes the studies' presets; the full tier every preset and the paper-scale ones
+@pytest.mark.parametrize("name", [*STUDY_NAMES, *(pytest.param(n, marks=pytest.mark.slow)
+                                                  for n in (*OTHER_PRESETS, *(f"paper/{n}" for n in STUDY_NAMES[1:])))])
 def test_experiment_presets_compose_and_every_grid_point_validates(name):
     """Each preset composes with the schema, runs at its scale, and no grid point is refused."""
     assert (CONF / f"{name}.yaml").read_text().startswith("# @package _global_")

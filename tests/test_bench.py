@@ -24,6 +24,7 @@ def _ours() -> list[str]:
     return [n for n in ns + os.listdir("/sys/class/net") if n.startswith("sb")]
 
 
+@pytest.mark.slow  # netns
 @pytest.mark.netns
 @requires_netns
 def test_bench_step_tiny_end_to_end(tmp_path):
@@ -72,6 +73,7 @@ def test_bench_step_tiny_end_to_end(tmp_path):
     assert set(_ours()) <= before  # every namespace and link of the run is gone
 
 
+@pytest.mark.slow  # netns
 @pytest.mark.netns
 @requires_netns
 def test_bench_step_cleans_up_when_a_rank_fails(tmp_path):
@@ -136,6 +138,7 @@ def test_dense_reducer_overlap_matches_plain_allreduce():
     assert got == {0: True, 1: True}
 
 
+@pytest.mark.slow  # netns
 @pytest.mark.netns
 @requires_netns
 def test_bench_ddp_tiny_end_to_end(tmp_path):

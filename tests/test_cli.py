@@ -4,19 +4,27 @@ import os
 import re
 
 import pytest
-from conftest import SCHEMES, TINY, read_json, read_jsonl, run_cli
+from conftest import SCHEMES, TINY, read_json, read_jsonl, refusal, run_cli
 
 PHASES = ("data", "forward", "backward", "compress", "exchange", "decompress", "optimizer", "step")
 
 
-@pytest.mark.parametrize(
-    "override, needle",
-    [
-        ("world_size=0", "world_size=0 is not allowed"),
-        ("ratio=2", "ratio=2.0 is not allowed"),
-        ("scheme=nope", f"scheme='nope' is not allowed; choose one of: {', '.join(sorted(SCHEMES))}"),
-    ],
-)
+BAD_INPUT = [
+    ("world_size=0", "world_size=0 is not allowed"),
+    ("ratio=2", "ratio=2.0 is not allowed"),
+    ("scheme=nope", f"scheme='nope' is not allowed; choose one of: {', '.join(sorted(SCHEMES))}"),
+]
+
+
+@pytest.mark.parametrize("override, needle", BAD_INPUT)
+def test_bad_input_is_refused_with_one_line(override, needle):
+    assert needle in refusal(*TINY, override)
+
+
+# Through the command line: a value refused by validation (ratio=2) in the fast tier, the others
+# in the full tier (test_first_contact.py has the override check's).
+@pytest.mark.parametrize("override, needle", [
+    pytest.param(*case, marks=[] if case[0] == "ratio=2" else pytest.mark.slow) for case in BAD_INPUT])
 def test_bad_input_is_one_line_and_nonzero(override, needle, tmp_path):
     proc = run_cli(*TINY, override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode != 0
@@ -62,6 +70,7 @@ def test_two_rank_dense_run_writes_complete_run_folder(tmp_path):
     assert not list(run.glob("*.log")) and not (run / "ranks").exists(), sorted(p.name for p in run.iterdir())
 
 
+@pytest.mark.slow  # a sweep of two runs
 def test_multirun_failing_job_is_marked_and_others_complete(tmp_path):
     sweep = tmp_path / "sweep"
     # train_size=8 leaves 4 examples per rank: fewer than one batch, so that job fails at start.
@@ -74,6 +83,7 @@ def test_multirun_failing_job_is_marked_and_others_complete(tmp_path):
     assert "1 sweep job(s) did not complete" in proc.stderr and str(sweep / "0") in proc.stderr
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_files_hold_metrics_and_no_key(tmp_path):
     from wandb_offline import config, history
 
@@ -97,6 +107,7 @@ def test_wandb_offline_run_files_hold_metrics_and_no_key(tmp_path):
     assert re.search(r"offline", str(files[0]))
 
 
+@pytest.mark.slow  # three runs
 def test_rerun_of_a_completed_run_skips_it_and_a_changed_one_is_refused(tmp_path):
     """Rerunning a sweep into its folder (a study interrupted between sessions) runs only what
     did not complete; a completed run of other settings is never overwritten."""

@@ -3,10 +3,13 @@ and phases as the trainer's own exchange, and the same model where the two must 
 (Bit-identical resume through this path: tests/test_launch.py.)"""
 
 import math
+from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import SYNC_SCHEMES, TINY, read_json, read_jsonl, run_cli
+from conftest import SYNC_SCHEMES, TINY, on_gloo_ranks, read_json, read_jsonl, run_cli
+from omegaconf import OmegaConf
 
 from sparsetrain.config import CONF_DIR
 from sparsetrain.results import TORCH_HOOK_SCHEMES
@@ -59,6 +62,7 @@ def _assert_buckets(buckets):
     assert leads == sorted(leads, reverse=True) and leads[-1] == 0.0 and leads[0] > 0, leads
 
 
+@pytest.mark.slow  # two runs
 def test_ddp_hook_at_ratio_one_trains_the_dense_model(tmp_path):
     """random-k at ratio 1 with AllReduce sends every entry: through DDP's hook the model after
     6 steps is the dense run's (the trainer's own exchange), up to rounding."""
@@ -75,8 +79,53 @@ def test_ddp_hook_at_ratio_one_trains_the_dense_model(tmp_path):
     assert worst < 1e-5, worst
 
 
-@pytest.mark.parametrize("scheme, aggregation", [(s, "allgather") for s in SPARSE_HOOK_SCHEMES]
-                         + [("randk", "allreduce")])
+BIT_FOR_BIT = [(s, "allgather") for s in SPARSE_HOOK_SCHEMES] + [("randk", "allreduce")]
+
+
+def _both_paths(out: str, rank: int, world: int) -> dict:
+    """Every case of BIT_FOR_BIT trained for 6 steps through the trainer's exchange and through
+    DDP's hook, in this rank's process: each run's summary and, on rank 0, its model."""
+    from sparsetrain.config import compose, validate
+    from sparsetrain.rank import RankInfo
+    from sparsetrain.train import Trainer
+
+    info = RankInfo(rank, world, rank, world, "spawn")
+    runs = {}
+    for scheme, aggregation in BIT_FOR_BIT:
+        for path, extra in (("trainer", ()), ("ddp", ("dist.ddp=true",))):
+            cfg = compose([*SHORT, f"scheme={scheme}", f"aggregation={aggregation}", "scope=layerwise",
+                           "train.epochs=4", "train.max_steps=6", "dist.bucket_cap_mb=0.05", *extra])
+            validate(cfg, env={})
+            run = Path(out) / f"{scheme}-{aggregation}-{path}"
+            summary = Trainer(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), info, run,
+                              torch.device("cpu")).fit()
+            model = torch.load(run / "model.pt", weights_only=True) if rank == 0 else None
+            runs[scheme, aggregation, path] = (summary, model)
+    return runs
+
+
+def test_ddp_hook_trains_bit_for_bit_as_the_trainer_for_every_compressor(tmp_path):
+    """The matrix below in one pair of gloo ranks, without the command line (its 30-step runs
+    through the command line are in the full tier): for every sparse scheme the same weights,
+    train loss and bytes through DDP's hook as through the trainer's exchange."""
+    assert {"topk", "randk", "blockk", "signsgd", "qsgd"} <= set(SPARSE_HOOK_SCHEMES)
+    runs = on_gloo_ranks(partial(_both_paths, str(tmp_path)), tmp_path)[0]
+    for scheme, aggregation in BIT_FOR_BIT:
+        (s_flat, a), (s_ddp, b) = runs[scheme, aggregation, "trainer"], runs[scheme, aggregation, "ddp"]
+        case = f"{scheme} {aggregation}"
+        assert s_flat["steps"] == s_ddp["steps"] == 6, case
+        assert s_flat["overlap_buckets"] is None and len(s_ddp["overlap_buckets"]) > 2, case
+        assert s_flat["train_loss"] == s_ddp["train_loss"], case
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), (case, [k for k in a if not torch.equal(a[k], b[k])])
+        for key in ("density", "uncompressed_bytes_per_step", "dense_bytes_per_step"):
+            assert s_flat[key] == s_ddp[key], (case, key)
+        if aggregation == "allreduce":
+            assert s_flat["bytes_sent_per_step"] == s_ddp["bytes_sent_per_step"], case
+
+
+@pytest.mark.slow  # every scheme through the command line, 30 steps; the fast tier has the test above
+@pytest.mark.parametrize("scheme, aggregation", BIT_FOR_BIT)
 def test_ddp_hook_trains_bit_for_bit_as_the_trainer(scheme, aggregation, tmp_path):
     """Layer-wise, the hook runs the trainer's exchange on each bucket and every tensor draws what
     the trainer draws for it: 2 ranks, 30 steps, several buckets, the same weights and train loss
@@ -101,6 +150,7 @@ def test_ddp_hook_trains_bit_for_bit_as_the_trainer(scheme, aggregation, tmp_pat
         assert s_flat["bytes_sent_per_step"] == s_ddp["bytes_sent_per_step"]
 
 
+@pytest.mark.slow  # two runs
 def test_dense_sgd_sends_everything_whole_on_both_paths(tmp_path):
     """Dense SGD's share of uncompressed bytes is 1 through the trainer and through DDP alike."""
     for name, extra in (("trainer", ()), ("ddp", ("dist.ddp=true",))):
@@ -109,7 +159,8 @@ def test_dense_sgd_sends_everything_whole_on_both_paths(tmp_path):
         assert s["uncompressed_share"] == 1.0, name
 
 
-@pytest.mark.parametrize("scheme, bytes_per_entry", [("torch_powersgd", None), ("fp16", 2), ("bf16", 2)])
+@pytest.mark.parametrize("scheme, bytes_per_entry", [("torch_powersgd", None), pytest.param("fp16", 2, marks=pytest.mark.slow),
+                                                      pytest.param("bf16", 2, marks=pytest.mark.slow)])
 def test_ddp_torch_hooks_train_and_report_their_bytes(scheme, bytes_per_entry, tmp_path):
     run, s = _run(tmp_path, scheme, f"scheme={scheme}", "dist.ddp=true")
     assert s["status"] == "completed" and s["train_loss"] is not None

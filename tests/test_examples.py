@@ -86,6 +86,7 @@ def _run(tmp_path, name, *extra, scheme=DGC_ARGS, env=None):
     return run, read_json(run / "summary.json")
 
 
+@pytest.mark.slow  # the example matrix: three runs each
 def test_dgc_trains_through_the_trainer_and_ddp_alike_and_is_analysed(tmp_path):
     flat, s_flat = _run(tmp_path, "trainer")
     ddp, s_ddp = _run(tmp_path, "ddp", "dist.ddp=true")
@@ -124,6 +125,7 @@ def test_a_memory_option_defines_the_run():
     assert config_differences({"scheme": {"name": "randk"}}, {"scheme": {"name": "randk", "memory": None}}) == []
 
 
+@pytest.mark.slow  # three runs each
 @pytest.mark.parametrize("example", ["dgc", "thc", "ef21"])
 def test_example_resumes_bit_for_bit_under_ddp(example, tmp_path):
     """Every buffer of the example's memory is checkpointed and re-homed across DDP's bucket
@@ -152,6 +154,7 @@ def test_example_resumes_bit_for_bit_under_ddp(example, tmp_path):
     assert strip(read_jsonl(run / "metrics.jsonl")) == strip(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
 
 
+@pytest.mark.slow  # netns
 @pytest.mark.netns
 @requires_netns
 def test_examples_run_through_the_step_benchmark(tmp_path):
@@ -233,6 +236,7 @@ def test_integer_sum_follows_its_definition():
         comp.send(1, step, Message(torch.empty(0), torch.empty(4, dtype=torch.int8)))
 
 
+@pytest.mark.slow  # two runs and the analysis
 def test_thc_trains_through_the_trainer_and_ddp_alike_and_is_analysed(tmp_path):
     """The example's three rounds (whole tensors, MAX of the scales, the int8 codes' sum) through
     the trainer and, per bucket, the DDP hook: the same weights and train loss to the bit; its
@@ -330,6 +334,7 @@ def test_ef21_applies_its_shared_estimate(monkeypatch):
     assert set(reducers[0].state_dict()["error_feedback"]) == {"enabled", "g_i", "g"}
 
 
+@pytest.mark.slow  # two runs through the command line (the float64 check above stays fast)
 def test_ef21_trains_through_the_trainer_and_ddp_alike(tmp_path):
     """The example through the trainer and, per bucket, the DDP hook: the same weights and train
     loss to the bit. It trains because the shared estimate is applied: the averaged messages

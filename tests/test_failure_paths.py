@@ -54,6 +54,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 # ---- 1. a dead rank is named -----------------------------------------------------------------
+@pytest.mark.slow  # test_launch.py kills a rank in the fast tier
 def test_killed_rank_is_named_as_the_cause(tmp_path):
     run = tmp_path / "run"
     proc = _start(*TINY, "world_size=2", "train.epochs=50", "train.log_every=1",
@@ -157,6 +158,7 @@ def test_a_run_saved_before_the_schemes_had_keys_of_their_own_is_the_same_run():
 
 
 # ---- 3. a damaged checkpoint, a full disk ------------------------------------------------------
+@pytest.mark.slow  # two runs
 def test_damaged_checkpoint_is_named_with_the_ways_on(tmp_path):
     run = tmp_path / "run"
     _interrupted_run(run, *RESUME, "scheme=randk")
@@ -197,6 +199,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow  # a tmpfs mount and two runs
 def test_full_disk_keeps_the_previous_checkpoint_and_says_no_space(small_disk):
     run = small_disk / "run"
     proc = _start(*RESUME, "scheme=randk", "data.train_size=960", f"hydra.run.dir={run}")
@@ -240,6 +243,7 @@ def test_write_error_other_than_space_is_named(tmp_path):
 
 
 # ---- 5. heartbeat ------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_rank0_killed_under_torchrun_is_unfinished_not_running(tmp_path):
     from sparsetrain.analysis import load_runs
 
@@ -298,6 +302,7 @@ def test_stale_running_runs_are_unfinished_in_analysis_and_sweep_report(tmp_path
 
 
 # ---- 6. progress bar and log lines on a terminal -------------------------------------------------
+@pytest.mark.slow
 def test_epoch_lines_never_land_in_the_progress_bar(tmp_path):
     args = [*TINY, "train.progress=true", "world_size=1",
             "train.epochs=3", "data.train_size=256", f"hydra.run.dir={tmp_path / 'run'}"]
@@ -353,6 +358,7 @@ def test_wandb_credentials_are_looked_up_like_wandb_does(tmp_path):
     assert not has_wandb_credentials({"WANDB_API_KEY": " ", "HOME": str(tmp_path)})
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_sweep_stops_it_after_the_running_job_saves(tmp_path):
     """SIGTERM to `python -m sparsetrain.run -m ...`: the running job saves its checkpoint and the
     sweep stops there, instead of starting its next job (which the next SIGTERM would preempt in

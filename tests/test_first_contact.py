@@ -28,7 +28,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli_env, read_json, read_jsonl, read_terminal, run_cli, wait_until
+from conftest import (
+    ROOT,
+    TINY,
+    cli_env,
+    read_json,
+    read_jsonl,
+    read_terminal,
+    refusal,
+    run_cli,
+    wait_until,
+)
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -88,6 +98,7 @@ def _ctrl_c_after(args: list[str], cwd: Path, ready, timeout: float = 300) -> tu
     return proc.returncode, out.decode(errors="replace").replace("\r\n", "\n").replace("^C", "")
 
 
+@pytest.mark.slow  # a terminal and two runs
 def test_ctrl_c_saves_at_the_step_and_prints_the_command_that_resumes(tmp_path):
     # 8 steps per epoch: Ctrl-C in the second epoch, after its step 11, lands between epoch
     # checkpoints; the default folders (outputs/DATE/TIME/) are where the trap was.
@@ -182,6 +193,7 @@ def _signal_and_wait(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> tuple
     return time.monotonic() - t0, out, err
 
 
+@pytest.mark.slow  # three runs
 def test_sigterm_after_an_epochs_last_logged_step_stops_at_the_epoch_end(tmp_path):
     """With no logged step left in the run (train.log_every=1000: only step 1), a SIGTERM in
     epoch 2 used to be lost: the ranks trained to the end, wrote `completed`, and the launcher
@@ -213,6 +225,7 @@ def test_sigterm_after_an_epochs_last_logged_step_stops_at_the_epoch_end(tmp_pat
     assert untimed(read_jsonl(run / "metrics.jsonl")) == untimed(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
 
 
+@pytest.mark.slow
 def test_sigterm_after_the_last_step_completes_the_run_at_once(tmp_path):
     """A SIGTERM that comes after the run's last check (here during the final evaluation, made
     long by a large test set): the run completes, and the launcher does not wait 30 s for ranks
@@ -229,6 +242,7 @@ def test_sigterm_after_the_last_step_completes_the_run_at_once(tmp_path):
     assert f"run folder: {run} (" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_sigterm_after_a_sweep_jobs_last_step_stops_the_sweep(tmp_path):
     """world_size=1 trains in the launcher's own process: a SIGTERM after a job's last step lets
     that job complete, and the sweep then stops instead of starting its next job."""
@@ -286,6 +300,7 @@ def test_presets_write_under_multirun_unless_told_otherwise():
     assert '"hydra.sweep.dir=results/$study"' in (ROOT / "scripts" / "reproduce.sh").read_text()
 
 
+@pytest.mark.slow  # two sweeps
 def test_a_preset_sweep_ends_with_its_table_and_refused_points_fail_it(tmp_path):
     args = ["-m", "experiment=baseline", *TINY, "world_size=1", "train.max_steps=1"]
     first = run_cli(*args, cwd=tmp_path, timeout=600)
@@ -337,14 +352,25 @@ def test_make_run_leaves_the_sweep_table_to_its_own(tmp_path, capsys):
 
 
 # ---- 7. typos and help ---------------------------------------------------------------------------
-@pytest.mark.parametrize("override, needle", [
+TYPOS = [
     ("sheme=topk", "sheme=topk: there is no key 'sheme'; did you mean scheme=topk?"),
     ("+sheme=topk", "+sheme=topk: there is no key 'sheme'; did you mean scheme=topk?"),
     ("+train.lr=0.1", "+train.lr=0.1: there is no key 'train.lr'; did you mean optim.lr=0.1?"),
     ("train.max_step=10", "did you mean train.max_steps=10?"),
     ("train.epochs=abc", "train.epochs='abc' is not allowed: give an integer, e.g. train.epochs=3"),
     ("hydra/launcher=nope", "hydra/launcher='nope' is not allowed; choose one of: basic, slurm, submitit_local, submitit_slurm"),
-])
+]
+
+
+@pytest.mark.parametrize("override, needle", TYPOS)
+def test_typos_are_refused_with_one_line(override, needle):
+    assert needle in refusal(*TINY, override)
+
+
+# Through the command line: the override check's exit code and its line alone on stderr, for one
+# typo in the fast tier and for each in the full tier.
+@pytest.mark.parametrize("override, needle", [
+    pytest.param(*case, marks=[] if case[0] == "sheme=topk" else pytest.mark.slow) for case in TYPOS])
 def test_typos_stop_with_one_line_before_anything_runs(override, needle, tmp_path):
     proc = run_cli(*TINY, override, cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
@@ -354,16 +380,13 @@ def test_typos_stop_with_one_line_before_anything_runs(override, needle, tmp_pat
     assert not (tmp_path / "outputs").exists()  # nothing ran, no folder was made
 
 
-def test_unknown_key_of_the_chosen_scheme_stops_with_one_line(tmp_path):
+def test_unknown_key_of_the_chosen_scheme_stops_with_one_line():
     """A scheme's own key (scheme.block_size: block-k's, scheme.rank: PowerSGD's) with another
     scheme, whether chosen on the command line, by default, by a preset or by a preset's sweep."""
     from sparsetrain.config import ConfigError, check_overrides
 
-    proc = run_cli(*TINY, "scheme=topk", "scheme.block_size=64", cwd=tmp_path, timeout=120)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert proc.stderr.strip() == ("error: scheme.block_size=64: scheme=topk has no key 'block_size'; "
-                                   "block_size belongs to scheme=blockk")
-    assert not (tmp_path / "outputs").exists()
+    assert refusal(*TINY, "scheme=topk", "scheme.block_size=64") == (
+        "scheme.block_size=64: scheme=topk has no key 'block_size'; block_size belongs to scheme=blockk")
     refused = {
         ("scheme.block_size=64",): "scheme=none has no key 'block_size'",  # the default scheme
         ("-m", "scheme=blockk,randk", "scheme.block_size=64"): "scheme=randk has no key 'block_size'",
@@ -379,6 +402,15 @@ def test_unknown_key_of_the_chosen_scheme_stops_with_one_line(tmp_path):
         check_overrides(args)
     with pytest.raises(ConfigError, match="scheme='nope' is not allowed"):  # the unknown scheme first
         check_overrides(["scheme.block_size=64", "scheme=nope"])
+
+
+@pytest.mark.slow  # the override check through the command line: test_typos_... has one in the fast tier
+def test_unknown_key_of_the_chosen_scheme_stops_the_command_with_one_line(tmp_path):
+    proc = run_cli(*TINY, "scheme=topk", "scheme.block_size=64", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip() == ("error: scheme.block_size=64: scheme=topk has no key 'block_size'; "
+                                   "block_size belongs to scheme=blockk")
+    assert not (tmp_path / "outputs").exists()
 
 
 def test_check_overrides_leaves_valid_command_lines_alone():

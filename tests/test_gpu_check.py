@@ -21,6 +21,7 @@ def _script(name):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: gpu-check would run")
+@pytest.mark.slow  # the script and two benchmarks, each a process
 def test_gpu_check_without_a_gpu_says_so_in_one_line_and_fails():
     env = {**os.environ, "PY": sys.executable}
     p = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh")], capture_output=True, text=True,

@@ -5,9 +5,11 @@ anywhere, with no checkout on the path."""
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, cli_env, read_json
 
 
+@pytest.mark.slow  # builds and installs the wheel
 def test_a_wheel_carries_the_configs_and_trains_from_anywhere(tmp_path):
     wheel_dir, target, work = tmp_path / "wheel", tmp_path / "site", tmp_path / "elsewhere"
     work.mkdir()

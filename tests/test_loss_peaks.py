@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from conftest import TINY, read_json, read_jsonl, run_cli
 
 from sparsetrain.results import (
@@ -27,6 +28,7 @@ def test_stability_of_reads_the_final_numbers_and_the_peak():
     assert stability_of(None, 0.9, 1.0) == DID_NOT_TRAIN
 
 
+@pytest.mark.slow  # a 2-epoch run; stability_of is checked in-process above
 def test_a_run_records_its_largest_loss_and_its_step(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*TINY, "world_size=1", "train.epochs=2", "train.log_every=1",

@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 MODULE = ["-m", "sparsetrain.launch.netcluster"]
-pytestmark = pytest.mark.netns
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 
 def _netns_problem() -> str | None:

@@ -39,6 +39,7 @@ def test_notebooks_committed_without_outputs_and_parameterised(name):
     assert "import torch" not in "".join(c.source for c in code)
 
 
+@pytest.mark.slow  # notebooks
 def test_notebooks_are_what_the_generator_writes(tmp_path, monkeypatch):
     import importlib.util
 
@@ -75,6 +76,7 @@ def check_notebook_outputs(executed: dict, out, failed_point: str | None = None)
         assert failed_point in (out / "rq1_scope" / "rq1_scope.md").read_text()
 
 
+@pytest.mark.slow  # notebooks
 def test_every_notebook_runs_on_a_results_tree(tmp_path):
     results = write_results(tmp_path / "results")
     for i, (lr, val) in enumerate(((0.05, 0.81), (0.1, 0.84))):  # two tuning trials

@@ -71,7 +71,7 @@ def test_the_pre_check_reads_the_search_path_hydra_will(mine, monkeypatch):
     assert "rrandk" in help_text(search_dirs(["--config-dir", "mine/conf"]))
 
 
-@pytest.mark.parametrize("where", ["--config-dir", "hydra.searchpath"])
+@pytest.mark.parametrize("where", ["--config-dir", pytest.param("hydra.searchpath", marks=pytest.mark.slow)])
 def test_a_scheme_outside_the_checkout_runs_end_to_end(mine, where):
     tmp = mine.parent
     found = (["--config-dir", "mine/conf"] if where == "--config-dir"
@@ -108,6 +108,7 @@ def test_config_differences_count_the_compressors_options():
     assert config_differences({"scheme": {"name": "blockk", "block_size": 256}}, blockk(block_size=256)) == []
 
 
+@pytest.mark.slow  # three runs
 def test_a_rerun_with_another_compressor_option_is_refused_and_analysed_apart(mine):
     from sparsetrain.analysis.loader import load_runs
 
@@ -181,6 +182,7 @@ def test_an_unknown_compressor_argument_stops_before_any_rank_starts(mine):
     assert not (mine.parent / "outputs").exists()
 
 
+@pytest.mark.slow
 def test_a_module_off_pythonpath_is_named_in_one_line(mine):
     proc = run_cli("--config-dir", "mine/conf", *TINY, "scheme=rrandk", "hydra.run.dir=run",
                    cwd=mine.parent, timeout=120)  # PYTHONPATH without mine

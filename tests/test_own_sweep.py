@@ -35,6 +35,7 @@ def test_a_value_that_is_not_a_number_says_what_the_key_takes():
         check_overrides(["-m", "ratio=0.01,2%"])
 
 
+@pytest.mark.slow  # checked in-process above; test_cli.py has a refusal through the command line in the fast tier
 def test_ratio_in_percent_stops_with_one_line_from_the_command_line(tmp_path):
     proc = run_cli(*TINY, "ratio=1%", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-3000:]

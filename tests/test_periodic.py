@@ -213,6 +213,7 @@ def test_evaluation_sees_the_synchronised_model(two):
 SHORT = (*TINY, "world_size=2", "train.log_every=1", "train.save_model=true")
 
 
+@pytest.mark.slow  # two runs; local SGD and DiLoCo follow their definitions above, in-process
 def test_cli_bytes_per_synchronisation_and_per_step(tmp_path):
     """Bytes by hand: a synchronisation sends the parameters (4 bytes an entry) and the float
     batch-norm buffers, on the last step of each period; per step, that over the period. The
@@ -247,6 +248,7 @@ def test_cli_bytes_per_synchronisation_and_per_step(tmp_path):
     assert s["applies"] == {"ratio": True, "aggregation": True, "scope": True}
 
 
+@pytest.mark.slow  # four runs
 def test_ddp_runs_local_sgd_and_diloco_as_the_trainer(tmp_path):
     """``dist.ddp=true``: torch's post-local-SGD hook averages the gradients during warm-up and
     leaves them local after; the synchronisation is the trainer's. The same weights, losses and
@@ -272,6 +274,7 @@ def test_ddp_runs_local_sgd_and_diloco_as_the_trainer(tmp_path):
         assert [r["bytes_sent"] > 0 for r in flat_steps[2:]] == [False, False, True] * 2 + [False, False]
 
 
+@pytest.mark.slow  # the resume matrix: three runs each
 @pytest.mark.parametrize("ddp", [False, True], ids=["trainer", "ddp"])
 def test_cli_resumes_in_the_middle_of_a_period_bit_for_bit(ddp, tmp_path):
     """DiLoCo's anchor, outer momentum and the step within the period are checkpointed: SIGTERM

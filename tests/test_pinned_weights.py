@@ -101,6 +101,7 @@ def digests(root: Path) -> dict[str, str]:
     return out
 
 
+@pytest.mark.slow  # six runs through the command line; run this file whenever training code changes
 def test_final_weights_are_pinned(tmp_path):
     pins = next((pins for platform, pins in PINNED if platform == this_platform()), None)
     if pins is None:

@@ -498,7 +498,8 @@ def test_ddp_hook_checkpoint_resumes_into_other_buckets(two):
 SHORT = (*TINY, "world_size=2", "train.max_steps=6", "train.log_every=1", "train.save_model=true")
 
 
-@pytest.mark.parametrize("path", ["trainer", "ddp"])
+# the DDP hook through the command line in the full tier (in-process above: the same as the trainer)
+@pytest.mark.parametrize("path", ["trainer", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_cli_run_trains_end_to_end(path, tmp_path):
     """``python -m sparsetrain.run scheme=powersgd world_size=2 debug=tiny``: the trainer's exchange
     (and, with dist.ddp=true and several buckets, sparsetrain's PowerSGD hook) trains, counts

@@ -78,6 +78,7 @@ def test_check_same_code_names_both_versions():
     assert "\n" not in msg
 
 
+@pytest.mark.slow  # two runs
 def test_summary_records_the_code_and_resume_on_other_code_is_refused(tmp_path):
     run = tmp_path / "run"
     before = _interrupted_run(run, *RESUME, "scheme=blockk")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import TINY, compressor_for, read_json, read_jsonl, run_cli
+from conftest import TINY, compressor_for, read_json, read_jsonl, refusal, run_cli
 
 from sparsetrain.comm import build_reducer, check_combination
 from sparsetrain.compress import (
@@ -142,9 +142,10 @@ def test_scaled_sign_is_exact(scope):
 # ---- QSGD: unbiased, within its variance bound, reproducible -------------------------------------------
 @pytest.mark.parametrize("generator", QSGD.GENERATORS)
 @pytest.mark.parametrize("path", ["numpy", "torch"])
-@pytest.mark.parametrize("levels", [1, 4, 200])
+# the fast tier: 4 levels, whole tensors; the full tier every level and bucket size
+@pytest.mark.parametrize("levels", [pytest.param(1, marks=pytest.mark.slow), 4, pytest.param(200, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("scope", SCOPES)
-@pytest.mark.parametrize("bucket_size", [None, 16])
+@pytest.mark.parametrize("bucket_size", [None, pytest.param(16, marks=pytest.mark.slow)])
 def test_qsgd_is_unbiased_within_its_variance(bucket_size, levels, scope, path, generator, monkeypatch):
     """The mean of N decodes tends to x: each decoded entry is ||x|| sign(x_i) l_i / s with ||x||
     its bucket's norm and l_i one of two neighbouring levels, so its variance is at most
@@ -745,13 +746,15 @@ def test_two_ranks_apply_the_same_average(gloo_results, name, scope):
 SHORT = (*TINY, "world_size=2", "train.max_steps=4", "train.log_every=1")
 
 
+# The fast tier: signSGD through the trainer (both quantizers through DDP's hook: test_ddp_trainer.py);
+# the full tier every row.
 @pytest.mark.parametrize("overrides, bits", [
     (("scheme=signsgd",), 1),
-    (("scheme=qsgd", "scheme.levels=3"), 3),
-    (("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2),
-    (("scheme=signsgd", "dist.ddp=true"), 1),
-    (("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3),
-    (("scheme=qsgd", "scheme.levels=1", "scheme.generator=pcg64"), 2),
+    pytest.param(("scheme=qsgd", "scheme.levels=3"), 3, marks=pytest.mark.slow),
+    pytest.param(("scheme=qsgd", "scheme.levels=1", "scheme.error_feedback=true", "scope=global"), 2, marks=pytest.mark.slow),
+    pytest.param(("scheme=signsgd", "dist.ddp=true"), 1, marks=pytest.mark.slow),
+    pytest.param(("scheme=qsgd", "scheme.levels=3", "dist.ddp=true"), 3, marks=pytest.mark.slow),
+    pytest.param(("scheme=qsgd", "scheme.levels=1", "scheme.generator=pcg64"), 2, marks=pytest.mark.slow),
 ])
 def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_path):
     run = tmp_path / "run"
@@ -783,21 +786,32 @@ def test_cli_runs_train_end_to_end_and_count_their_bytes(overrides, bits, tmp_pa
     assert (s["memory_norm_max"] > 0) == ef
 
 
-def test_cli_bad_options_stop_with_one_line(tmp_path):
-    for overrides, needle in (
-        (("scheme=qsgd", "scheme.levels=0"), "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
-        (("scheme=qsgd", "scheme.levels=1.5"), "scheme.levels=1.5 is not allowed"),
-        (("scheme=signsgd", "scheme.levels=3"), "scheme=signsgd has no key 'levels'; levels belongs to scheme=qsgd"),
-        (("scheme=qsgd", "scheme.bucket_size=0"), "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
-        (("scheme=signsgd", "scheme.bucket_size=64"), "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
-        (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
-        (("scheme=qsgd", "scheme.generator=philox"), "scheme.generator='philox' is not allowed; use one of counter, pcg64"),
-        (("scheme=signsgd", "scheme.generator=pcg64"), "scheme=signsgd has no key 'generator'; generator belongs to scheme=qsgd"),
-    ):
-        proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)
-        assert proc.returncode != 0
-        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
+BAD_OPTIONS = (
+    (("scheme=qsgd", "scheme.levels=0"), "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"),
+    (("scheme=qsgd", "scheme.levels=1.5"), "scheme.levels=1.5 is not allowed"),
+    (("scheme=signsgd", "scheme.levels=3"), "scheme=signsgd has no key 'levels'; levels belongs to scheme=qsgd"),
+    (("scheme=qsgd", "scheme.bucket_size=0"), "scheme.bucket_size=0 is not allowed; it must be an integer >= 1"),
+    (("scheme=signsgd", "scheme.bucket_size=64"), "scheme=signsgd has no key 'bucket_size'; bucket_size belongs to scheme=qsgd"),
+    (("scheme=signsgd", "aggregation=allreduce"), "aggregation='allreduce' is not available for scheme='signsgd'"),
+    (("scheme=signsgd", "scheme.generator=pcg64"), "scheme=signsgd has no key 'generator'; generator belongs to scheme=qsgd"),
+)
+# refused by the compressor's class as the ranks build it, not by the checks before them
+BAD_GENERATOR = (("scheme=qsgd", "scheme.generator=philox"), "scheme.generator='philox' is not allowed; use one of counter, pcg64")
+
+
+def test_bad_options_are_refused_with_one_line():
+    for overrides, needle in BAD_OPTIONS:
+        assert needle in refusal(*TINY, *overrides), overrides
+
+
+# Through the command line: the option the ranks refuse in the fast tier, every one in the full tier.
+@pytest.mark.parametrize("overrides, needle", [
+    BAD_GENERATOR, *(pytest.param(*case, marks=pytest.mark.slow) for case in BAD_OPTIONS)])
+def test_cli_bad_options_stop_with_one_line(overrides, needle, tmp_path):
+    proc = run_cli(*TINY, *overrides, f"hydra.run.dir={tmp_path / 'refused'}", timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-2000:]
 
 
 def test_make_bench_times_the_quantizer_kernels_and_checks_their_goals():

@@ -89,6 +89,7 @@ def test_sweep_two_points_two_ranks(tmp_path):
         assert ("epoch " in text) == (rank == 0)  # only rank 0 reports
 
 
+@pytest.mark.slow  # the fast tier's SLURM sweep: test_sweep_two_points_two_ranks
 def test_invalid_point_fails_and_world_size_sweeps(tmp_path):
     """topk+allreduce is refused before submission; world_size=1,2 gets 1 and 2 tasks."""
     sweep = tmp_path / "sweep"
@@ -111,6 +112,7 @@ def test_invalid_point_fails_and_world_size_sweeps(tmp_path):
         == ["#SBATCH --ntasks-per-node=1", "#SBATCH --ntasks-per-node=2"]
 
 
+@pytest.mark.slow
 def test_cancelled_job_is_failed_and_reported_with_logs(tmp_path):
     sweep = tmp_path / "sweep"
     run = sweep / "0"
@@ -132,6 +134,7 @@ def test_cancelled_job_is_failed_and_reported_with_logs(tmp_path):
     assert f"logs: {sweep / '.submitit' / job_id}" in line, line
 
 
+@pytest.mark.slow
 def test_preempted_job_requeues_and_resumes_at_the_step(tmp_path):
     """SIGUSR2 (what SLURM sends before a time limit / on preemption) to the job's tasks: the
     trainer saves a checkpoint at the step (not only at the epoch), then submitit calls the

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("empty_slurm_queue")]
+# the full tier: test_slurm.py::test_sweep_two_points_two_ranks is the fast tier's SLURM sweep
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("empty_slurm_queue")]
 
 
 def _cluster_problem() -> str | None:

@@ -4,7 +4,7 @@ compression warm-up, a divergence that stops every rank, batch-norm recalibratio
 import math
 
 import pytest
-from conftest import TINY, read_json, read_jsonl, run_cli
+from conftest import TINY, read_json, read_jsonl, refusal, run_cli
 
 from sparsetrain.results import untrained_reason
 
@@ -29,6 +29,7 @@ def test_divergence_stops_every_rank_with_the_step_and_keeps_the_checkpoint(tmp_
     assert [r["epoch"] for r in epochs] == [1]  # the diverged state was never evaluated
 
 
+@pytest.mark.slow  # a run; warm-up through the command line: test_ddp_trainer.py's block-k hook run
 def test_warmup_then_compression_and_whole_vectors_in_the_summary(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*TINY, "scheme=blockk", "world_size=2", "train.max_steps=6", "train.log_every=1",
@@ -59,6 +60,7 @@ def test_warmup_then_compression_and_whole_vectors_in_the_summary(tmp_path):
     assert s["test_accuracy_running_bn"] == last["test_accuracy_running_bn"]
 
 
+@pytest.mark.slow
 def test_uncompressed_none_restores_every_tensor_compressed(tmp_path):
     run = tmp_path / "run"
     proc = run_cli(*TINY, "scheme=randk", "world_size=1", "train.max_steps=2", "aggregation=allreduce",
@@ -70,15 +72,21 @@ def test_uncompressed_none_restores_every_tensor_compressed(tmp_path):
     assert s["bytes_sent_per_step"] == 4 * round(s["density"] * s["num_parameters"])
 
 
-@pytest.mark.parametrize(
-    "override, needle",
-    [
-        ("scheme.uncompressed=2d", "scheme.uncompressed='2d' is not allowed; allowed: none, 1d, or a positive integer N"),
-        ("scheme.uncompressed=0", "scheme.uncompressed='0' is not allowed"),
-        ("scheme.warmup_steps=-1", "scheme.warmup_steps=-1 is not allowed; it must be >= 0"),
-        ("train.bn_recalibrate=-2", "train.bn_recalibrate=-2 is not allowed; it must be >= 0"),
-    ],
-)
+BAD_STABILISERS = [
+    ("scheme.uncompressed=2d", "scheme.uncompressed='2d' is not allowed; allowed: none, 1d, or a positive integer N"),
+    ("scheme.uncompressed=0", "scheme.uncompressed='0' is not allowed"),
+    ("scheme.warmup_steps=-1", "scheme.warmup_steps=-1 is not allowed; it must be >= 0"),
+    ("train.bn_recalibrate=-2", "train.bn_recalibrate=-2 is not allowed; it must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("override, needle", BAD_STABILISERS)
+def test_bad_stabiliser_settings_are_refused_with_one_line(override, needle):
+    assert needle in refusal(*TINY, "scheme=randk", override)
+
+
+@pytest.mark.slow  # the same checks through the command line (test_cli.py has one in the fast tier)
+@pytest.mark.parametrize("override, needle", BAD_STABILISERS)
 def test_bad_stabiliser_settings_are_one_line(override, needle, tmp_path):
     proc = run_cli(*TINY, "scheme=randk", override, f"hydra.run.dir={tmp_path / 'run'}", timeout=120)
     assert proc.returncode == 2

@@ -1,9 +1,11 @@
 """The full scheme x scope x aggregation grid from the command line, at world_size 2."""
 
 
+import pytest
 from conftest import TINY, read_json, run_cli
 
 
+@pytest.mark.slow  # a sweep of every combination
 def test_full_grid_runs_every_valid_combination_and_refuses_topk_allreduce(tmp_path):
     sweep = tmp_path / "grid"
     proc = run_cli(*TINY, "-m", "scheme=topk,randk,blockk", "scope=layerwise,global",

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import analysis_cli
 from test_analysis import fake_times, make_config, write_run
 
 from sparsetrain import analysis as sa
@@ -235,9 +234,8 @@ def test_fitted_model_from_costmodel_json(tmp_path):
 def test_cli_time_to_accuracy(tmp_path):
     root = _sweep(tmp_path / "r")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(root), "--time-to-accuracy", "0.5",
-                           "--bandwidth", "1,10,100", "--workers", "8,64", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = analysis_cli(root, "--time-to-accuracy", "0.5", "--bandwidth", "1,10,100", "--workers", "8,64",
+                        "--out", out)
     assert proc.returncode == 0, proc.stderr
     assert "Time to 50% test accuracy" in proc.stdout and "alpha 50 us" in proc.stdout
     for ext in ("md", "csv", "tex", "png", "pdf"):
@@ -245,8 +243,7 @@ def test_cli_time_to_accuracy(tmp_path):
     tta_part = proc.stdout.split("Break-even map")[0]
     assert len(tta_part.split("| top-k")) - 1 == 6  # 3 bandwidths x 2 worker counts
     assert "Break-even map" in proc.stdout and (out / "break_even.png").stat().st_size > 0
-    bad = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(root), "--time-to-accuracy", "85",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
+    bad = analysis_cli(root, "--time-to-accuracy", "85", "--out", out)
     assert bad.returncode == 2 and "fraction" in bad.stderr
 
 
@@ -255,16 +252,14 @@ def test_cli_time_to_accuracy_at_several_targets(tmp_path):
     only where it holds at both (the frontier's three-target map, for one's own sweep)."""
     root = _sweep(tmp_path / "r")
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(root), "--time-to-accuracy", "0.5,0.4",
-                           "--bandwidth", "1", "--workers", "8", "--out", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=300)
+    proc = analysis_cli(root, "--time-to-accuracy", "0.5,0.4", "--bandwidth", "1", "--workers", "8", "--out", out,
+                        "--quiet")
     assert proc.returncode == 0, proc.stderr
     for name in ("time_to_accuracy_40", "time_to_accuracy_50", "break_even_40", "break_even_50", "break_even"):
         assert (out / f"{name}.md").stat().st_size > 0, name
     assert "40%/50%" in (out / "break_even.md").read_text()
     for bad in ("0.5,0.5", "0.5,85", "0.5,x"):
-        proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis", str(root), "--time-to-accuracy", bad,
-                               "--out", str(out)], capture_output=True, text=True, timeout=300)
+        proc = analysis_cli(root, "--time-to-accuracy", bad, "--out", out)
         assert proc.returncode == 2 and "--time-to-accuracy" in proc.stderr and bad in proc.stderr, proc.stderr
 
 
@@ -461,8 +456,7 @@ def test_e2e_check_sets_measured_time_to_target_against_the_prediction(tmp_path)
     assert hit["measured_exchange_ms"] == t["exchange"]
     assert check.loc[1, "reached"] == 0 and math.isnan(check.loc[1, "predicted_to_measured"])
     fig = tmp_path / "fig" / "e2e"
-    proc = subprocess.run([sys.executable, "-m", "sparsetrain.analysis.cluster_check", "--runs",
-                           str(tmp_path / "sweep"), "--figure", str(fig)], capture_output=True, text=True)
+    proc = analysis_cli("--runs", tmp_path / "sweep", "--figure", fig, module="sparsetrain.analysis.cluster_check")
     assert proc.returncode in (0, 1), proc.stderr
     assert "end to end" in proc.stdout and "within 15%" in proc.stdout
     assert (fig.parent / "e2e.png").stat().st_size > 0
