@@ -223,7 +223,7 @@ compressor:
 """
 
 
-@pytest.mark.parametrize("path", ["trainer", "ddp"])
+@pytest.mark.parametrize("path", ["trainer", pytest.param("ddp", marks=pytest.mark.slow)])  # ddp: full tier
 def test_the_command_line_stops_an_undeclared_state_at_the_first_step(path, tmp_path):
     (tmp_path / "conf" / "scheme").mkdir(parents=True)
     (tmp_path / "conf" / "scheme" / "drifting.yaml").write_text(DRIFT_YAML)
