@@ -3,6 +3,7 @@
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -65,6 +66,7 @@ def trainer_init(cfg, data):
     return list(build_model(cfg.model.name, data.in_channels, data.num_classes).parameters())
 
 
+@pytest.mark.slow  # dense SGD through DDP: the torch hooks' runs keep DDP in the fast tier
 def test_dense_matches_ddp(tmp_path):
     register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

@@ -257,6 +257,7 @@ def three(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------- tests
+@pytest.mark.slow  # 29 s; the DDP path is in the fast tier through every compressor (test_ddp_trainer)
 @pytest.mark.parametrize("world", [2, 3])
 def test_ratio_one_equals_ddp_allreduce(world, two, three):
     results = two if world == 2 else three
@@ -318,6 +319,7 @@ def reference(scheme, scope, agg, layouts, world=2):
     return out, memory
 
 
+@pytest.mark.slow  # the fast tier checks DDP = trainer bit for bit and the trainer against hand references
 def test_error_feedback_equals_hand_reference(two):
     for combo in COMBOS:
         layouts = two[0]["with_memory"][combo]["layouts"]

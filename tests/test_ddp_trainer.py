@@ -31,6 +31,7 @@ def _run(tmp_path, name, *overrides):
     return run, read_json(run / "summary.json")
 
 
+@pytest.mark.slow  # a DDP run's files stay in the fast tier through the torch hooks' runs
 def test_ddp_blockk_hook_run_files_bytes_and_phases(tmp_path):
     run, s = _run(tmp_path, "ddp", "scheme=blockk", "aggregation=allreduce", "dist.ddp=true",
                   "dist.bucket_cap_mb=0.05", "scheme.warmup_steps=2")

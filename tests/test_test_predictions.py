@@ -99,6 +99,7 @@ def test_the_predictions_file_and_each_seeds_correctness(tmp_path):
         write_test_predictions(tmp_path, label[:3], label, num_classes=10)
 
 
+@pytest.mark.slow  # a 2-rank run; the file's format and the interval stay in the fast tier
 def test_a_run_saves_its_test_predictions_in_the_test_sets_order(tmp_path):
     # two ranks, each scoring every other image: rank 0 puts them back in order, so the file's
     # accuracy is the summary's exactly
