@@ -6,7 +6,10 @@
 #      gains from 16 to 32 epochs.
 # Run from a worktree on the declaring commit, results committed to the main checkout:
 #   git worktree add /work/wt/v2 <commit> && cd /work/wt/v2 &&
-#   PY=/work/main/.venv/bin/python DEST=/work/main RESUME=1 nohup nice -n 19 bash scripts/verdict2.sh &
+#   PY=/work/main/.venv/bin/python DEST=/work/main RESUME=1 setsid nohup bash -c \
+#     'echo 19 > /proc/self/autogroup; exec nice -n 19 bash scripts/verdict2.sh' > verdict2.log 2>&1 &
+# (setsid puts it in its own scheduler autogroup, where `nice` alone changes nothing against other
+# sessions: the autogroup's own nice is what lets tests and benchmarks beside it have the cores.)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
