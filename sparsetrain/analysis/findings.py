@@ -34,7 +34,7 @@ import pandas as pd
 
 from sparsetrain.results import BLEW_UP_RECOVERED, read_test_predictions
 
-from .group import _run_keys, copied_runs
+from .group import without_copies
 from .loader import completed, select
 from .stats import (
     ALPHA,
@@ -252,12 +252,9 @@ def _side(runs: pd.DataFrame, axes: dict, base: dict) -> pd.DataFrame:
 
 def side_accuracy(side: pd.DataFrame) -> pd.Series:
     """Final test accuracy (%) per seed of a side's completed runs."""
-    done = completed(side)
-    # dense SGD run once per scope by a grid: one computation, counted once (group.copied_runs);
-    # any other two runs of one seed stop in per_seed
-    copies = {key for group in copied_runs(done) for key in _run_keys(group).iloc[1:]}
-    if copies:
-        done = done[~_run_keys(done).isin(copies)]
+    # dense SGD run once per scope by a grid: one computation, counted once; any other two runs
+    # of one seed stop in per_seed
+    done = without_copies(completed(side))
     return per_seed(done["test_accuracy"] * 100, done["seed"], done["run_dir"] if "run_dir" in done else None)
 
 

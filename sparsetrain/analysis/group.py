@@ -140,6 +140,13 @@ def copied_runs(runs: pd.DataFrame) -> list[pd.DataFrame]:
     return [group for group in _same_seed_sets(runs) if _copies(group)]
 
 
+def without_copies(runs: pd.DataFrame) -> pd.DataFrame:
+    """``runs`` with each ``copied_runs`` set (one computation made twice by a grid: dense SGD at
+    two scopes) counted once, from its first run."""
+    dropped = {key for group in copied_runs(runs) for key in _run_keys(group).iloc[1:]}
+    return runs[~_run_keys(runs).isin(dropped)] if dropped else runs
+
+
 def mark_repeats(runs: pd.DataFrame) -> pd.DataFrame:
     """``runs`` in which no seed is counted twice in one configuration.
 
@@ -149,10 +156,8 @@ def mark_repeats(runs: pd.DataFrame) -> pd.DataFrame:
     configurations' runs; runs that differ only in keys their scheme ignores (``copied_runs``:
     dense SGD at two scopes) are one computation: the first is kept, the others left out.
     Unchanged where neither happens."""
+    runs = without_copies(runs)
     keys = _run_keys(runs)
-    dropped = {_run_keys(group).iloc[i] for group in copied_runs(runs) for i in range(1, len(group))}
-    if dropped:
-        runs, keys = runs[~keys.isin(dropped)], keys[~keys.isin(dropped)]
     if not repeated_runs(runs):
         return runs
     per_run = runs.assign(_run=keys).drop_duplicates("_run")
