@@ -589,7 +589,7 @@ def tuned2_files(plan: DeclaredTuning, tuned_dir: str | Path) -> dict[str, dict]
     tuned_dir = Path(tuned_dir)
     missing = [p for p in plan.grid if not (tuned_dir / f"{p}.yaml").is_file()]
     if missing:
-        raise ValueError(f"{tuned_dir}: no tuned file for {', '.join(missing)}; allowed: the verdict runs start "
+        raise ValueError(f"{_relative(tuned_dir)}: no tuned file for {', '.join(missing)}; allowed: the verdict runs start "
                          f"once every point's choice is written (python -m sparsetrain.analysis.tuning --declared "
                          f"{_relative(plan.path)} --write-tuned) and committed")
     return {p: yaml.safe_load((tuned_dir / f"{p}.yaml").read_text()) for p in plan.grid}
