@@ -199,7 +199,8 @@ def test_each_verdict_point_composes_to_the_declared_point_at_its_tuned_rate(tmp
     from sparsetrain import config
 
     plan, decl = declared_tuning(path), load(path)
-    tuning.write_tuned2(_complete(plan), tmp_path)
+    reading = _complete(plan)
+    tuning.write_tuned2(reading, tmp_path)
     seeds, _ = tuning.verdict_seeds(path, tmp_path)  # no verdict run yet: the first seeds
     assert seeds == list(decl.seeds[:6])
     lines = tuning.verdict_overrides(plan, tmp_path, seeds)
@@ -209,7 +210,9 @@ def test_each_verdict_point_composes_to_the_declared_point_at_its_tuned_rate(tmp
         for point, want in decl.points.items():
             tuned = yaml.safe_load((tmp_path / f"{point}.yaml").read_text())
             cfg = compose("config", overrides=[f"experiment={plan.sweep}", *lines[point].split()[:-1]])
-            assert (cfg.optim.lr, cfg.optim.warmup_epochs) == (tuned["lr"], tuned["warmup_epochs"]), point
+            choice = reading.choices[point]
+            assert (cfg.optim.lr, cfg.optim.warmup_epochs) == (choice["lr"], choice["warmup_epochs"]), point
+            assert (tuned["lr"], tuned["warmup_epochs"]) == (choice["lr"], choice["warmup_epochs"]), point
             assert cfg.train.epochs == decl.budgets[0] and cfg.data.val_size > 0, point
             assert cfg.scheme.name == ("none" if want["scheme"] == "dense" else want["scheme"]), point
             if "ratio" in want:
@@ -233,3 +236,32 @@ def test_a_verdict_run_without_its_tuned_rate_stops():
             cfg = compose("config", overrides=[f"experiment={experiment}", "point=tuned_dense"])
             with pytest.raises(Exception, match="tuned2_lr_on_the_command_line"):
                 OmegaConf.to_container(cfg.optim, resolve=True)
+
+
+def _verdict_run(results: Path, point: str, seed: int, test_accuracy: float) -> None:
+    """A completed verdict run of ``point`` (a copy of a committed tuning run, its seed and test
+    accuracy changed): what the seed rule reads."""
+    source = ROOT / "results" / "verdict2_tune_dense" / "none-layerwise-r0.01-lr0.1-wu1.0-s200"
+    folder = results / "verdict2" / point / f"s{seed}"
+    folder.mkdir(parents=True)
+    summary = json.loads((source / "summary.json").read_text())
+    summary["config"]["seed"], summary["test_accuracy"] = seed, test_accuracy
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "metrics.jsonl").write_text((source / "metrics.jsonl").read_text())
+
+
+def test_the_seed_rule_sizes_the_verdict_runs_on_its_pairs_first_seeds(tmp_path):
+    from sparsetrain.analysis.power import seeds_by_internal_pilot
+
+    gaps = [0.25, -0.75, 0.5, 1.0, -0.25, 0.0]  # random-k - block-k, points, seeds 0-5: SD 0.61
+    for seed, gap in enumerate(gaps):
+        _verdict_run(tmp_path, "blockk_layerwise", seed, 0.90)
+        if seed < 5:
+            _verdict_run(tmp_path, "randk_layerwise", seed, 0.90 + gap / 100)
+    seeds, why = tuning.verdict_seeds(VERDICTS2, tmp_path)
+    assert seeds == [0, 1, 2, 3, 4, 5] and "has not ended" in why  # seed 5 of the pair is due
+    _verdict_run(tmp_path, "randk_layerwise", 5, 0.90 + gaps[5] / 100)
+    seeds, why = tuning.verdict_seeds(VERDICTS2, tmp_path)
+    n = seeds_by_internal_pilot(float(pd.Series(gaps).std(ddof=1)), 1.0, 6, 22, 0.8, 0.035, 0.8)
+    assert n == 10 and seeds == list(range(n)), why  # 6 < n < 22: the rule, not a bound
+    assert tuning.verdict_seeds(LOCAL2, tmp_path)[0] == [0, 1, 2, 3, 4, 5]  # no seed rule: its seeds
