@@ -125,7 +125,9 @@ def test_runs_outside_the_grid_are_shown_and_not_read():
                   ("a", 0.3): {200: 0.99, 201: 0.99}})
     reading = read_tuning(plan, runs)
     assert reading.state == COMPLETE and reading.choices["a"]["lr"] == 0.2
-    assert "not asked for by the grid or the edge rule: not read" in tuning.tuning_text(reading)
+    text = tuning.tuning_text(reading)
+    assert "not asked for by the grid or the edge rule: not read" in text
+    assert "CHOSEN" in text and "Tuning: COMPLETE" in text
 
 
 def test_the_committed_dense_sweep_reads_as_two_seed_trials():

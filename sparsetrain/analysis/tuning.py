@@ -505,7 +505,7 @@ def tuning_text(reading: TuningReading) -> str:
             elif r["round"] > 0:
                 what = f"edge round {r['round']}" + (f"; {what}" if what else "")
             if choice is not None and r["due"] and _same_rate(r["lr"], choice["lr"]):
-                what = "CHOSEN" + (f"; {what}" if what else "")
+                what = ("CHOSEN" if reading.state == COMPLETE else "best so far") + (f"; {what}" if what else "")
             lines.append(f"  {r['lr']:<8g} {r['n']}/{len(plan.seeds)} {per_seed:<28} {_score_text(r['score']):>6}   {what}")
         if choice is None:
             lines.append("  choice: none yet" + (" (no trial trained)" if reading.state == NO_CHOICE and
@@ -515,7 +515,10 @@ def tuning_text(reading: TuningReading) -> str:
             due = rows[rows["due"]]
             edge = (" (the highest rate tried)" if _same_rate(choice["lr"], due["lr"].max()) else
                     " (the lowest rate tried)" if _same_rate(choice["lr"], due["lr"].min()) else "")
-            lines.append(f"  choice: lr {choice['lr']:g}, warm-up {choice['warmup_epochs']:g}, mean val acc "
+            if edge and reading.state == RUNNING:  # the rule reads every point's choice together
+                edge = edge[:-1] + ": the edge rule is read once every point's trials have ended)"
+            lines.append(f"  {'choice' if reading.state == COMPLETE else 'best so far (not a choice yet)'}: "
+                         f"lr {choice['lr']:g}, warm-up {choice['warmup_epochs']:g}, mean val acc "
                          f"{_score_text(choice['score'])}%{edge}")
         lines.append("")
     for i, (top, bottom) in enumerate(reading.rounds, 1):
