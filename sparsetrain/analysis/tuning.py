@@ -9,6 +9,13 @@ warm-up. A choice at the edge of the learning rates tried says so: the grid may 
 
 ``write_tuned`` writes ``conf/tuned/<scheme>_<scope>.yaml`` (dense SGD, whose scope does nothing:
 both scopes), which experiment=protocol reads through ``${st_tuned:...}``.
+
+The second pass's tuning (a format 2 declaration with ``tuning:``: conf/declared/verdicts2.yaml,
+local2.yaml) is read over its seeds by the second half of this module (``read_tuning``: a trial's
+score is its seeds' mean validation accuracy, the edge rule applied round by round) and by its
+command, ``python -m sparsetrain.analysis.tuning --declared <yaml>`` (docs/protocol.md, section 5),
+which also writes ``conf/tuned2/<sweep>/<point>.yaml`` and gives scripts/verdict2_runs.sh each
+point's overrides. The first pass's reading above is unchanged.
 """
 
 from __future__ import annotations
