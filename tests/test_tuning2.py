@@ -143,8 +143,6 @@ def test_the_committed_dense_sweep_reads_as_two_seed_trials():
             folder = ROOT / "results" / "verdict2_tune_dense" / f"none-layerwise-r0.01-lr{trial['lr']:g}-wu1.0-s{seed}"
             vals.append(json.loads((folder / "summary.json").read_text())["val_accuracy"])
         assert trial["score"] == pytest.approx(sum(vals) / 2, abs=1e-12), trial["lr"]
-    assert reading.state == RUNNING and reading.choices["dense"] is not None  # the others have not run
-    assert 0 in reading.asks and "dense" not in reading.asks[0]
 
 
 def _complete(plan: DeclaredTuning) -> tuning.TuningReading:
@@ -169,13 +167,16 @@ def _point_file(plan: DeclaredTuning, point: str) -> str:
 
 
 def test_the_writer_refuses_an_incomplete_tuning(tmp_path):
-    plan = declared_tuning(VERDICTS2)
-    reading = read_tuning(plan, tuning_runs(plan, ROOT / "results"))
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3)})
+    reading = read_tuning(plan, _runs({("a", 0.1): {200: 0.8, 201: 0.8}, ("a", 0.2): {200: 0.9, 201: "running"},
+                                       ("a", 0.4): {200: 0.8, 201: 0.8}}))
     with pytest.raises(ValueError, match="the tuning is running .* no tuned file written"):
-        tuning.write_tuned2(reading, tmp_path)
-    assert not list(tmp_path.iterdir())
-    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(ROOT / "results"),
-                        "--write-tuned", str(tmp_path)]) == 2
+        tuning.write_tuned2(reading, tmp_path / "tuned")
+    assert not (tmp_path / "tuned").exists()
+    (tmp_path / "results").mkdir()  # no run yet: every trial is due
+    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results"),
+                        "--write-tuned", str(tmp_path / "tuned")]) == 2
+    assert not (tmp_path / "tuned").exists()
 
 
 def test_the_writer_records_the_choice_its_trials_commit_and_declaration(tmp_path):
@@ -267,3 +268,18 @@ def test_the_seed_rule_sizes_the_verdict_runs_on_its_pairs_first_seeds(tmp_path)
     n = seeds_by_internal_pilot(float(pd.Series(gaps).std(ddof=1)), 1.0, 6, 22, 0.8, 0.035, 0.8)
     assert n == 10 and seeds == list(range(n)), why  # 6 < n < 22: the rule, not a bound
     assert tuning.verdict_seeds(LOCAL2, tmp_path)[0] == [0, 1, 2, 3, 4, 5]  # no seed rule: its seeds
+
+
+def test_the_command_exits_3_while_trials_are_due_and_0_once_complete(tmp_path, monkeypatch, capsys):
+    (tmp_path / "results").mkdir()
+    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results")]) == 3
+    assert "RESUME=1 bash scripts/verdict2.sh" in capsys.readouterr().out
+    plan = declared_tuning(VERDICTS2)
+    done = _complete(plan)  # every point's middle rate chosen
+    frame = pd.concat([_runs({(p, lr): {200: 0.9 if i == 1 else 0.8, 201: 0.9 if i == 1 else 0.8}
+                              for p, (rates, _) in plan.grid.items() for i, lr in enumerate(rates)},
+                             {p: w for p, (_, w) in plan.grid.items()})])
+    monkeypatch.setattr(tuning, "tuning_runs", lambda plan, results: frame)
+    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results"),
+                        "--write-tuned", str(tmp_path / "tuned")]) == 0
+    assert sorted(p.stem for p in (tmp_path / "tuned").iterdir()) == sorted(done.choices)
