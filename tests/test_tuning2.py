@@ -276,9 +276,9 @@ def test_the_command_exits_3_while_trials_are_due_and_0_once_complete(tmp_path, 
     assert "RESUME=1 bash scripts/verdict2.sh" in capsys.readouterr().out
     plan = declared_tuning(VERDICTS2)
     done = _complete(plan)  # every point's middle rate chosen
-    frame = pd.concat([_runs({(p, lr): {200: 0.9 if i == 1 else 0.8, 201: 0.9 if i == 1 else 0.8}
-                              for p, (rates, _) in plan.grid.items() for i, lr in enumerate(rates)},
-                             {p: w for p, (_, w) in plan.grid.items()})])
+    frame = _runs({(p, lr): {200: 0.9 if i == 1 else 0.8, 201: 0.9 if i == 1 else 0.8}
+                   for p, (rates, _) in plan.grid.items() for i, lr in enumerate(rates)},
+                  {p: w for p, (_, w) in plan.grid.items()})
     monkeypatch.setattr(tuning, "tuning_runs", lambda plan, results: frame)
     assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results"),
                         "--write-tuned", str(tmp_path / "tuned")]) == 0
