@@ -1,0 +1,285 @@
+"""The second pass's tuning read over its seeds (sparsetrain.analysis.tuning, format 2): a trial's
+score is its seeds' mean validation accuracy, an incomplete trial is never chosen, a seed that did
+not train loses the trial, ties go to the smaller rate, and the edge rule widens every point's
+grid; then the tuned files and the verdict runs' configs. No training."""
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from sparsetrain.analysis import tuning
+from sparsetrain.analysis.declared import load
+from sparsetrain.analysis.tuning import (
+    COMPLETE,
+    INCOMPLETE,
+    LOST,
+    RUNNING,
+    DeclaredTuning,
+    declared_tuning,
+    read_tuning,
+    seed_trials,
+    tuning_runs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+VERDICTS2 = ROOT / "conf" / "declared" / "verdicts2.yaml"
+LOCAL2 = ROOT / "conf" / "declared" / "local2.yaml"
+SEEDS = (200, 201)
+
+
+def _plan(grid: dict, path: Path = VERDICTS2, sweep: str = "verdict2", budget: int = 16) -> DeclaredTuning:
+    return DeclaredTuning(path, sweep, budget, SEEDS, grid)
+
+
+def _runs(trials: dict, warmup: dict | None = None, budget: int = 16) -> pd.DataFrame:
+    """{(point, lr): {seed: val accuracy, or a status}} as load_runs rows (a status string: that
+    run ended without training, or 'running')."""
+    rows = []
+    for (point, lr), by_seed in trials.items():
+        for seed, value in by_seed.items():
+            ran = isinstance(value, float)
+            rows.append({"point": point, "scheme": "topk", "lr": lr, "warmup_epochs": (warmup or {}).get(point, 0.3),
+                         "epochs_planned": budget, "seed": seed, "status": "completed" if ran else value,
+                         "val_accuracy": value if ran else None, "code": "abc123",
+                         "overrides": f"seed={seed} point=tuned_{point} optim.lr={lr} optim.warmup_epochs=0.3 "
+                                      f"train.epochs={budget}",
+                         "run_dir": f"/r/{point}-{lr}-{seed}"})
+    return pd.DataFrame(rows)
+
+
+def test_a_trials_score_is_the_mean_over_its_seeds_with_n_shown():
+    found = seed_trials(_runs({("a", 0.1): {200: 0.90, 201: 0.92}, ("a", 0.2): {200: 0.80}}), SEEDS)
+    full = found[found["lr"] == 0.1].iloc[0]
+    assert full["n"] == 2 and full["state"] == "scored" and full["score"] == pytest.approx(0.91)
+    part = found[found["lr"] == 0.2].iloc[0]
+    assert part["n"] == 1 and part["state"] == INCOMPLETE and part["val_by_seed"][201] == "absent"
+
+
+def test_an_incomplete_trial_is_never_chosen_and_the_point_waits():
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3)})
+    runs = _runs({("a", 0.1): {200: 0.90, 201: 0.90}, ("a", 0.2): {200: 0.99, 201: "running"},
+                  ("a", 0.4): {200: 0.80, 201: 0.80}})
+    reading = read_tuning(plan, runs)
+    assert reading.state == RUNNING and reading.choices["a"] is None
+    assert reading.asks == {0: {"a": [0.2]}}
+    text = tuning.tuning_text(reading)
+    assert "incomplete: never chosen" in text and "NOT COMPLETE" in text and "CHOSEN" not in text
+    assert "RESUME=1 bash scripts/verdict2.sh" in text
+
+
+def test_a_trial_with_a_seed_that_did_not_train_loses():
+    plan = _plan({"a": ((0.05, 0.1, 0.2, 0.4), 0.3)})
+    runs = _runs({("a", 0.05): {200: 0.80, 201: 0.80}, ("a", 0.1): {200: 0.90, 201: 0.90},
+                  ("a", 0.2): {200: 0.99, 201: "did not train"}, ("a", 0.4): {200: 0.80, 201: 0.80}})
+    reading = read_tuning(plan, runs)
+    lost = reading.trials[reading.trials["lr"] == 0.2].iloc[0]
+    assert lost["state"] == LOST
+    assert reading.state == COMPLETE and reading.choices["a"]["lr"] == 0.1  # not 0.2, whose one seed scored 0.99
+
+
+def test_ties_go_to_the_smaller_rate():
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3)})
+    runs = _runs({("a", 0.1): {200: 0.80, 201: 0.80}, ("a", 0.2): {200: 0.90, 201: 0.92},
+                  ("a", 0.4): {200: 0.92, 201: 0.90}})  # the same mean, summed in another order
+    assert read_tuning(plan, runs).choices["a"]["lr"] == 0.2
+
+
+def test_the_edge_rule_doubles_every_point_while_one_choice_is_at_the_top():
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3), "b": ((0.05, 0.1, 0.2), 0.3)})
+    first = {("a", 0.1): {200: 0.80, 201: 0.80}, ("a", 0.2): {200: 0.85, 201: 0.85}, ("a", 0.4): {200: 0.90, 201: 0.90},
+             ("b", 0.05): {200: 0.80, 201: 0.80}, ("b", 0.1): {200: 0.90, 201: 0.90}, ("b", 0.2): {200: 0.85, 201: 0.85}}
+    reading = read_tuning(plan, _runs(first))
+    assert reading.state == RUNNING and reading.rounds == [(["a"], [])]
+    assert reading.asks == {1: {"a": [0.8], "b": [0.4]}}  # b too, though its choice is inside its grid
+    lines = tuning.commands(reading)
+    assert lines == [
+        'PYTHONPATH=$PWD RESUME=1 SUFFIX=_a_edge1 EXTRA="point=tuned_a optim.warmup_epochs=0.3 train.epochs=16 '
+        'optim.lr=0.8" bash scripts/reproduce.sh verdict2_tune',
+        'PYTHONPATH=$PWD RESUME=1 SUFFIX=_b_edge1 EXTRA="point=tuned_b optim.warmup_epochs=0.3 train.epochs=16 '
+        'optim.lr=0.4" bash scripts/reproduce.sh verdict2_tune']
+    # the doubling ran: a's choice moves to 0.8, again the top: one more round for every point
+    second = {**first, ("a", 0.8): {200: 0.95, 201: 0.95}, ("b", 0.4): {200: 0.70, 201: 0.70}}
+    reading = read_tuning(plan, _runs(second))
+    assert reading.rounds == [(["a"], []), (["a"], [])] and reading.asks == {2: {"a": [1.6], "b": [0.8]}}
+    # ... which stops training: every choice inside its grid, the tuning is complete
+    third = {**second, ("a", 1.6): {200: 0.95, 201: "did not train"}, ("b", 0.8): {200: 0.6, 201: 0.6}}
+    reading = read_tuning(plan, _runs(third))
+    assert reading.state == COMPLETE and reading.choices["a"]["lr"] == 0.8 and len(reading.rounds) == 2
+
+
+def test_the_edge_rule_halves_every_point_while_one_choice_is_at_the_bottom():
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3), "b": ((0.05, 0.1, 0.2), 0.3)})
+    runs = _runs({("a", 0.1): {200: 0.90, 201: 0.90}, ("a", 0.2): {200: 0.85, 201: 0.85}, ("a", 0.4): {200: 0.8, 201: 0.8},
+                  ("b", 0.05): {200: 0.80, 201: 0.80}, ("b", 0.1): {200: 0.90, 201: 0.90}, ("b", 0.2): {200: 0.85, 201: 0.85}})
+    reading = read_tuning(plan, runs)
+    assert reading.rounds == [([], ["a"])] and reading.asks == {1: {"a": [0.05], "b": [0.025]}}
+
+
+def test_runs_outside_the_grid_are_shown_and_not_read():
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3)})
+    runs = _runs({("a", 0.1): {200: 0.80, 201: 0.80}, ("a", 0.2): {200: 0.90, 201: 0.90}, ("a", 0.4): {200: 0.8, 201: 0.8},
+                  ("a", 0.3): {200: 0.99, 201: 0.99}})
+    reading = read_tuning(plan, runs)
+    assert reading.state == COMPLETE and reading.choices["a"]["lr"] == 0.2
+    text = tuning.tuning_text(reading)
+    assert "not asked for by the grid or the edge rule: not read" in text
+    assert "CHOSEN" in text and "Tuning: COMPLETE" in text
+
+
+def test_the_committed_dense_sweep_reads_as_two_seed_trials():
+    """results/verdict2_tune_dense: each trial's n is 2 and its score the mean of its two runs'
+    final validation accuracy, read here straight from their summary.json."""
+    plan = declared_tuning(VERDICTS2)
+    reading = read_tuning(plan, tuning_runs(plan, ROOT / "results"))
+    dense = reading.trials[reading.trials["point"] == "dense"].sort_values("lr")
+    assert list(dense["lr"]) == [0.025, 0.05, 0.1] and list(dense["n"]) == [2, 2, 2]
+    for trial in dense.to_dict("records"):
+        vals = []
+        for seed in SEEDS:
+            folder = ROOT / "results" / "verdict2_tune_dense" / f"none-layerwise-r0.01-lr{trial['lr']:g}-wu1.0-s{seed}"
+            vals.append(json.loads((folder / "summary.json").read_text())["val_accuracy"])
+        assert trial["score"] == pytest.approx(sum(vals) / 2, abs=1e-12), trial["lr"]
+
+
+def _complete(plan: DeclaredTuning) -> tuning.TuningReading:
+    runs = {}
+    for point, (rates, _) in plan.grid.items():
+        for i, lr in enumerate(rates):
+            runs[(point, lr)] = {s: 0.9 if i == 1 else 0.8 for s in SEEDS}  # the middle rate chosen
+    warmups = {p: w for p, (_, w) in plan.grid.items()}
+    frame = _runs(runs, warmups, plan.budget)
+    frame["overrides"] = [o.replace(f"point=tuned_{p}", f"point={_point_file(plan, p)}")
+                          for o, p in zip(frame["overrides"], frame["point"])]
+    reading = read_tuning(plan, frame)
+    assert reading.state == COMPLETE
+    return reading
+
+
+def _point_file(plan: DeclaredTuning, point: str) -> str:
+    if plan.sweep != "local2":
+        return f"tuned_{point}"
+    body = re.search(r"POINT_FILE=\((.*?)\)", (ROOT / "scripts" / "local2.sh").read_text(), re.S).group(1)
+    return dict(re.findall(r"\[(\w+)\]=(\w+)", body))[point]
+
+
+def test_the_writer_refuses_an_incomplete_tuning(tmp_path):
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3)})
+    reading = read_tuning(plan, _runs({("a", 0.1): {200: 0.8, 201: 0.8}, ("a", 0.2): {200: 0.9, 201: "running"},
+                                       ("a", 0.4): {200: 0.8, 201: 0.8}}))
+    with pytest.raises(ValueError, match="the tuning is running .* no tuned file written"):
+        tuning.write_tuned2(reading, tmp_path / "tuned")
+    assert not (tmp_path / "tuned").exists()
+    (tmp_path / "results").mkdir()  # no run yet: every trial is due
+    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results"),
+                        "--write-tuned", str(tmp_path / "tuned")]) == 2
+    assert not (tmp_path / "tuned").exists()
+
+
+def test_the_writer_records_the_choice_its_trials_commit_and_declaration(tmp_path):
+    plan = declared_tuning(VERDICTS2)
+    written = tuning.write_tuned2(_complete(plan), tmp_path)
+    assert sorted(p.stem for p in written) == sorted(plan.grid)
+    doc = yaml.safe_load((tmp_path / "topk_global.yaml").read_text())
+    assert doc["lr"] == 0.1 and doc["warmup_epochs"] == 0.3 and doc["point_config"] == "tuned_topk_global"
+    assert doc["declaration"] == "conf/declared/verdicts2.yaml" and doc["code"] == "abc123"
+    assert [t["lr"] for t in doc["trials"]] == [0.05, 0.1, 0.2]
+    assert doc["trials"][1]["val_accuracy"] == {200: 0.9, 201: 0.9} and doc["trials"][1]["mean"] == 0.9
+
+
+def test_verdict_runs_refuse_before_every_point_is_tuned(tmp_path):
+    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path),
+                        "--verdict-runs", str(tmp_path / "none")]) == 2
+
+
+@pytest.mark.parametrize("path", [VERDICTS2, LOCAL2], ids=["verdicts2", "local2"])
+def test_each_verdict_point_composes_to_the_declared_point_at_its_tuned_rate(tmp_path, path):
+    from hydra import compose, initialize_config_dir
+
+    from sparsetrain import config
+
+    plan, decl = declared_tuning(path), load(path)
+    reading = _complete(plan)
+    tuning.write_tuned2(reading, tmp_path)
+    seeds, _ = tuning.verdict_seeds(path, tmp_path)  # no verdict run yet: the first seeds
+    assert seeds == list(decl.seeds[:6])
+    lines = tuning.verdict_overrides(plan, tmp_path, seeds)
+    assert set(lines) == set(decl.points)
+    config.register()
+    with initialize_config_dir(str(config.CONF_DIR), version_base=None):
+        for point, want in decl.points.items():
+            tuned = yaml.safe_load((tmp_path / f"{point}.yaml").read_text())
+            cfg = compose("config", overrides=[f"experiment={plan.sweep}", *lines[point].split()[:-1]])
+            choice = reading.choices[point]
+            assert (cfg.optim.lr, cfg.optim.warmup_epochs) == (choice["lr"], choice["warmup_epochs"]), point
+            assert (tuned["lr"], tuned["warmup_epochs"]) == (choice["lr"], choice["warmup_epochs"]), point
+            assert cfg.train.epochs == decl.budgets[0] and cfg.data.val_size > 0, point
+            assert cfg.scheme.name == ("none" if want["scheme"] == "dense" else want["scheme"]), point
+            if "ratio" in want:
+                assert cfg.ratio == want["ratio"], point
+            if "scope" in want:
+                assert cfg.scope.name == want["scope"], point
+            if "sync" in want:
+                assert cfg.scheme.sync.period == int(re.search(r"period=(\d+)", want["sync"]).group(1)), point
+            assert lines[point].split()[-1] == f"seed={','.join(map(str, seeds))}"
+
+
+def test_a_verdict_run_without_its_tuned_rate_stops():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from sparsetrain import config
+
+    config.register()
+    with initialize_config_dir(str(config.CONF_DIR), version_base=None):
+        for experiment in ("verdict2", "local2"):
+            cfg = compose("config", overrides=[f"experiment={experiment}", "point=tuned_dense"])
+            with pytest.raises(Exception, match="tuned2_lr_on_the_command_line"):
+                OmegaConf.to_container(cfg.optim, resolve=True)
+
+
+def _verdict_run(results: Path, point: str, seed: int, test_accuracy: float) -> None:
+    """A completed verdict run of ``point`` (a copy of a committed tuning run, its seed and test
+    accuracy changed): what the seed rule reads."""
+    source = ROOT / "results" / "verdict2_tune_dense" / "none-layerwise-r0.01-lr0.1-wu1.0-s200"
+    folder = results / "verdict2" / point / f"s{seed}"
+    folder.mkdir(parents=True)
+    summary = json.loads((source / "summary.json").read_text())
+    summary["config"]["seed"], summary["test_accuracy"] = seed, test_accuracy
+    (folder / "summary.json").write_text(json.dumps(summary))
+    (folder / "metrics.jsonl").write_text((source / "metrics.jsonl").read_text())
+
+
+def test_the_seed_rule_sizes_the_verdict_runs_on_its_pairs_first_seeds(tmp_path):
+    from sparsetrain.analysis.power import seeds_by_internal_pilot
+
+    gaps = [0.25, -0.75, 0.5, 1.0, -0.25, 0.0]  # random-k - block-k, points, seeds 0-5: SD 0.61
+    for seed, gap in enumerate(gaps):
+        _verdict_run(tmp_path, "blockk_layerwise", seed, 0.90)
+        if seed < 5:
+            _verdict_run(tmp_path, "randk_layerwise", seed, 0.90 + gap / 100)
+    seeds, why = tuning.verdict_seeds(VERDICTS2, tmp_path)
+    assert seeds == [0, 1, 2, 3, 4, 5] and "has not ended" in why  # seed 5 of the pair is due
+    _verdict_run(tmp_path, "randk_layerwise", 5, 0.90 + gaps[5] / 100)
+    seeds, why = tuning.verdict_seeds(VERDICTS2, tmp_path)
+    n = seeds_by_internal_pilot(float(pd.Series(gaps).std(ddof=1)), 1.0, 6, 22, 0.8, 0.035, 0.8)
+    assert n == 10 and seeds == list(range(n)), why  # 6 < n < 22: the rule, not a bound
+    assert tuning.verdict_seeds(LOCAL2, tmp_path)[0] == [0, 1, 2, 3, 4, 5]  # no seed rule: its seeds
+
+
+def test_the_command_exits_3_while_trials_are_due_and_0_once_complete(tmp_path, monkeypatch, capsys):
+    (tmp_path / "results").mkdir()
+    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results")]) == 3
+    assert "RESUME=1 bash scripts/verdict2.sh" in capsys.readouterr().out
+    plan = declared_tuning(VERDICTS2)
+    done = _complete(plan)  # every point's middle rate chosen
+    frame = _runs({(p, lr): {200: 0.9 if i == 1 else 0.8, 201: 0.9 if i == 1 else 0.8}
+                   for p, (rates, _) in plan.grid.items() for i, lr in enumerate(rates)},
+                  {p: w for p, (_, w) in plan.grid.items()})
+    monkeypatch.setattr(tuning, "tuning_runs", lambda plan, results: frame)
+    assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results"),
+                        "--write-tuned", str(tmp_path / "tuned")]) == 0
+    assert sorted(p.stem for p in (tmp_path / "tuned").iterdir()) == sorted(done.choices)
