@@ -26,7 +26,6 @@ class IntegerSum(Compressor):
     """THC-style integer-sum quantizer: ``levels`` (L) code levels each side of zero, int8 codes."""
 
     shared_positions = True  # codes on a shared grid can be summed: one AllReduce
-    sends_entries = False
     ratio_applies = False  # every entry is sent: the analysis shows ratio 1.0
 
     def __init__(self, ratio=1.0, layout=None, scope="layerwise", *, device="cpu", levels: int = 15):

@@ -4,7 +4,7 @@ A compressor turns one flat accumulated vector ``acc`` into a message of fixed s
 message has the same size, known at construction) in two sections:
 
 - ``values``: ``num_values`` floats in the exchange's dtype. A sparsifier sends the ``k`` chosen
-  entries of ``acc`` themselves (``sends_entries``); a quantizer its per-tensor scales or norms
+  entries of ``acc`` themselves; a quantizer its per-tensor scales or norms
   (``sparsetrain.compress.quantize``). With ``shared_positions`` the values of all ranks can be
   summed (AllReduce); otherwise every rank gathers every message (AllGather).
 - ``positions``, the wire section: ``num_positions`` integers of ``wire_dtype``. A sparsifier
@@ -206,12 +206,10 @@ class Compressor:
     #: True when every rank can draw the same positions from a shared seed, so only values need
     #: summing (AllReduce). False when positions depend on the data (top-k).
     shared_positions: ClassVar[bool] = True
-    #: True when ``select`` ignores the seed (deterministic in the data).
-    deterministic: ClassVar[bool] = False
-    #: True when ``values`` are ``acc``'s own entries (sparsifiers): error feedback then zeroes
-    #: them, and ``||acc||^2 = ||memory||^2 + ||values||^2``. False for the quantizers, whose
-    #: decoded message is subtracted instead.
-    sends_entries: ClassVar[bool] = True
+    #: The scopes the class compresses at (PowerSGD: layerwise only); the constructor and
+    #: ``comm.rules`` refuse the others, saying ``scope_reason`` (why, one clause) where set.
+    scopes: ClassVar[tuple[str, ...]] = SCOPES
+    scope_reason: ClassVar[str] = ""
     #: False when the message does not depend on ``ratio`` (the quantizers send every entry): the
     #: run's summary says so, and the analysis shows the ratio as 1.0
     ratio_applies: ClassVar[bool] = True
@@ -233,8 +231,11 @@ class Compressor:
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:
             raise ValueError(f"ratio={ratio!r} is outside (0, 1]")
-        if scope not in SCOPES:
-            raise ValueError(f"scope={scope!r} is not allowed; allowed: {', '.join(SCOPES)}")
+        cls = type(self)
+        if scope not in cls.scopes:  # one line: the scope, the class, why not, what is allowed
+            why = f" ({cls.scope_reason})" if cls.scope_reason else ""
+            raise ValueError(f"scope={scope!r} is not allowed for {cls.__name__}{why}; "
+                             f"allowed: {', '.join(cls.scopes)}")
         self.ratio = float(ratio)
         self.full_layout = as_layout(layout)
         self.scope = scope

@@ -107,20 +107,15 @@ class PowerSGD(Compressor):
     """
 
     shared_positions: ClassVar[bool] = True  # nothing to share: aggregation does not apply
-    deterministic: ClassVar[bool] = True
-    sends_entries: ClassVar[bool] = False
     needs_shapes: ClassVar[bool] = True
     #: Q's Gaussian start is one stream over every matrix: a DDP bucket takes the model's
     draws_span_segments: ClassVar[bool] = True
-    #: the scopes it allows (comm.rules refuses the others in one line)
+    #: the scopes it allows (the constructor and comm.rules refuse the others in one line)
     scopes: ClassVar[tuple[str, ...]] = ("layerwise",)
     scope_reason: ClassVar[str] = "PowerSGD compresses each tensor as a matrix of its own"
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu",
                  rank: int | None = None, shapes: Sequence[Sequence[int]] | None = None):
-        if scope not in self.scopes:
-            raise ValueError(f"scope={scope!r} is not allowed for scheme=powersgd ({self.scope_reason}); "
-                             f"allowed: {', '.join(self.scopes)}")
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             raise ValueError(f"scheme.rank={rank!r} is not allowed; it must be an integer >= 1 "
                              "(or null: the rank whose bytes come closest to the sparse schemes' at ratio)")

@@ -242,7 +242,6 @@ class Quantizer(Compressor):
     ``decode_add`` (docs/own_compressor.md, "A quantizer")."""
 
     shared_positions = False
-    sends_entries = False
     ratio_applies = False
     allreduce_refusal = "sends every rank's own codes and scales, which cannot be summed"
     #: set by each subclass (or its constructor)

@@ -28,7 +28,6 @@ class NoCompression(Compressor):
     """Sends everything (dense SGD expressed as a compressor)."""
 
     shared_positions = True
-    deterministic = True
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", **kw):
         super().__init__(ratio, layout, scope, **kw)
@@ -69,7 +68,6 @@ class TopK(Compressor):
     """
 
     shared_positions = False
-    deterministic = True
     SMALL = 8192  # segments up to this size: every entry is a candidate
     # work buffers and tables built on first use (the kept-state check leaves them out)
     transient = ("_scratch", "_mask", "_sample_np", "_chunks", "_small", "_small_fast", "_tables")
