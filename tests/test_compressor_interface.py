@@ -52,3 +52,63 @@ def test_the_base_refuses_a_scope_outside_the_class_scopes():
         LayerwiseOnly(0.5, Layout.from_sizes([4, 6]), "global")
     assert str(info.value) == ("scope='global' is not allowed for LayerwiseOnly (each tensor is its own matrix); "
                                "allowed: layerwise")
+
+
+def _built_ones():
+    """One of each built-in compressor and the example's integer-sum quantizer, over a small model."""
+    import sys
+    from functools import partial
+
+    from sparsetrain.compress import (
+        QSGD,
+        BlockRandomK,
+        NoCompression,
+        PowerSGD,
+        RandomK,
+        SignSGD,
+        TopK,
+    )
+
+    sys.path.insert(0, str(ROOT / "examples" / "thc"))
+    try:
+        from thc import IntegerSum
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "thc"))
+    shapes = [(8, 3, 3, 3), (8,), (10, 32)]
+    layout = Layout.from_sizes([216, 8, 320])
+    return [(cls, layout) for cls in (TopK, RandomK, BlockRandomK, NoCompression, SignSGD, QSGD, IntegerSum)] + [
+        (partial(PowerSGD, shapes=shapes), layout), (partial(PowerSGD, rank=2, shapes=shapes), layout)]
+
+
+@pytest.mark.parametrize("factory, layout", _built_ones(), ids=lambda x: getattr(x, "__name__", None) or
+                         getattr(getattr(x, "func", None), "__name__", None) or "layout")
+def test_k_and_ks_are_set_once_from_segment_ks(factory, layout, monkeypatch):
+    """``k``/``ks`` come from ``segment_ks`` in ``Compressor.__init__`` and nothing overwrites them
+    afterwards (the quantizers, dense, PowerSGD and the THC example once did)."""
+    writes = []
+    plain = object.__setattr__
+
+    def tracking(self, name, value):
+        if name in ("k", "ks"):
+            writes.append(name)
+        plain(self, name, value)
+
+    monkeypatch.setattr(Compressor, "__setattr__", tracking, raising=False)
+    comp = factory(0.1, layout, "layerwise")
+    monkeypatch.undo()
+    assert sorted(writes) == ["k", "ks"], f"k/ks written {writes}"
+    assert comp.ks == comp.segment_ks(comp.layout) and comp.k == sum(comp.ks)
+    if hasattr(comp, "p_numel"):  # PowerSGD: k is both factors' entries
+        assert comp.k == comp.p_numel + comp.q_numel
+
+
+def test_a_subclass_sets_its_counts_through_segment_ks():
+    class Halves(Compressor):
+        def segment_ks(self, layout):
+            return [n // 2 for n in layout.sizes]
+
+        def select(self, acc, seed):
+            raise AssertionError("not reached")
+
+    comp = Halves(0.01, Layout.from_sizes([10, 6]))
+    assert (comp.ks, comp.k) == ([5, 3], 8)

@@ -33,8 +33,9 @@ class IntegerSum(Compressor):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"scheme.compressor.levels={levels!r} is not allowed; it must be an integer in [1, 127]")
         self.levels = levels
-        self.ks = list(self.layout.sizes)
-        self.k = self.numel
+
+    def segment_ks(self, layout):
+        return list(layout.sizes)  # every entry is sent
 
     def rounds(self, aggregation):
         return (Round("max", floats=len(self.layout)), Round("sum", ints=self.numel, int_dtype=torch.int8))

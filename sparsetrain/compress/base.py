@@ -242,7 +242,10 @@ class Compressor:
         self.layout: Layout = self.full_layout if scope == "layerwise" else self.full_layout.merged()
         self.numel = self.full_layout.total
         self.device = _normalise_device(device)
-        self.ks: list[int] = [k_for(self.ratio, n) for n in self.layout.sizes]
+        #: each segment's entries in the message, and their sum: set here once, from ``segment_ks``
+        self.ks: list[int] = [int(k) for k in self.segment_ks(self.layout)]
+        if len(self.ks) != len(self.layout):
+            raise ValueError(f"{cls.__name__}.segment_ks gave {len(self.ks)} counts for {len(self.layout)} segments")
         self.k: int = sum(self.ks)
         self._draw_source: tuple[Compressor, list[int]] | None = None  # see share_draws
         #: the model's tensor number of each segment (``tensor_seed``): 0, 1, ... in the trainer;
@@ -252,6 +255,14 @@ class Compressor:
             raise TypeError(f"{type(self).__name__} got unknown options {sorted(options)}")
 
     # --- what subclasses provide -------------------------------------------------------------
+    def segment_ks(self, layout: Layout) -> list[int]:
+        """Each segment's entries in the message (``ks``; ``k`` is their sum), for the compressed
+        ``layout`` (one segment with ``scope="global"``), called once by ``Compressor.__init__``:
+        what it reads of a subclass is set before ``super().__init__`` (PowerSGD: each matrix's
+        rank). Default: ``k_for(ratio, size)`` each (a sparsifier); every entry sent (the
+        quantizers, dense): ``list(layout.sizes)``."""
+        return [k_for(self.ratio, n) for n in layout.sizes]
+
     @property
     def num_values(self) -> int:
         """Floats in the message's values section (the k entries)."""

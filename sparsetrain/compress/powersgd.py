@@ -36,7 +36,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from sparsetrain.compress.base import Compressor, Payload, Round
+from sparsetrain.compress.base import Compressor, Payload, Round, k_for
 
 #: The ranks ``closest_rank`` chooses from.
 MAX_RANK = 64
@@ -119,18 +119,16 @@ class PowerSGD(Compressor):
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             raise ValueError(f"scheme.rank={rank!r} is not allowed; it must be an integer >= 1 "
                              "(or null: the rank whose bytes come closest to the sparse schemes' at ratio)")
-        super().__init__(ratio, layout, scope, device=device)
         if shapes is None:
             raise ValueError("PowerSGD needs the tensors' shapes (shapes=...): a flat size says nothing of the matrix")
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
-        sizes = tuple(math.prod(s) for s in self.shapes)
-        if sizes != self.layout.sizes:
-            raise ValueError(f"shapes of {sizes[:6]} entries for a layout of {self.layout.sizes[:6]}")
-        sparse_k = self.k  # the layer-wise sparse schemes' entries at ratio (Compressor: k_i per tensor)
+        # the layer-wise sparse schemes' entries at ratio, k_i per tensor (rank=None matches them)
+        sparse_k = sum(k_for(float(ratio), math.prod(s)) for s in self.shapes)
         self.rank = int(rank) if rank is not None else closest_rank(
             lambda r: factor_entries(self.shapes, r), sparse_k)
         self.matrices_shape = [matrix_shape(s) for s in self.shapes]
         self.ranks = [min(n, m, self.rank) for n, m in self.matrices_shape]
+        super().__init__(ratio, layout, scope, device=device)  # ks: segment_ks, from the ranks
         # factors grouped by matrix shape, shapes in the order first seen (torch's order)
         by_shape: dict[tuple[int, int], list[int]] = {}
         for i, nm in enumerate(self.matrices_shape):
@@ -148,9 +146,14 @@ class PowerSGD(Compressor):
                 p += n * r
                 q += m * r
         self.p_numel, self.q_numel = p, q
-        self.ks = [r * (n + m) for r, (n, m) in zip(self.ranks, self.matrices_shape, strict=True)]
-        self.k = p + q
         self.q: torch.Tensor | None = None  # kept from step to step (warm start); None before its start
+
+    def segment_ks(self, layout):
+        """Both factors' entries, r (n + m), per matrix (``k = p_numel + q_numel``)."""
+        sizes = tuple(math.prod(s) for s in self.shapes)
+        if sizes != layout.sizes:
+            raise ValueError(f"shapes of {sizes[:6]} entries for a layout of {layout.sizes[:6]}")
+        return [r * (n + m) for r, (n, m) in zip(self.ranks, self.matrices_shape, strict=True)]
 
     @property
     def num_positions(self) -> int:

@@ -251,8 +251,6 @@ class Quantizer(Compressor):
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, device="cpu", **options):
         super().__init__(1.0, layout, scope, device=device, **options)  # ratio does not apply
-        self.ks = list(self.layout.sizes)
-        self.k = self.numel  # every entry is sent
         self._segment_bounds = self._bounds(self.spans())  # the kernels' segments (signSGD's scales)
         bits = self.bits_per_entry
         if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
@@ -267,6 +265,9 @@ class Quantizer(Compressor):
             self.warm_kernels()
 
     # --- the message's two sections ------------------------------------------------------------
+    def segment_ks(self, layout):
+        return list(layout.sizes)  # every entry is sent
+
     @property
     def num_values(self) -> int:
         """One float per segment: its scale (signSGD) or norm (QSGD)."""

@@ -29,10 +29,8 @@ class NoCompression(Compressor):
 
     shared_positions = True
 
-    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", **kw):
-        super().__init__(ratio, layout, scope, **kw)
-        self.ks = list(self.layout.sizes)
-        self.k = self.numel
+    def segment_ks(self, layout):
+        return list(layout.sizes)  # every entry is sent
 
     @property
     def num_positions(self) -> int:
