@@ -112,3 +112,25 @@ def test_a_subclass_sets_its_counts_through_segment_ks():
 
     comp = Halves(0.01, Layout.from_sizes([10, 6]))
     assert (comp.ks, comp.k) == ([5, 3], 8)
+
+
+@pytest.mark.parametrize("name", ["TopK", "SignSGD"])
+def test_forget_subtracts_the_decoded_update_where_the_payload_carries_one(name):
+    """``Payload.decoded`` (the update every rank decoded) is what the base's and the quantizers'
+    ``forget`` subtract, so a compressor that sets it (PowerSGD) needs no ``forget`` of its own."""
+    import torch
+
+    import sparsetrain.compress as compress
+
+    comp = getattr(compress, name)(0.5, Layout.from_sizes([4]), "layerwise")
+    acc = torch.tensor([1.0, -2.0, 3.0, 0.5], dtype=torch.float64)
+    decoded = torch.tensor([0.25, -1.0, 2.0, 0.0], dtype=torch.float64)
+    memory = acc.clone()
+    comp.forget(memory, compress.Payload(acc[:1], acc.new_empty(0, dtype=torch.int64), None, decoded=decoded))
+    assert torch.equal(memory, acc - decoded)
+
+
+def test_powersgd_forgets_through_the_base():
+    from sparsetrain.compress import PowerSGD
+
+    assert "forget" not in vars(PowerSGD)

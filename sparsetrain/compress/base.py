@@ -16,7 +16,10 @@ message has the same size, known at construction) in two sections:
 given), ``decompress_add(values, positions, out)`` adds one message, decoded, to ``out``
 (``decompress_many`` several, in order: every rank's after an AllGather), and
 ``forget(memory, payload)`` makes the error-feedback memory ``acc - sent (as decoded)``: zeroing
-the sent entries for a sparsifier, subtracting the decoded message for a quantizer. A
+the sent entries for a sparsifier, subtracting the decoded message for a quantizer, or
+``payload.decoded`` where the compressor gives the update every rank decoded (its docstring says
+when it runs: before the collective for one's own message, after the last ``receive`` for
+``decoded``). A
 one-message compressor needs nothing else: the exchange (``comm.sparse``) lays its message out as
 ``[values | whole tensors | positions]`` and runs one collective.
 
@@ -410,9 +413,24 @@ class Compressor:
         return Payload(values, positions, idx)
 
     def forget(self, memory: torch.Tensor, payload: Payload) -> None:
-        """Error feedback's ``memory = acc - sent`` (``memory`` holds ``acc``): zero the sent
-        entries (all of them when ``payload.indices`` is None)."""
-        if payload.indices is None:  # everything was sent
+        """Error feedback's ``memory = acc - sent`` (``memory`` holds ``acc``), once a step.
+
+        When it runs (the exchange, ``comm.sparse``), and so what it subtracts:
+
+        - ``step.payload`` set by ``send`` with ``decoded`` None (every one-message compressor):
+          right after the last round's ``send``, before its collective, so before any
+          ``receive`` / ``decompress_add`` of the step. It subtracts this rank's own message as
+          a receiver decodes it, at full scale (not divided by the ranks; no other rank's):
+          here, zero the sent entries (all of them when ``payload.indices`` is None); a
+          quantizer adds its decoded message with negated values. ``memory`` may be ``acc``
+          itself: ``compress`` / ``send`` have copied what they send out of it by then.
+        - otherwise (``step.payload`` set in ``receive``, e.g. with ``decoded``: PowerSGD's
+          ``P Q^T``): after the last ``receive``, before the memory's ``update``. Where
+          ``payload.decoded`` is set it is what is subtracted, the update every rank applies
+          (by this base and by ``Quantizer`` alike)."""
+        if payload.decoded is not None:  # the update every rank decoded
+            memory.sub_(payload.decoded)
+        elif payload.indices is None:  # everything was sent
             memory.zero_()
         else:
             memory.index_fill_(0, payload.indices, 0)

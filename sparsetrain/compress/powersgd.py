@@ -190,7 +190,8 @@ class PowerSGD(Compressor):
 
     def receive(self, r, step, got, out) -> None:
         """Round 0: keep the summed P. Round 1: Q averaged (and kept for the next step), the
-        update ``P Q^T`` into ``out``, given to the memory as the decoded update."""
+        update ``P Q^T`` into ``out``, given to the memory as the decoded update (the base's
+        ``forget`` subtracts it: ``memory = acc - P Q^T``)."""
         if r == 0:
             step.scratch["p"] = got.floats
             return
@@ -198,10 +199,6 @@ class PowerSGD(Compressor):
         outs = self.matrices(out)
         self.expand(step.scratch["p"], self.q, outs)
         step.payload = Payload(got.floats, got.floats.new_empty(0, dtype=torch.int64), None, decoded=out)
-
-    def forget(self, memory: torch.Tensor, payload: Payload) -> None:
-        """Error feedback's ``memory = acc - P Q^T`` (the update every rank applies)."""
-        memory.sub_(payload.decoded)
 
     def _start(self, run_seed: int, like: torch.Tensor) -> None:
         """Q's Gaussian start, seeded as torch's hook does: ``numpy.random.RandomState(run_seed)

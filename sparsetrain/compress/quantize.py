@@ -408,7 +408,11 @@ class Quantizer(Compressor):
 
     def forget(self, memory: torch.Tensor, payload: Payload) -> None:
         """``memory = acc - decode(message)``: the decoded message of the negated scales added
-        (the exact negation of the decoded message)."""
+        (the exact negation of the decoded message); ``payload.decoded`` where set, as the base's
+        (see ``Compressor.forget``: when it runs)."""
+        if payload.decoded is not None:
+            super().forget(memory, payload)
+            return
         self.decompress_add(payload.values.neg(), payload.positions, memory)
 
     def __repr__(self) -> str:
