@@ -134,3 +134,56 @@ def test_powersgd_forgets_through_the_base():
     from sparsetrain.compress import PowerSGD
 
     assert "forget" not in vars(PowerSGD)
+
+
+def _refusing(monkeypatch, cls):
+    """Make ``cls.check_options`` refuse everything with a line of its own; return that line."""
+    line = f"{cls.__name__}.check_options was asked"
+
+    def refuse(klass, **options):
+        raise ValueError(line)
+
+    monkeypatch.setattr(cls, "check_options", classmethod(refuse), raising=False)
+    return line
+
+
+@pytest.mark.parametrize("scheme, name", [("qsgd", "QSGD"), ("blockk", "BlockRandomK"), ("powersgd", "PowerSGD")])
+def test_config_checks_a_scheme_options_through_its_class(scheme, name, monkeypatch):
+    """One source per option: ``config.validate`` asks the compressor class (``check_options``),
+    with the options of the scheme's ``compressor`` node, instead of checks of its own."""
+    import sparsetrain.compress as compress
+    from sparsetrain.config import ConfigError, compose, validate
+
+    line = _refusing(monkeypatch, getattr(compress, name))
+    with pytest.raises(ConfigError) as info:
+        validate(compose([f"scheme={scheme}"]), env={})
+    assert str(info.value) == line
+
+
+def test_qsgd_levels_refused_by_the_class_in_config_and_constructor():
+    from sparsetrain.compress import QSGD
+    from sparsetrain.config import ConfigError, compose, validate
+
+    want = "scheme.levels=0 is not allowed; it must be an integer in [1, 65535]"
+    with pytest.raises(ValueError) as direct:
+        QSGD.check_options(levels=0)
+    with pytest.raises(ConfigError) as config:
+        validate(compose(["scheme=qsgd", "scheme.levels=0"]), env={})
+    assert str(direct.value) == str(config.value) == want
+
+
+@pytest.mark.parametrize("name, options", [("QSGD", {"levels": 3}), ("BlockRandomK", {"block_size": 4}),
+                                           ("PowerSGD", {"rank": 1, "shapes": [(4, 4)]})])
+def test_the_constructor_checks_through_check_options(name, options, monkeypatch):
+    import sparsetrain.compress as compress
+
+    line = _refusing(monkeypatch, getattr(compress, name))
+    with pytest.raises(ValueError) as info:
+        getattr(compress, name)(0.5, Layout.from_sizes([16]), "layerwise", **options)
+    assert str(info.value) == line
+
+
+def test_config_validation_restates_no_scheme_option():
+    text = (ROOT / "sparsetrain" / "config" / "validation.py").read_text()
+    restated = [key for key in ("levels", "bucket_size", "block_size", "generator") if key in text]
+    assert not restated, f"config/validation.py checks {restated} itself; the compressor's check_options is their home"

@@ -29,10 +29,14 @@ class IntegerSum(Compressor):
     ratio_applies = False  # every entry is sent: the analysis shows ratio 1.0
 
     def __init__(self, ratio=1.0, layout=None, scope="layerwise", *, device="cpu", levels: int = 15):
+        self.check_options(levels=levels)
         super().__init__(1.0, layout, scope, device=device)  # every entry is sent: ratio does not apply
+        self.levels = levels
+
+    @classmethod
+    def check_options(cls, *, levels: int = 15):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"scheme.compressor.levels={levels!r} is not allowed; it must be an integer in [1, 127]")
-        self.levels = levels
 
     def segment_ks(self, layout):
         return list(layout.sizes)  # every entry is sent

@@ -258,6 +258,16 @@ class Compressor:
             raise TypeError(f"{type(self).__name__} got unknown options {sorted(options)}")
 
     # --- what subclasses provide -------------------------------------------------------------
+    @classmethod
+    def check_options(cls, **options) -> None:
+        """``ValueError`` (one line: the key, the value, what is allowed) for a bad value of one
+        of the class's own keyword options (its yaml's ``compressor`` node gives them): the one
+        place that says what each option takes. A subclass with options overrides it with them as
+        keywords (their defaults the constructor's) and calls it from its constructor;
+        ``config.validate`` calls it with the node's options before any rank starts. Default:
+        nothing to check (an option the class does not take is refused by its constructor, and by
+        ``config.validate``, which names the ones it takes)."""
+
     def segment_ks(self, layout: Layout) -> list[int]:
         """Each segment's entries in the message (``ks``; ``k`` is their sum), for the compressed
         ``layout`` (one segment with ``scope="global"``), called once by ``Compressor.__init__``:

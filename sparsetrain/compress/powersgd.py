@@ -116,9 +116,7 @@ class PowerSGD(Compressor):
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu",
                  rank: int | None = None, shapes: Sequence[Sequence[int]] | None = None):
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"scheme.rank={rank!r} is not allowed; it must be an integer >= 1 "
-                             "(or null: the rank whose bytes come closest to the sparse schemes' at ratio)")
+        self.check_options(rank=rank)
         if shapes is None:
             raise ValueError("PowerSGD needs the tensors' shapes (shapes=...): a flat size says nothing of the matrix")
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
@@ -147,6 +145,13 @@ class PowerSGD(Compressor):
                 q += m * r
         self.p_numel, self.q_numel = p, q
         self.q: torch.Tensor | None = None  # kept from step to step (warm start); None before its start
+
+    @classmethod
+    def check_options(cls, *, rank: int | None = None) -> None:
+        """``rank``: an integer >= 1, or None (torch's hook, scheme=torch_powersgd, takes the same)."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"scheme.rank={rank!r} is not allowed; it must be an integer >= 1 "
+                             "(or null: the rank whose bytes come closest to the sparse schemes' at ratio)")
 
     def segment_ks(self, layout):
         """Both factors' entries, r (n + m), per matrix (``k = p_numel + q_numel``)."""

@@ -512,17 +512,7 @@ class QSGD(Quantizer):
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127,
                  bucket_size: int | None = 512, generator: str = "counter", **kw):
-        if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
-                or not 1 <= levels <= self.MAX_LEVELS:
-            raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
-                             f"[1, {self.MAX_LEVELS}]")
-        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, float))
-                                        or int(bucket_size) != bucket_size or bucket_size < 1):
-            raise ValueError(f"scheme.bucket_size={bucket_size!r} is not allowed; it must be an integer >= 1, "
-                             "or null (one norm per tensor)")
-        if generator not in self.GENERATORS:
-            raise ValueError(f"scheme.generator={generator!r} is not allowed; use one of "
-                             f"{', '.join(self.GENERATORS)}")
+        self.check_options(levels=levels, bucket_size=bucket_size, generator=generator)
         self.generator = generator
         self.levels = int(levels)
         self.bucket_size = None if bucket_size is None else int(bucket_size)
@@ -539,6 +529,20 @@ class QSGD(Quantizer):
             self._cuts.append((o, n // size, size, n % size))
         self._num_buckets = sum(full + (tail > 0) for _, full, _, tail in self._cuts)
         self._bucket_bounds = self._bounds(self.bucket_spans())
+
+    @classmethod
+    def check_options(cls, *, levels: int = 127, bucket_size: int | None = 512, generator: str = "counter") -> None:
+        if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
+                or not 1 <= levels <= cls.MAX_LEVELS:
+            raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
+                             f"[1, {cls.MAX_LEVELS}]")
+        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, float))
+                                        or int(bucket_size) != bucket_size or bucket_size < 1):
+            raise ValueError(f"scheme.bucket_size={bucket_size!r} is not allowed; it must be an integer >= 1, "
+                             "or null (one norm per tensor)")
+        if generator not in cls.GENERATORS:
+            raise ValueError(f"scheme.generator={generator!r} is not allowed; use one of "
+                             f"{', '.join(cls.GENERATORS)}")
 
     def warm_kernels(self):
         kernels.warm(self.bits_per_entry)

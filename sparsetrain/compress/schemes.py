@@ -387,9 +387,8 @@ class BlockRandomK(Compressor):
     draws_span_segments = True
 
     def __init__(self, ratio, layout, scope="layerwise", *, block_size: int = 256, **kw):
+        self.check_options(block_size=block_size)
         super().__init__(ratio, layout, scope, **kw)
-        if int(block_size) != block_size or block_size < 1:
-            raise ValueError(f"block_size={block_size!r} must be a positive integer")
         self.block_size = int(block_size)
         dev = self.device
         if scope == "layerwise":
@@ -412,6 +411,12 @@ class BlockRandomK(Compressor):
             self.last_size = n - (self.nb - 1) * B
             self.sampler = DistinctSampler([self.nb], [self.blocks_drawn], dev)
             self.entry_arange = torch.arange(self.k, device=dev)
+
+    @classmethod
+    def check_options(cls, *, block_size: int = 256) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, float)) \
+                or int(block_size) != block_size or block_size < 1:
+            raise ValueError(f"scheme.block_size={block_size!r} is not allowed; it must be an integer >= 1")
 
     @property
     def num_positions(self) -> int:
