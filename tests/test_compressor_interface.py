@@ -187,3 +187,15 @@ def test_config_validation_restates_no_scheme_option():
     text = (ROOT / "sparsetrain" / "config" / "validation.py").read_text()
     restated = [key for key in ("levels", "bucket_size", "block_size", "generator") if key in text]
     assert not restated, f"config/validation.py checks {restated} itself; the compressor's check_options is their home"
+
+
+def test_the_documented_attribute_table_is_the_class_vars_exactly():
+    """docs/own_compressor.md's "Class attributes" table lists every ClassVar of ``Compressor``
+    and ``Quantizer``, and nothing else, with the class's default."""
+    text = (ROOT / "docs" / "own_compressor.md").read_text()
+    section = text.split("### Class attributes", 1)[1].split("\n### ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.+?) \|", section, re.M)}
+    declared = {name: cls for cls in (Quantizer, Compressor) for name in _class_vars(cls)}  # Compressor's default wins
+    assert sorted(rows) == sorted(declared)
+    for name, default in rows.items():
+        assert default == f"`{getattr(declared[name], name)!r}`".replace("'", '"'), name
