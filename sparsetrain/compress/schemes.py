@@ -29,6 +29,9 @@ class NoCompression(Compressor):
 
     shared_positions = True
 
+    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", **kw):  # ratio: any, all sent
+        super().__init__(ratio, layout, scope, **kw)
+
     def segment_ks(self, layout):
         return list(layout.sizes)  # every entry is sent
 
