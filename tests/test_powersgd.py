@@ -241,8 +241,10 @@ def test_global_scope_and_missing_shapes_refused_in_one_line():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["scheme.rank=0"], "scheme.rank=0 is not allowed; it must be > 0"),
-    (["scheme.rank=-3"], "scheme.rank=-3 is not allowed; it must be > 0"),
+    (["scheme.rank=0"], "scheme.rank=0 is not allowed; it must be an integer >= 1 (or null: the rank whose bytes "
+                        "come closest to the sparse schemes' at ratio)"),
+    (["scheme.rank=-3"], "scheme.rank=-3 is not allowed; it must be an integer >= 1 (or null: the rank whose bytes "
+                         "come closest to the sparse schemes' at ratio)"),
     (["scope=global"], "scope='global' is not allowed for scheme='powersgd' (PowerSGD compresses each tensor "
                        "as a matrix of its own); allowed: layerwise"),
 ])

@@ -26,16 +26,20 @@ class IntegerSum(Compressor):
     """THC-style integer-sum quantizer: ``levels`` (L) code levels each side of zero, int8 codes."""
 
     shared_positions = True  # codes on a shared grid can be summed: one AllReduce
-    sends_entries = False
     ratio_applies = False  # every entry is sent: the analysis shows ratio 1.0
 
     def __init__(self, ratio=1.0, layout=None, scope="layerwise", *, device="cpu", levels: int = 15):
+        self.check_options(levels=levels)
         super().__init__(1.0, layout, scope, device=device)  # every entry is sent: ratio does not apply
+        self.levels = levels
+
+    @classmethod
+    def check_options(cls, *, levels: int = 15):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"scheme.compressor.levels={levels!r} is not allowed; it must be an integer in [1, 127]")
-        self.levels = levels
-        self.ks = list(self.layout.sizes)
-        self.k = self.numel
+
+    def segment_ks(self, layout):
+        return list(layout.sizes)  # every entry is sent
 
     def rounds(self, aggregation):
         return (Round("max", floats=len(self.layout)), Round("sum", ints=self.numel, int_dtype=torch.int8))

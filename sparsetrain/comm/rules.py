@@ -43,11 +43,11 @@ def check_combination(scheme: str, scope: str, aggregation: str, ratio: float, c
                          "the class in a compressor node (_target_, _partial_: true)")
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is not allowed; allowed: {', '.join(SCOPES)}")
-    scopes = getattr(compressor_class(compressor), "scopes", SCOPES) if scheme != "none" else SCOPES
-    if scope not in scopes:  # a compressor with fewer scopes says which (PowerSGD: layerwise)
-        why = getattr(compressor_class(compressor), "scope_reason", "")
-        raise ValueError(f"scope={scope!r} is not allowed for scheme={scheme!r}{f' ({why})' if why else ''}; "
-                         f"allowed: {', '.join(scopes)}")
+    cls = compressor_class(compressor) if scheme != "none" else None
+    if cls is not None and scope not in cls.scopes:  # a compressor with fewer scopes says which (PowerSGD)
+        why = f" ({cls.scope_reason})" if cls.scope_reason else ""
+        raise ValueError(f"scope={scope!r} is not allowed for scheme={scheme!r}{why}; "
+                         f"allowed: {', '.join(cls.scopes)}")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio={ratio!r} is not allowed; allowed: a number in (0, 1]")
     check_aggregation(scheme, aggregation, None if scheme == "none" else compressor)

@@ -4,7 +4,7 @@ A compressor turns one flat accumulated vector ``acc`` into a message of fixed s
 message has the same size, known at construction) in two sections:
 
 - ``values``: ``num_values`` floats in the exchange's dtype. A sparsifier sends the ``k`` chosen
-  entries of ``acc`` themselves (``sends_entries``); a quantizer its per-tensor scales or norms
+  entries of ``acc`` themselves; a quantizer its per-tensor scales or norms
   (``sparsetrain.compress.quantize``). With ``shared_positions`` the values of all ranks can be
   summed (AllReduce); otherwise every rank gathers every message (AllGather).
 - ``positions``, the wire section: ``num_positions`` integers of ``wire_dtype``. A sparsifier
@@ -16,7 +16,10 @@ message has the same size, known at construction) in two sections:
 given), ``decompress_add(values, positions, out)`` adds one message, decoded, to ``out``
 (``decompress_many`` several, in order: every rank's after an AllGather), and
 ``forget(memory, payload)`` makes the error-feedback memory ``acc - sent (as decoded)``: zeroing
-the sent entries for a sparsifier, subtracting the decoded message for a quantizer. A
+the sent entries for a sparsifier, subtracting the decoded message for a quantizer, or
+``payload.decoded`` where the compressor gives the update every rank decoded (its docstring says
+when it runs: before the collective for one's own message, after the last ``receive`` for
+``decoded``). A
 one-message compressor needs nothing else: the exchange (``comm.sparse``) lays its message out as
 ``[values | whole tensors | positions]`` and runs one collective.
 
@@ -206,12 +209,10 @@ class Compressor:
     #: True when every rank can draw the same positions from a shared seed, so only values need
     #: summing (AllReduce). False when positions depend on the data (top-k).
     shared_positions: ClassVar[bool] = True
-    #: True when ``select`` ignores the seed (deterministic in the data).
-    deterministic: ClassVar[bool] = False
-    #: True when ``values`` are ``acc``'s own entries (sparsifiers): error feedback then zeroes
-    #: them, and ``||acc||^2 = ||memory||^2 + ||values||^2``. False for the quantizers, whose
-    #: decoded message is subtracted instead.
-    sends_entries: ClassVar[bool] = True
+    #: The scopes the class compresses at (PowerSGD: layerwise only); the constructor and
+    #: ``comm.rules`` refuse the others, saying ``scope_reason`` (why, one clause) where set.
+    scopes: ClassVar[tuple[str, ...]] = SCOPES
+    scope_reason: ClassVar[str] = ""
     #: False when the message does not depend on ``ratio`` (the quantizers send every entry): the
     #: run's summary says so, and the analysis shows the ratio as 1.0
     ratio_applies: ClassVar[bool] = True
@@ -233,15 +234,21 @@ class Compressor:
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu", **options):
         if not 0.0 < float(ratio) <= 1.0:
             raise ValueError(f"ratio={ratio!r} is outside (0, 1]")
-        if scope not in SCOPES:
-            raise ValueError(f"scope={scope!r} is not allowed; allowed: {', '.join(SCOPES)}")
+        cls = type(self)
+        if scope not in cls.scopes:  # one line: the scope, the class, why not, what is allowed
+            why = f" ({cls.scope_reason})" if cls.scope_reason else ""
+            raise ValueError(f"scope={scope!r} is not allowed for {cls.__name__}{why}; "
+                             f"allowed: {', '.join(cls.scopes)}")
         self.ratio = float(ratio)
         self.full_layout = as_layout(layout)
         self.scope = scope
         self.layout: Layout = self.full_layout if scope == "layerwise" else self.full_layout.merged()
         self.numel = self.full_layout.total
         self.device = _normalise_device(device)
-        self.ks: list[int] = [k_for(self.ratio, n) for n in self.layout.sizes]
+        #: each segment's entries in the message, and their sum: set here once, from ``segment_ks``
+        self.ks: list[int] = [int(k) for k in self.segment_ks(self.layout)]
+        if len(self.ks) != len(self.layout):
+            raise ValueError(f"{cls.__name__}.segment_ks gave {len(self.ks)} counts for {len(self.layout)} segments")
         self.k: int = sum(self.ks)
         self._draw_source: tuple[Compressor, list[int]] | None = None  # see share_draws
         #: the model's tensor number of each segment (``tensor_seed``): 0, 1, ... in the trainer;
@@ -251,6 +258,24 @@ class Compressor:
             raise TypeError(f"{type(self).__name__} got unknown options {sorted(options)}")
 
     # --- what subclasses provide -------------------------------------------------------------
+    @classmethod
+    def check_options(cls, **options) -> None:
+        """``ValueError`` (one line: the key, the value, what is allowed) for a bad value of one
+        of the class's own keyword options (its yaml's ``compressor`` node gives them): the one
+        place that says what each option takes. A subclass with options overrides it with them as
+        keywords (their defaults the constructor's) and calls it from its constructor;
+        ``config.validate`` calls it with the node's options before any rank starts. Default:
+        nothing to check (an option the class does not take is refused by its constructor, and by
+        ``config.validate``, which names the ones it takes)."""
+
+    def segment_ks(self, layout: Layout) -> list[int]:
+        """Each segment's entries in the message (``ks``; ``k`` is their sum), for the compressed
+        ``layout`` (one segment with ``scope="global"``), called once by ``Compressor.__init__``:
+        what it reads of a subclass is set before ``super().__init__`` (PowerSGD: each matrix's
+        rank). Default: ``k_for(ratio, size)`` each (a sparsifier); every entry sent (the
+        quantizers, dense): ``list(layout.sizes)``."""
+        return [k_for(self.ratio, n) for n in layout.sizes]
+
     @property
     def num_values(self) -> int:
         """Floats in the message's values section (the k entries)."""
@@ -398,9 +423,24 @@ class Compressor:
         return Payload(values, positions, idx)
 
     def forget(self, memory: torch.Tensor, payload: Payload) -> None:
-        """Error feedback's ``memory = acc - sent`` (``memory`` holds ``acc``): zero the sent
-        entries (all of them when ``payload.indices`` is None)."""
-        if payload.indices is None:  # everything was sent
+        """Error feedback's ``memory = acc - sent`` (``memory`` holds ``acc``), once a step.
+
+        When it runs (the exchange, ``comm.sparse``), and so what it subtracts:
+
+        - ``step.payload`` set by ``send`` with ``decoded`` None (every one-message compressor):
+          right after the last round's ``send``, before its collective, so before any
+          ``receive`` / ``decompress_add`` of the step. It subtracts this rank's own message as
+          a receiver decodes it, at full scale (not divided by the ranks; no other rank's):
+          here, zero the sent entries (all of them when ``payload.indices`` is None); a
+          quantizer adds its decoded message with negated values. ``memory`` may be ``acc``
+          itself: ``compress`` / ``send`` have copied what they send out of it by then.
+        - otherwise (``step.payload`` set in ``receive``, e.g. with ``decoded``: PowerSGD's
+          ``P Q^T``): after the last ``receive``, before the memory's ``update``. Where
+          ``payload.decoded`` is set it is what is subtracted, the update every rank applies
+          (by this base and by ``Quantizer`` alike)."""
+        if payload.decoded is not None:  # the update every rank decoded
+            memory.sub_(payload.decoded)
+        elif payload.indices is None:  # everything was sent
             memory.zero_()
         else:
             memory.index_fill_(0, payload.indices, 0)

@@ -36,7 +36,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from sparsetrain.compress.base import Compressor, Payload, Round
+from sparsetrain.compress.base import Compressor, Payload, Round, k_for
 
 #: The ranks ``closest_rank`` chooses from.
 MAX_RANK = 64
@@ -107,35 +107,26 @@ class PowerSGD(Compressor):
     """
 
     shared_positions: ClassVar[bool] = True  # nothing to share: aggregation does not apply
-    deterministic: ClassVar[bool] = True
-    sends_entries: ClassVar[bool] = False
     needs_shapes: ClassVar[bool] = True
     #: Q's Gaussian start is one stream over every matrix: a DDP bucket takes the model's
     draws_span_segments: ClassVar[bool] = True
-    #: the scopes it allows (comm.rules refuses the others in one line)
+    #: the scopes it allows (the constructor and comm.rules refuse the others in one line)
     scopes: ClassVar[tuple[str, ...]] = ("layerwise",)
     scope_reason: ClassVar[str] = "PowerSGD compresses each tensor as a matrix of its own"
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu",
                  rank: int | None = None, shapes: Sequence[Sequence[int]] | None = None):
-        if scope not in self.scopes:
-            raise ValueError(f"scope={scope!r} is not allowed for scheme=powersgd ({self.scope_reason}); "
-                             f"allowed: {', '.join(self.scopes)}")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"scheme.rank={rank!r} is not allowed; it must be an integer >= 1 "
-                             "(or null: the rank whose bytes come closest to the sparse schemes' at ratio)")
-        super().__init__(ratio, layout, scope, device=device)
+        self.check_options(rank=rank)
         if shapes is None:
             raise ValueError("PowerSGD needs the tensors' shapes (shapes=...): a flat size says nothing of the matrix")
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
-        sizes = tuple(math.prod(s) for s in self.shapes)
-        if sizes != self.layout.sizes:
-            raise ValueError(f"shapes of {sizes[:6]} entries for a layout of {self.layout.sizes[:6]}")
-        sparse_k = self.k  # the layer-wise sparse schemes' entries at ratio (Compressor: k_i per tensor)
+        # the layer-wise sparse schemes' entries at ratio, k_i per tensor (rank=None matches them)
+        sparse_k = sum(k_for(float(ratio), math.prod(s)) for s in self.shapes)
         self.rank = int(rank) if rank is not None else closest_rank(
             lambda r: factor_entries(self.shapes, r), sparse_k)
         self.matrices_shape = [matrix_shape(s) for s in self.shapes]
         self.ranks = [min(n, m, self.rank) for n, m in self.matrices_shape]
+        super().__init__(ratio, layout, scope, device=device)  # ks: segment_ks, from the ranks
         # factors grouped by matrix shape, shapes in the order first seen (torch's order)
         by_shape: dict[tuple[int, int], list[int]] = {}
         for i, nm in enumerate(self.matrices_shape):
@@ -153,9 +144,21 @@ class PowerSGD(Compressor):
                 p += n * r
                 q += m * r
         self.p_numel, self.q_numel = p, q
-        self.ks = [r * (n + m) for r, (n, m) in zip(self.ranks, self.matrices_shape, strict=True)]
-        self.k = p + q
         self.q: torch.Tensor | None = None  # kept from step to step (warm start); None before its start
+
+    @classmethod
+    def check_options(cls, *, rank: int | None = None) -> None:
+        """``rank``: an integer >= 1, or None (torch's hook, scheme=torch_powersgd, takes the same)."""
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"scheme.rank={rank!r} is not allowed; it must be an integer >= 1 "
+                             "(or null: the rank whose bytes come closest to the sparse schemes' at ratio)")
+
+    def segment_ks(self, layout):
+        """Both factors' entries, r (n + m), per matrix (``k = p_numel + q_numel``)."""
+        sizes = tuple(math.prod(s) for s in self.shapes)
+        if sizes != layout.sizes:
+            raise ValueError(f"shapes of {sizes[:6]} entries for a layout of {layout.sizes[:6]}")
+        return [r * (n + m) for r, (n, m) in zip(self.ranks, self.matrices_shape, strict=True)]
 
     @property
     def num_positions(self) -> int:
@@ -192,7 +195,8 @@ class PowerSGD(Compressor):
 
     def receive(self, r, step, got, out) -> None:
         """Round 0: keep the summed P. Round 1: Q averaged (and kept for the next step), the
-        update ``P Q^T`` into ``out``, given to the memory as the decoded update."""
+        update ``P Q^T`` into ``out``, given to the memory as the decoded update (the base's
+        ``forget`` subtracts it: ``memory = acc - P Q^T``)."""
         if r == 0:
             step.scratch["p"] = got.floats
             return
@@ -200,10 +204,6 @@ class PowerSGD(Compressor):
         outs = self.matrices(out)
         self.expand(step.scratch["p"], self.q, outs)
         step.payload = Payload(got.floats, got.floats.new_empty(0, dtype=torch.int64), None, decoded=out)
-
-    def forget(self, memory: torch.Tensor, payload: Payload) -> None:
-        """Error feedback's ``memory = acc - P Q^T`` (the update every rank applies)."""
-        memory.sub_(payload.decoded)
 
     def _start(self, run_seed: int, like: torch.Tensor) -> None:
         """Q's Gaussian start, seeded as torch's hook does: ``numpy.random.RandomState(run_seed)

@@ -242,7 +242,6 @@ class Quantizer(Compressor):
     ``decode_add`` (docs/own_compressor.md, "A quantizer")."""
 
     shared_positions = False
-    sends_entries = False
     ratio_applies = False
     allreduce_refusal = "sends every rank's own codes and scales, which cannot be summed"
     #: set by each subclass (or its constructor)
@@ -252,8 +251,6 @@ class Quantizer(Compressor):
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, device="cpu", **options):
         super().__init__(1.0, layout, scope, device=device, **options)  # ratio does not apply
-        self.ks = list(self.layout.sizes)
-        self.k = self.numel  # every entry is sent
         self._segment_bounds = self._bounds(self.spans())  # the kernels' segments (signSGD's scales)
         bits = self.bits_per_entry
         if isinstance(bits, bool) or not isinstance(bits, int) or bits < 1:
@@ -268,6 +265,9 @@ class Quantizer(Compressor):
             self.warm_kernels()
 
     # --- the message's two sections ------------------------------------------------------------
+    def segment_ks(self, layout):
+        return list(layout.sizes)  # every entry is sent
+
     @property
     def num_values(self) -> int:
         """One float per segment: its scale (signSGD) or norm (QSGD)."""
@@ -408,7 +408,11 @@ class Quantizer(Compressor):
 
     def forget(self, memory: torch.Tensor, payload: Payload) -> None:
         """``memory = acc - decode(message)``: the decoded message of the negated scales added
-        (the exact negation of the decoded message)."""
+        (the exact negation of the decoded message); ``payload.decoded`` where set, as the base's
+        (see ``Compressor.forget``: when it runs)."""
+        if payload.decoded is not None:
+            super().forget(memory, payload)
+            return
         self.decompress_add(payload.values.neg(), payload.positions, memory)
 
     def __repr__(self) -> str:
@@ -508,17 +512,7 @@ class QSGD(Quantizer):
 
     def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", *, levels: int = 127,
                  bucket_size: int | None = 512, generator: str = "counter", **kw):
-        if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
-                or not 1 <= levels <= self.MAX_LEVELS:
-            raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
-                             f"[1, {self.MAX_LEVELS}]")
-        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, float))
-                                        or int(bucket_size) != bucket_size or bucket_size < 1):
-            raise ValueError(f"scheme.bucket_size={bucket_size!r} is not allowed; it must be an integer >= 1, "
-                             "or null (one norm per tensor)")
-        if generator not in self.GENERATORS:
-            raise ValueError(f"scheme.generator={generator!r} is not allowed; use one of "
-                             f"{', '.join(self.GENERATORS)}")
+        self.check_options(levels=levels, bucket_size=bucket_size, generator=generator)
         self.generator = generator
         self.levels = int(levels)
         self.bucket_size = None if bucket_size is None else int(bucket_size)
@@ -535,6 +529,20 @@ class QSGD(Quantizer):
             self._cuts.append((o, n // size, size, n % size))
         self._num_buckets = sum(full + (tail > 0) for _, full, _, tail in self._cuts)
         self._bucket_bounds = self._bounds(self.bucket_spans())
+
+    @classmethod
+    def check_options(cls, *, levels: int = 127, bucket_size: int | None = 512, generator: str = "counter") -> None:
+        if isinstance(levels, bool) or not isinstance(levels, (int, float)) or int(levels) != levels \
+                or not 1 <= levels <= cls.MAX_LEVELS:
+            raise ValueError(f"scheme.levels={levels!r} is not allowed; it must be an integer in "
+                             f"[1, {cls.MAX_LEVELS}]")
+        if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, float))
+                                        or int(bucket_size) != bucket_size or bucket_size < 1):
+            raise ValueError(f"scheme.bucket_size={bucket_size!r} is not allowed; it must be an integer >= 1, "
+                             "or null (one norm per tensor)")
+        if generator not in cls.GENERATORS:
+            raise ValueError(f"scheme.generator={generator!r} is not allowed; use one of "
+                             f"{', '.join(cls.GENERATORS)}")
 
     def warm_kernels(self):
         kernels.warm(self.bits_per_entry)

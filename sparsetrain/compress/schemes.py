@@ -28,12 +28,12 @@ class NoCompression(Compressor):
     """Sends everything (dense SGD expressed as a compressor)."""
 
     shared_positions = True
-    deterministic = True
 
-    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", **kw):
+    def __init__(self, ratio: float = 1.0, layout=None, scope: str = "layerwise", **kw):  # ratio: any, all sent
         super().__init__(ratio, layout, scope, **kw)
-        self.ks = list(self.layout.sizes)
-        self.k = self.numel
+
+    def segment_ks(self, layout):
+        return list(layout.sizes)  # every entry is sent
 
     @property
     def num_positions(self) -> int:
@@ -69,7 +69,6 @@ class TopK(Compressor):
     """
 
     shared_positions = False
-    deterministic = True
     SMALL = 8192  # segments up to this size: every entry is a candidate
     # work buffers and tables built on first use (the kept-state check leaves them out)
     transient = ("_scratch", "_mask", "_sample_np", "_chunks", "_small", "_small_fast", "_tables")
@@ -391,9 +390,8 @@ class BlockRandomK(Compressor):
     draws_span_segments = True
 
     def __init__(self, ratio, layout, scope="layerwise", *, block_size: int = 256, **kw):
+        self.check_options(block_size=block_size)
         super().__init__(ratio, layout, scope, **kw)
-        if int(block_size) != block_size or block_size < 1:
-            raise ValueError(f"block_size={block_size!r} must be a positive integer")
         self.block_size = int(block_size)
         dev = self.device
         if scope == "layerwise":
@@ -416,6 +414,12 @@ class BlockRandomK(Compressor):
             self.last_size = n - (self.nb - 1) * B
             self.sampler = DistinctSampler([self.nb], [self.blocks_drawn], dev)
             self.entry_arange = torch.arange(self.k, device=dev)
+
+    @classmethod
+    def check_options(cls, *, block_size: int = 256) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, float)) \
+                or int(block_size) != block_size or block_size < 1:
+            raise ValueError(f"scheme.block_size={block_size!r} is not allowed; it must be an integer >= 1")
 
     @property
     def num_positions(self) -> int:

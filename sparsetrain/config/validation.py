@@ -3,6 +3,7 @@ combinations, the launch environment); the tuned values experiment=protocol read
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -19,7 +20,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     ``world_size`` agrees with the launcher's environment is the launcher's check
     (``launch.env.check_launch_environment``, called by the CLI before any rank starts)."""
     from sparsetrain.comm.rules import TORCH_HOOK_SCHEMES, check_combination
-    from sparsetrain.compress import parse_uncompressed
+    from sparsetrain.compress import PowerSGD, parse_uncompressed
 
     env = os.environ if env is None else env
     _resolve_tuned(cfg)
@@ -28,6 +29,8 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     try:
         if cfg.scheme.name in TORCH_HOOK_SCHEMES:  # no scope or aggregation of ours; ratio: matching
             check_combination("none", cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+            if cfg.scheme.get("rank") is not None:  # torch's PowerSGD hook: the rank PowerSGD takes
+                PowerSGD.check_options(rank=cfg.scheme.rank)
         else:
             compressor = scheme_compressor(cfg.scheme)
             # a scheme that synchronises every `period` steps without a compressor averages densely
@@ -55,14 +58,10 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         "optim.lr": cfg.optim.lr,
         "dist.timeout_s": cfg.dist.timeout_s,
     }
-    if cfg.scheme.get("block_size") is not None:
-        positive["scheme.block_size"] = cfg.scheme.block_size
     if cfg.train.max_steps is not None:
         positive["train.max_steps"] = cfg.train.max_steps
     if cfg.dist.ranks_per_node is not None:
         positive["dist.ranks_per_node"] = cfg.dist.ranks_per_node
-    if cfg.scheme.get("rank") is not None:
-        positive["scheme.rank"] = cfg.scheme.rank
     positive["dist.bucket_cap_mb"] = cfg.dist.bucket_cap_mb
     positive["dist.overlap_bucket_mb"] = cfg.dist.overlap_bucket_mb
     positive["dist.overlap_first_bucket_mb"] = cfg.dist.overlap_first_bucket_mb
@@ -71,13 +70,6 @@ def validate(cfg: Any, env: dict | None = None) -> None:
             raise ConfigError(f"{key}={value} is not allowed; it must be > 0")
     _check_milestones(list(cfg.optim.milestones))
     _check_momentum(cfg.optim)
-    levels = cfg.scheme.get("levels")
-    if levels is not None and not 1 <= levels <= 65535:  # QSGD's levels (an int: the schema says so)
-        raise ConfigError(f"scheme.levels={levels} is not allowed; it must be an integer in [1, 65535]")
-    bucket_size = cfg.scheme.get("bucket_size")
-    if bucket_size is not None and not bucket_size >= 1:  # QSGD's buckets (an int or null: the schema)
-        raise ConfigError(f"scheme.bucket_size={bucket_size} is not allowed; it must be an integer >= 1, "
-                          "or null (one norm per tensor)")
     for key, value in {"scheme.warmup_steps": cfg.scheme.warmup_steps,
                        "train.bn_recalibrate": cfg.train.bn_recalibrate,
                        "data.val_size": cfg.data.get("val_size", 0)}.items():
@@ -179,7 +171,22 @@ def scheme_compressor(scheme: Any) -> Any:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"scheme.compressor of scheme={scheme.name} cannot be built: {reason}") from None
     _check_implemented(factory, target)
+    _check_options(factory)
     return factory
+
+
+def _check_options(factory: Any) -> None:
+    """The scheme's options, checked by their one source: the compressor class's
+    ``check_options``, with the options of its ``compressor`` node, before any rank starts."""
+    from sparsetrain.compress import Compressor
+    from sparsetrain.compress.base import unwrap_partial
+
+    cls = unwrap_partial(factory)
+    if isinstance(cls, type) and issubclass(cls, Compressor) and isinstance(factory, functools.partial):
+        try:
+            cls.check_options(**factory.keywords)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _check_implemented(factory: Any, target: str | None) -> None:
