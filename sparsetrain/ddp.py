@@ -77,6 +77,7 @@ from sparsetrain.compress import (
     uncompressed_flags,
 )
 from sparsetrain.errors import ConfigError
+from sparsetrain.scheme_catalog import is_dense
 from sparsetrain.timing import NULL_TIMER
 
 #: the prefix of a compressor's per-parameter state among a parameter's memory pieces
@@ -272,7 +273,7 @@ class SparseHookState:
         # AllReduce, per rank with AllGather).
         layerwise = self.scope == "layerwise"
         compressor = self.compressor
-        if layerwise and compressor is not None and self.scheme != "none":
+        if layerwise and not is_dense(self.scheme):  # (check_combination: a compressor)
             options = self._model_compressor(buf.device).bucket_options()
             compressor = functools.partial(compressor, **options) if options else compressor
         reducer = build_reducer(
@@ -358,7 +359,7 @@ class SparseHookState:
             self.step += 1
         self.dense_bytes[index] = buf.numel() * buf.element_size()
         plan = None
-        if self.scheme != "none" and step >= self.warmup_steps:
+        if not is_dense(self.scheme) and step >= self.warmup_steps:
             plan = self._plan(bucket, buf)
         if plan is None or plan.reducer is None:  # dense: DDP's own AllReduce
             self.bytes_sent[index] = self.dense_bytes[index]
@@ -397,7 +398,7 @@ class SparseHookState:
     def plan(self, bucket: dist.GradBucket) -> None:
         """Build ``bucket``'s reducer (and hand it its parameters' memory) without exchanging:
         the trainer calls it while DDP settles its buckets, so sizes are known before step 0."""
-        if self.scheme != "none":
+        if not is_dense(self.scheme):
             self._plan(bucket, bucket.buffer())
 
     def sizes(self) -> dict:

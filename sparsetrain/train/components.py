@@ -12,6 +12,7 @@ from hydra.utils import instantiate
 
 from sparsetrain.comm import Reducer, build_exchange
 from sparsetrain.models import param_groups_for_weight_decay
+from sparsetrain.scheme_catalog import exchange_scheme
 from sparsetrain.train.ddp_exchange import DDPExchange
 
 
@@ -40,9 +41,9 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
     sync = instantiate(cfg.scheme.sync) if cfg.scheme.get("sync") else None
     # local SGD / DiLoCo: the scheme's exchange (dense without a compressor) averages the model's
     # pseudo-gradient every `period` steps, not the gradient every step (comm.periodic)
+    scheme = exchange_scheme(cfg.scheme.name, has_compressor=compressor is not None, synchronises=sync is not None)
     flat, params, reducer = build_exchange(
-        params, cfg.scheme.name if compressor is not None or sync is None else "none", cfg.scope.name,
-        cfg.aggregation.name, cfg.ratio,
+        params, scheme, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
         uncompressed=cfg.scheme.uncompressed, device=device, world_size=world_size, rank=rank,
         seed=cfg.seed, error_feedback=cfg.scheme.error_feedback,
         warmup_steps=cfg.scheme.warmup_steps if sync is None else 0,

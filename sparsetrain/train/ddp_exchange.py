@@ -53,6 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsetrain.comm import ExchangeStats
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
 from sparsetrain.results import TORCH_HOOK_SCHEMES
+from sparsetrain.scheme_catalog import is_dense
 from sparsetrain.timing import BucketClock, PhaseTimer
 
 # DDP's bucket cap for PowerSGD on gloo: larger than any model, so every parameter is in one
@@ -112,12 +113,12 @@ class DDPExchange:
         self.dense_bytes_per_step = self.numel * esize
         # the bytes of tensors that travel whole, uncompressed: all of them for dense SGD (as the
         # trainer's DenseReducer counts), the hooks' own count otherwise
-        self.uncompressed_bytes_per_step = self.dense_bytes_per_step if scheme.name == "none" else 0
+        self.uncompressed_bytes_per_step = self.dense_bytes_per_step if is_dense(scheme.name) else 0
         self.density = 1.0
         self.collective = "allreduce"
         self.warmup_steps = 0
         sync = bool(scheme.get("sync"))
-        self.compresses = scheme.name != "none" and not sync
+        self.compresses = not is_dense(scheme.name) and not sync
         bucket_cap_mb = cfg.dist.bucket_cap_mb
         if scheme.name == "torch_powersgd" and dist.get_backend() == "gloo":
             bucket_cap_mb = ONE_BUCKET_MB
@@ -172,7 +173,7 @@ class DDPExchange:
             hook = sparse_hook
             on_bypass = self.state.plan
             self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
-            if scheme.name != "none":
+            if not is_dense(scheme.name):
                 self.collective = self.sparse.collective  # until settle() plans the buckets
                 self.warmup_steps = int(scheme.warmup_steps)
         # local SGD / DiLoCo synchronise after the optimizer, not inside backward: no overlap

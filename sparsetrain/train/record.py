@@ -38,6 +38,7 @@ from sparsetrain.results import (
     stability_of,
     write_test_predictions,
 )
+from sparsetrain.scheme_catalog import is_dense
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
 from sparsetrain.train.build import Parts
@@ -263,7 +264,7 @@ class RunRecord:
             "density": red.density,  # entries sent / entries, uncompressed tensors included
             "uncompressed_bytes_per_step": red.uncompressed_bytes_per_step,
             "uncompressed_share": red.uncompressed_bytes_per_step / red.bytes_sent_per_step,
-            "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
+            "compression_start_step": red.warmup_steps if not is_dense(self.cfg.scheme.name) else None,
             # what carries the exchange once it compresses, and which of the run's axes change
             # what is sent: the compressor's own word, so the analysis needs no list of schemes
             "collective": red.collective,
