@@ -179,27 +179,27 @@ class SparseHookState:
         self.exchange_ms: list[float] = []  # this iteration's waits for earlier rounds, inside the hook
 
     # --- accounting ----------------------------------------------------------------------------
-    def _planned(self, attr: str, default):
-        """``attr`` of the first planned bucket's reducer (``default`` until one is planned)."""
-        for plan in self._buckets.values():
-            if plan.reducer is not None:
-                return getattr(plan.reducer, attr)
-        return default
+    def _planned(self) -> SparseReducer | None:
+        """The first planned bucket's reducer (None until one is planned)."""
+        return next((plan.reducer for plan in self._buckets.values() if plan.reducer is not None), None)
 
     @property
     def ratio_applies(self) -> bool:
-        return self._planned("ratio_applies", True)
+        red = self._planned()
+        return red.ratio_applies if red is not None else True
 
     @property
     def aggregation_applies(self) -> bool:
-        return self._planned("aggregation_applies", True)
+        red = self._planned()
+        return red.aggregation_applies if red is not None else True
 
     @property
     def collective(self) -> str:
         """What carries the exchange once it compresses, as the planned buckets' reducers say
         (AllGather where a round gathers; PowerSGD's rounds are AllReduces whatever
         ``aggregation``); ``aggregation`` until a bucket is planned."""
-        return self._planned("collective", self.aggregation)
+        red = self._planned()
+        return red.collective if red is not None else self.aggregation
 
     @property
     def bytes_sent_per_step(self) -> int:

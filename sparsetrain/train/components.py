@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
-from sparsetrain.comm import Reducer, build_exchange
+from sparsetrain.comm import Reducer, build_exchange, check_reducer
 from sparsetrain.models import param_groups_for_weight_decay
 from sparsetrain.scheme_catalog import exchange_scheme
 from sparsetrain.train.ddp_exchange import DDPExchange
@@ -32,7 +32,14 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
                          device="cpu") -> Exchange:
     """The exchange for ``model``: scheme, scope, aggregation, ratio, ``scheme.uncompressed``,
     error feedback, warm-up steps, seed, the scheme's compressor node (its class and options),
-    ``dist.overlap``; with ``dist.ddp`` the model in DDP with the scheme's hook."""
+    ``dist.overlap``; with ``dist.ddp`` the model in DDP with the scheme's hook. A reducer that
+    lacks a member of ``comm.Reducer`` is refused here (``ConfigError``), not mid-run."""
+    exchange = _exchange(cfg, model, world_size=world_size, rank=rank, device=device)
+    check_reducer(exchange.reducer, f"scheme={cfg.scheme.name}")
+    return exchange
+
+
+def _exchange(cfg: Any, model: torch.nn.Module, *, world_size: int, rank: int, device) -> Exchange:
     if cfg.dist.ddp and not cfg.scheme.get("sync"):
         red = DDPExchange(cfg, model, device=torch.device(device))
         return Exchange(red.net, None, list(model.parameters()), red)

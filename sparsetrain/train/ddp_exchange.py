@@ -50,7 +50,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsetrain.comm import ExchangeStats
+from sparsetrain.comm import ExchangeStats, ReducerBase
 from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
 from sparsetrain.results import TORCH_HOOK_SCHEMES
 from sparsetrain.scheme_catalog import is_dense
@@ -96,7 +96,7 @@ def _timed_hook(timed: _TimedHook, bucket: dist.GradBucket) -> torch.futures.Fut
     return fut
 
 
-class DDPExchange:
+class DDPExchange(ReducerBase):
     """The model in DDP with the configured hook, seen by the trainer as its reducer.
 
     ``net`` is the DDP model the train step runs; ``module`` the model inside it (evaluation,
@@ -250,12 +250,6 @@ class DDPExchange:
         """Per DDP bucket (launch order) its share of the entries and how long before backward's
         end it was handed to the hook (mean ms; ``timing.BucketClock``); None: not overlapped."""
         return self.timed.clock.means() if self.timed.clock is not None else None
-
-    def attach(self, params, flat_grad, **buckets) -> "DDPExchange":
-        return self  # DDP overlaps by itself
-
-    def detach(self) -> None:
-        pass
 
     def state_dict(self) -> dict:
         if self.sparse is not None:
