@@ -6,7 +6,7 @@
 - ``dense``: ``DenseReducer``, one AllReduce, optionally overlapped with backward;
 - ``sparse``: ``SparseReducer``, the memory (error feedback) + a compressor + the rounds of
   collectives it declares (one AllReduce or packed AllGather for the sparsifiers and quantizers,
-  two AllReduces for PowerSGD); the DDP hook (``sparsetrain.ddp``) runs it per bucket;
+  two AllReduces for PowerSGD); the DDP hook (``sparsetrain.comm.ddp_hook``) runs it per bucket;
 - ``rules``: which scheme / scope / aggregation combinations exist;
 - ``build``: ``build_exchange`` (buffer + reducer, as the trainer and every benchmark build them).
 """

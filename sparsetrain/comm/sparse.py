@@ -317,7 +317,7 @@ class SparseReducer(ReducerBase):
             collective=self.collective,
         )
 
-    # --- the one step: ``reduce`` and the DDP hook (sparsetrain.ddp) both drive it ------------------
+    # --- the one step: ``reduce`` and the DDP hook (sparsetrain.comm.ddp_hook) both drive it ------------------
     def start(self, buf: torch.Tensor, step: int, *, placement: Placement | None = None,
               want_stats: bool = False, timer: PhaseTimer = NULL_TIMER, async_op: bool = True) -> SparseStep:
         """The memory's accumulate over ``buf``'s compressed tensors, then every round but the

@@ -1,7 +1,7 @@
 """Training through torch DDP (``dist.ddp=true``): the model wrapped in DistributedDataParallel,
 the exchange done by a communication hook during backward. The hook by scheme:
 
-  every scheme with a    ``sparsetrain.ddp.sparse_hook`` with the configured scope (global: within a
+  every scheme with a    ``comm.ddp_hook.sparse_hook`` with the configured scope (global: within a
   compressor node      bucket), aggregation, ratio, memory, ``scheme.uncompressed``, warm-up and
   (topk, randk, ...,   seed: the trainer's exchange per bucket, on the bucket in place (a
   powersgd)            compressor's earlier rounds, e.g. PowerSGD's P, are waited for inside the
@@ -9,7 +9,7 @@ the exchange done by a communication hook during backward. The hook by scheme:
   none                 DDP's own AllReduce (through the same hook, so it is timed the same way)
   torch_powersgd       torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
                        by default, the rank whose bytes come closest to the layer-wise sparse
-                       hook's at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``)
+                       hook's at ``ratio`` (``comm.ddp_hook.matched_powersgd_rank``)
   fp16, bf16           torch's fp16 / bf16 compression hooks (every entry cast to 16 bits, AllReduced,
                        cast back)
   localsgd, diloco     torch's post-local-SGD hook (a scheme's sync node): the gradients AllReduced
@@ -56,7 +56,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsetrain.comm import ExchangeStats, ReducerBase
-from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
+from sparsetrain.comm.ddp_hook import (
+    SparseHookState,
+    matched_powersgd_rank,
+    powersgd_numel,
+    sparse_hook,
+)
 from sparsetrain.errors import ConfigError
 from sparsetrain.results import TORCH_HOOK_SCHEMES
 from sparsetrain.scheme_catalog import is_dense

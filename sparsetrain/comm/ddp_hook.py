@@ -1,7 +1,7 @@
 """DDP communication hooks: sparsetrain's schemes inside any torch DistributedDataParallel model.
 
     from sparsetrain.compress import BlockRandomK
-    from sparsetrain.ddp import SparseHookState, sparse_hook
+    from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
     state = SparseHookState(ddp_model, "blockk", aggregation="allreduce", ratio=0.01,
                             compressor=BlockRandomK)
     ddp_model.register_comm_hook(state, sparse_hook)
@@ -65,8 +65,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from sparsetrain.comm import SparseReducer, build_reducer, check_combination
-from sparsetrain.comm.sparse import Placement
+from sparsetrain.comm.build import build_reducer
+from sparsetrain.comm.rules import check_combination
+from sparsetrain.comm.sparse import Placement, SparseReducer
 from sparsetrain.compress import (
     BlockRandomK,
     Layout,
