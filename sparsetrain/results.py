@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sparsetrain import schemes  # plain yaml, no torch
+from sparsetrain import scheme_catalog  # plain yaml, no torch
 from sparsetrain.errors import one_line_error  # noqa: F401  (the one formatter; re-exported)
 
 SUMMARY = "summary.json"
@@ -443,10 +443,10 @@ class NullWriter:
 # Schemes that are torch's own DDP communication hooks (PowerSGD, fp16 and bf16 compression): they
 # run only through DDP (dist.ddp=true) and have no scope or aggregation of sparsetrain's
 # (conf/schemes.yaml: torch_hook).
-TORCH_HOOK_SCHEMES = schemes.with_property("torch_hook")
+TORCH_HOOK_SCHEMES = scheme_catalog.with_property("torch_hook")
 # Schemes that send every entry, quantized (sparsetrain.compress.quantize): ``ratio`` does not
 # apply to them (the analysis records 1.0, as for fp16 and bf16; conf/schemes.yaml: every_entry).
-QUANTIZER_SCHEMES = tuple(s for s in schemes.with_property("every_entry") if s not in TORCH_HOOK_SCHEMES)
+QUANTIZER_SCHEMES = tuple(s for s in scheme_catalog.with_property("every_entry") if s not in TORCH_HOOK_SCHEMES)
 
 
 def recorded_scheme(node: Any) -> Any:
@@ -455,7 +455,7 @@ def recorded_scheme(node: Any) -> Any:
     compressor (``compressor: null``); it is ``torch_powersgd`` now (conf/schemes.yaml:
     ``formerly``). sparsetrain's PowerSGD records its compressor node."""
     name = node.get("name") if isinstance(node, dict) else node
-    return schemes.formerly(name, has_compressor=bool(isinstance(node, dict) and node.get("compressor")))
+    return scheme_catalog.formerly(name, has_compressor=bool(isinstance(node, dict) and node.get("compressor")))
 
 # A run "did not train" when its final training loss is no better than a uniform guess over the
 # classes (ln C, 2.30 for 10 classes): such a run diverged or never left the start, and its

@@ -1,4 +1,4 @@
-"""sparsetrain.ddp: the DDP communication hook on real gloo process groups (2 and 3 ranks).
+"""sparsetrain.comm.ddp_hook: the DDP communication hook on real gloo process groups (2 and 3 ranks).
 
 Checked against DDP's own AllReduce (ratio 1, warm-up) and against a hand-computed reference
 (float64; each rank's gradient without DDP, memory and masks by hand, with the bucket layouts
@@ -18,8 +18,8 @@ from test_exchange import COMBOS  # every valid scheme x scope x aggregation
 from torch import nn
 
 from sparsetrain.comm import check_combination
+from sparsetrain.comm.ddp_hook import SparseHookState, bucket_seed, sparse_hook
 from sparsetrain.compress import BlockRandomK, Layout, TopK, step_seed, uncompressed_flags
-from sparsetrain.ddp import SparseHookState, bucket_seed, sparse_hook
 
 CAP_MB = 0.002  # a few KB: several buckets, most holding conv weights and batch-norm vectors
 SEED, RATIO, BLOCK, STEPS, LR = 5, 0.1, 16, 4, 0.1
@@ -379,7 +379,7 @@ def test_state_dict_resume(two):
                 assert max(res["diff"]) == 0.0, (combo, res["diff"])
             else:
                 # random positions are drawn per bucket: the first iteration after a restart runs
-                # on DDP's initial single bucket, so it draws other positions (see sparsetrain.ddp)
+                # on DDP's initial single bucket, so it draws other positions (see sparsetrain.comm.ddp_hook)
                 assert all(d < 1.0 for d in res["diff"]), (combo, res["diff"])
 
 

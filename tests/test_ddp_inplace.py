@@ -19,8 +19,8 @@ from test_ddp_hook import CAP_MB, LR, batch, grads, net, state_for
 from test_exchange import COMBOS
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+from sparsetrain.comm.ddp_hook import sparse_hook
 from sparsetrain.compress import compressed_first, uncompressed_flags
-from sparsetrain.ddp import sparse_hook
 
 STEPS = 4
 # the quantizers (AllGather only): every message decodes to the bucket's whole compressed part

@@ -159,7 +159,7 @@ class CheckpointOnly(DeclaredDrifting):
 def _ddp_run(compressor) -> str | None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from sparsetrain.ddp import SparseHookState, sparse_hook
+    from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
 
     model = DDP(net(), bucket_cap_mb=CAP_MB)
     state = SparseHookState(model, "mine", "layerwise", "allgather", 0.1, compressor=compressor)

@@ -14,8 +14,8 @@ from conftest import ROOT
 from test_ddp_hook import CAP_MB, _free_port, batch, net
 
 from sparsetrain.comm import build_exchange
+from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
 from sparsetrain.compress import Compressor, step_seed
-from sparsetrain.ddp import SparseHookState, sparse_hook
 from sparsetrain.timing import NULL_TIMER
 
 SEED, RATIO, STEPS, LR = 7, 0.1, 4, 0.1

@@ -15,10 +15,10 @@ from conftest import TINY, on_gloo_ranks, read_json, read_jsonl, run_cli
 from test_ddp_hook import Net
 
 from sparsetrain.comm import SparseReducer, build_exchange, build_reducer
+from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
 from sparsetrain.comm.sparse import Placement
 from sparsetrain.compress import Layout, PowerSGD, compressed_first, uncompressed_flags
 from sparsetrain.compress.powersgd import closest_rank, factor_entries, matrix_shape, orthogonalise
-from sparsetrain.ddp import SparseHookState, sparse_hook
 from sparsetrain.timing import PhaseTimer
 
 F64 = torch.float64
@@ -156,8 +156,8 @@ def test_bytes_counted_as_sent():
 def test_resnet20_bytes_and_the_rank_rule_shared_with_torchs_hook():
     """ResNet-20 (Fashion-MNIST): rank null at the default ratio 0.01 is rank 1, 7,773 entries
     (31,092 B) per step, torch's hook's bytes at its matched rank; the rule is the one
-    ``sparsetrain.ddp.matched_powersgd_rank`` applies to torch's hook (``closest_rank``)."""
-    from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
+    ``sparsetrain.comm.ddp_hook.matched_powersgd_rank`` applies to torch's hook (``closest_rank``)."""
+    from sparsetrain.comm.ddp_hook import matched_powersgd_rank, powersgd_numel
     from sparsetrain.models import build_model
 
     model = build_model("resnet20", 1, 10)

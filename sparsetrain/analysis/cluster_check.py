@@ -23,6 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from sparsetrain.costmodel import Collective
+from sparsetrain.scheme_catalog import is_dense
 
 from .loader import DENSE, collective_of
 from .time_to_accuracy import (
@@ -57,14 +58,14 @@ def bench_collective(row: str, result: dict) -> str | None:
     if not result.get("bytes_sent_per_step"):
         return None
     scheme = options.get("scheme")
-    return collective_of({**options, "scheme": DENSE if scheme == "none" else scheme})
+    return collective_of({**options, "scheme": DENSE if is_dense(scheme) else scheme})
 
 
 def _timed_collective(row: str, result: dict) -> str | None:
     """:func:`bench_collective` for rows whose exchange is a phase of its own; None for the
     overlapped dense path and torch DDP, whose exchange runs inside backward."""
     options = result.get("options") or {}
-    dense_inside_backward = options.get("scheme") == "none" and (row != "dense" or options.get("overlap"))
+    dense_inside_backward = is_dense(options.get("scheme")) and (row != "dense" or options.get("overlap"))
     if options.get("ddp") or dense_inside_backward:  # (`overlap` applies to dense SGD only)
         return None
     return bench_collective(row, result)

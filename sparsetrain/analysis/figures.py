@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from sparsetrain import schemes
+from sparsetrain import scheme_catalog as schemes
 
 from .group import expand_dense, mark_repeats, sort_rows, summarize, varying_axes
 from .loader import DEFAULT_SYNC, DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed

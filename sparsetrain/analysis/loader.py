@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from sparsetrain import schemes  # plain yaml, no torch
+from sparsetrain import scheme_catalog as schemes  # plain yaml, no torch
 from sparsetrain.costmodel import wire_bytes  # no torch
 from sparsetrain.provenance import UNKNOWN, describe  # stdlib only, no torch
 from sparsetrain.results import (  # stdlib only, no torch

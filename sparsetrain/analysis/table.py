@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from sparsetrain import schemes
+from sparsetrain import scheme_catalog as schemes
 
 from .loader import AXES, DENSE, NOT_APPLICABLE, REPLICATE
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from sparsetrain.benchmarks.harness import REPO as ROOT
 from sparsetrain.launch.report import runs_table, sweep_jobs  # no torch
+from sparsetrain.scheme_catalog import is_dense
 
 SCHEMES = "none,topk,randk,blockk"
 DEFAULTS = [
@@ -43,7 +44,7 @@ def table(sweep: Path) -> str:
         path = job / "summary.json"
         s = json.loads(path.read_text()) if path.exists() else None
         name = s["config"]["scheme"]["name"] if s and "config" in s else job.name
-        rows.append((["dense" if name == "none" else name], s))
+        rows.append((["dense" if is_dense(name) else name], s))
     return runs_table(rows, head=("scheme",),
                       phases=("forward", "backward", "compress", "exchange", "decompress", "step"))
 

@@ -23,9 +23,9 @@ with DDP's buffers left unsynchronised and its buckets settled before step 0 as 
   ddp_st_powersgd DDP + sparsetrain's PowerSGD hook (scheme=powersgd: error feedback, warm
                   start, 1-D tensors whole) at the rank its own rule picks (the same as torch's
                   here), in the default buckets (it issues both AllReduces from the hook)
-  ddp_blockk      DDP + sparsetrain.ddp hook: block-random-k 1%, layer-wise, AllReduce
-  ddp_randk       DDP + sparsetrain.ddp hook: random-k 1%, layer-wise, AllReduce
-  ddp_topk        DDP + sparsetrain.ddp hook: top-k 1%, layer-wise, AllGather
+  ddp_blockk      DDP + comm.ddp_hook (ours): block-random-k 1%, layer-wise, AllReduce
+  ddp_randk       DDP + comm.ddp_hook (ours): random-k 1%, layer-wise, AllReduce
+  ddp_topk        DDP + comm.ddp_hook (ours): top-k 1%, layer-wise, AllGather
   reducer_blockk  sparsetrain's own reducer (block-k 1%, layer-wise, AllReduce) after
                   backward, as the trainer runs it
 
@@ -62,9 +62,9 @@ from pathlib import Path
 from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.stats import median_interval, round_order  # noqa: F401  (re-exported)
 from sparsetrain.benchmarks.tables import grid, num
+from sparsetrain.comm.ddp_hook import matched_powersgd_rank
 from sparsetrain.compress import kernels
 from sparsetrain.costmodel import mean_buckets
-from sparsetrain.ddp import matched_powersgd_rank
 
 # configuration -> the config overrides that build it (on top of experiment=cpu_scale,
 # model=resnet18, ratio=--ratio): every one through train.components.exchange_from_config, the

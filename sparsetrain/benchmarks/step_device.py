@@ -37,11 +37,12 @@ import torch
 
 from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.harness import REPO
+from sparsetrain.scheme_catalog import DENSE, is_dense
 from sparsetrain.timing import PHASES, PhaseTimer
 from sparsetrain.train.components import exchange_from_config, optimizer_from_config
 from sparsetrain.train.step import TrainStep
 
-ROWS = [("none", "layerwise", "allreduce")] + [
+ROWS = [(DENSE, "layerwise", "allreduce")] + [
     (scheme, scope, "allgather" if scheme == "topk" else "allreduce")
     for scheme in ("topk", "randk", "blockk")
     for scope in ("layerwise", "global")
@@ -111,8 +112,8 @@ def table(doc: dict) -> str:
     for r in doc["rows"]:
         ph = r["phases_ms"]
         peak = f"{r['peak_memory_mb']:>9.0f}" if r["peak_memory_mb"] is not None else f"{'-':>9}"
-        scope = r["scope"] if r["scheme"] != "none" else "-"
-        name = (r["scheme"] + ("+F" if r.get("fast_path") else "")) if r["scheme"] != "none" else "dense"
+        scope = r["scope"] if not is_dense(r["scheme"]) else "-"
+        name = (r["scheme"] + ("+F" if r.get("fast_path") else "")) if not is_dense(r["scheme"]) else "dense"
         lines.append(
             f"{name:<9}{scope:<11}{r['step_ms']:>8.2f}{r['step_ms'] / dense:>8.2f}"
             + "".join(f"{ph[p]:>7.2f}" for p in PARTS)
@@ -120,7 +121,7 @@ def table(doc: dict) -> str:
         )
     lines.append("")
     lines.append("phases add up to the step within 10%: " + ", ".join(
-        f"{(r['scheme'] + ('+F' if r.get('fast_path') else '')) if r['scheme'] != 'none' else 'dense'}/{r['scope']}={'yes' if r['phase_sum_over_step'] >= 0.9 else 'NO'}"
+        f"{(r['scheme'] + ('+F' if r.get('fast_path') else '')) if not is_dense(r['scheme']) else 'dense'}/{r['scope']}={'yes' if r['phase_sum_over_step'] >= 0.9 else 'NO'}"
         for r in doc["rows"]))
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ from sparsetrain.comm.protocol import Reducer
 from sparsetrain.comm.rules import check_combination
 from sparsetrain.comm.sparse import SparseReducer
 from sparsetrain.compress import Layout, as_layout, compressor_class, uncompressed_flags
+from sparsetrain.scheme_catalog import is_dense
 
 
 def build_reducer(
@@ -65,7 +66,7 @@ def build_reducer(
     n_compressed = flags.index(True) if True in flags else len(flags)  # segments before the first whole one
     if not all(flags[n_compressed:]):
         raise ValueError("uncompressed segments must come last in the flat buffer (see flat_gradients)")
-    if scheme == "none" or n_compressed == 0:  # nothing to compress: dense SGD
+    if is_dense(scheme) or n_compressed == 0:  # nothing to compress: dense SGD
         return DenseReducer(layout.total, esize, group=group)
     options = {}
     if compressor_class(compressor).needs_shapes:
@@ -111,7 +112,7 @@ def build_exchange(
     params_in_buffer_order, reducer)``.
     """
     params = [p for p in params if p.requires_grad]
-    rule = uncompressed if scheme != "none" else "none"
+    rule = uncompressed if not is_dense(scheme) else "none"  # the rule "none": no tensor travels whole
     flags = uncompressed_flags([p.shape for p in params], rule)
     flat, params, flags = flat_gradients(params, flags, device=device, dtype=dtype)
     reducer = build_reducer(scheme, scope, aggregation, ratio, Layout.from_tensors(params),

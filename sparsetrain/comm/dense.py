@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sparsetrain.comm.protocol import ExchangeStats
+from sparsetrain.comm.protocol import ExchangeStats, ReducerBase
 from sparsetrain.compress import Layout
 from sparsetrain.timing import BucketClock, PhaseTimer
 
@@ -18,7 +18,7 @@ def average_dense(flat: torch.Tensor, world: int, group=None) -> None:
         flat.div_(world)
 
 
-class DenseReducer:
+class DenseReducer(ReducerBase):
     """Plain data-parallel SGD: one AllReduce of the flat gradient, divided by world size.
 
     ``attach(params)`` (optional) overlaps the AllReduce with backward, as DDP does: the flat

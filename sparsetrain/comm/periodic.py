@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from sparsetrain.comm.dense import average_dense
-from sparsetrain.comm.protocol import ExchangeStats
+from sparsetrain.comm.protocol import ExchangeStats, ReducerBase
 from sparsetrain.compress import Layout
 from sparsetrain.timing import PhaseTimer
 
@@ -69,7 +69,7 @@ def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-class PeriodicSync:
+class PeriodicSync(ReducerBase):
     """The ``Reducer`` of local SGD / DiLoCo over ``params`` (the model's, in the flat gradient
     buffer's order) and the model's floating-point ``buffers``.
 
@@ -78,6 +78,8 @@ class PeriodicSync:
     ``nesterov``. ``reduce`` leaves the gradient local (it averages it only during warm-up);
     ``after_optimizer`` synchronises on the last step of each period.
     """
+
+    ranks_diverge = True  # each rank's model and optimizer are its own within a period
 
     def __init__(self, params, buffers, inner, *, period: int, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, nesterov: bool = True, warmup_steps: int = 0, group=None,
@@ -122,11 +124,11 @@ class PeriodicSync:
         self.collective = inner.collective
         self.syncs = 0  # synchronisations done
         self.sync_ms, self.syncs_timed = 0.0, 0  # their phases' time, over the timer's counted steps
-        self.ranks_diverge = True  # each rank's model and optimizer are its own within a period
         # which of the run's axes change what is sent: the inner exchange's (none when dense)
-        self.ratio_applies = bool(getattr(inner, "ratio_applies", False))
-        self.aggregation_applies = bool(getattr(inner, "aggregation_applies", False))
-        self.scope_applies = hasattr(inner, "compressor")
+        self.compresses = bool(inner.compresses)
+        self.ratio_applies = self.compresses and bool(inner.ratio_applies)
+        self.aggregation_applies = self.compresses and bool(inner.aggregation_applies)
+        self.scope_applies = self.compresses
 
     @staticmethod
     def check_options(*, period: int = 1, outer_lr: float = 1.0, outer_momentum: float = 0.0, **_) -> None:
@@ -250,12 +252,6 @@ class PeriodicSync:
         """Under DDP: its buckets settled before step 0 (``DDPExchange.settle``)."""
         if self.gradients is not None:
             self.gradients.settle(inputs)
-
-    def attach(self, params, flat_grad, **buckets) -> PeriodicSync:
-        return self
-
-    def detach(self) -> None:
-        pass
 
     def state_dict(self) -> dict:
         """The anchor, the outer optimizer's momentum and the inner exchange's memory: restored,

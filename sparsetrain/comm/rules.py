@@ -11,6 +11,7 @@ from typing import Any
 
 from sparsetrain.compress import SCOPES, compressor_class
 from sparsetrain.results import TORCH_HOOK_SCHEMES  # noqa: F401  (the analysis reads it without torch)
+from sparsetrain.scheme_catalog import is_dense
 
 AGGREGATIONS = ("allreduce", "allgather")
 
@@ -38,16 +39,16 @@ def check_combination(scheme: str, scope: str, aggregation: str, ratio: float, c
     instantiates it (a ``functools.partial`` of the class), or the class; None only for
     ``scheme='none'``, dense SGD, which accepts any scope and aggregation (they do not apply to it).
     """
-    if scheme != "none" and compressor is None:
+    if not is_dense(scheme) and compressor is None:
         raise ValueError(f"scheme={scheme!r} has no compressor: its conf/scheme/{scheme}.yaml must name "
                          "the class in a compressor node (_target_, _partial_: true)")
     if scope not in SCOPES:
         raise ValueError(f"scope={scope!r} is not allowed; allowed: {', '.join(SCOPES)}")
-    cls = compressor_class(compressor) if scheme != "none" else None
+    cls = None if is_dense(scheme) else compressor_class(compressor)
     if cls is not None and scope not in cls.scopes:  # a compressor with fewer scopes says which (PowerSGD)
         why = f" ({cls.scope_reason})" if cls.scope_reason else ""
         raise ValueError(f"scope={scope!r} is not allowed for scheme={scheme!r}{why}; "
                          f"allowed: {', '.join(cls.scopes)}")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < ratio <= 1.0:
         raise ValueError(f"ratio={ratio!r} is not allowed; allowed: a number in (0, 1]")
-    check_aggregation(scheme, aggregation, None if scheme == "none" else compressor)
+    check_aggregation(scheme, aggregation, None if is_dense(scheme) else compressor)

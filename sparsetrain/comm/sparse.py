@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.flat import packed_runs
-from sparsetrain.comm.protocol import ExchangeStats
+from sparsetrain.comm.protocol import ExchangeStats, ReducerBase
 from sparsetrain.comm.rules import check_aggregation
 from sparsetrain.compress import ErrorFeedback, compressed_first, compression_stats, step_seed
 from sparsetrain.compress.base import Message, Round, StepState
@@ -166,7 +166,7 @@ class _RoundBuffers:
                 for r in range(self.world)]
 
 
-class SparseReducer:
+class SparseReducer(ReducerBase):
     """The memory (error feedback by default) + a compressor's rounds of collectives, on the
     flat buffer or a DDP bucket: the one exchange of every compressor.
 
@@ -192,6 +192,8 @@ class SparseReducer:
     start of the next (``check_kept_state``). ``kept_route`` says what must carry that state:
     ``state_dict`` (the trainer's checkpoints) or ``pieces`` (the DDP hook's).
     """
+
+    compresses = True  # (build_reducer gives a DenseReducer where nothing is compressed)
 
     def __init__(
         self,
@@ -315,7 +317,7 @@ class SparseReducer:
             collective=self.collective,
         )
 
-    # --- the one step: ``reduce`` and the DDP hook (sparsetrain.ddp) both drive it ------------------
+    # --- the one step: ``reduce`` and the DDP hook (sparsetrain.comm.ddp_hook) both drive it ------------------
     def start(self, buf: torch.Tensor, step: int, *, placement: Placement | None = None,
               want_stats: bool = False, timer: PhaseTimer = NULL_TIMER, async_op: bool = True) -> SparseStep:
         """The memory's accumulate over ``buf``'s compressed tensors, then every round but the
@@ -451,13 +453,6 @@ class SparseReducer:
         if pending.want_stats:
             with timer.untimed():
                 pending.stats = (error, self.memory.norm())
-
-    def attach(self, params, flat_grad: torch.Tensor, **buckets) -> SparseReducer:
-        """Nothing to start during backward: compression needs the whole gradient."""
-        return self
-
-    def detach(self) -> None:
-        pass
 
     def state_dict(self) -> dict:
         out = {"error_feedback": self.memory.state_dict()}

@@ -206,7 +206,7 @@ class DistConfig:
     overlap_first_bucket_mb: float = 1.0
     # Train through torch DistributedDataParallel: the exchange runs in a DDP communication hook
     # during backward, overlapped with it (sparsetrain.train.ddp_exchange): the scheme as
-    # sparsetrain.ddp.sparse_hook (scope=global: global within a bucket), dense SGD as DDP's own
+    # sparsetrain.comm.ddp_hook.sparse_hook (scope=global: global within a bucket), dense SGD as DDP's own
     # AllReduce, scheme=powersgd as sparsetrain's PowerSGD hook, scheme=torch_powersgd / fp16 / bf16
     # as torch's hooks.
     ddp: bool = False

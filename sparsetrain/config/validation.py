@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from sparsetrain.config.overrides import check_compressor_option, compressor_class
 from sparsetrain.config.schema import CONF_DIR, register
 from sparsetrain.errors import ConfigError
+from sparsetrain.scheme_catalog import DENSE, exchange_scheme
 
 
 def validate(cfg: Any, env: dict | None = None) -> None:
@@ -28,16 +29,16 @@ def validate(cfg: Any, env: dict | None = None) -> None:
         raise ConfigError(f"world_size={cfg.world_size} is not allowed; it must be an integer >= 1")
     try:
         if cfg.scheme.name in TORCH_HOOK_SCHEMES:  # no scope or aggregation of ours; ratio: matching
-            check_combination("none", cfg.scope.name, cfg.aggregation.name, cfg.ratio)
+            check_combination(DENSE, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
             if cfg.scheme.get("rank") is not None:  # torch's PowerSGD hook: the rank PowerSGD takes
                 PowerSGD.check_options(rank=cfg.scheme.rank)
         else:
             compressor = scheme_compressor(cfg.scheme)
             # a scheme that synchronises every `period` steps without a compressor averages densely
             sync = scheme_sync(cfg.scheme)
-            dense_sync = compressor is None and sync is not None
-            check_combination("none" if dense_sync else cfg.scheme.name, cfg.scope.name, cfg.aggregation.name,
-                              cfg.ratio, compressor)
+            scheme = exchange_scheme(cfg.scheme.name, has_compressor=compressor is not None,
+                                     synchronises=sync is not None)
+            check_combination(scheme, cfg.scope.name, cfg.aggregation.name, cfg.ratio, compressor)
             scheme_memory(cfg.scheme)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from hydra.utils import instantiate
 
-from sparsetrain.comm import Reducer, build_exchange
+from sparsetrain.comm import Reducer, build_exchange, check_reducer
 from sparsetrain.models import param_groups_for_weight_decay
+from sparsetrain.scheme_catalog import exchange_scheme
 from sparsetrain.train.ddp_exchange import DDPExchange
 
 
@@ -31,7 +32,14 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
                          device="cpu") -> Exchange:
     """The exchange for ``model``: scheme, scope, aggregation, ratio, ``scheme.uncompressed``,
     error feedback, warm-up steps, seed, the scheme's compressor node (its class and options),
-    ``dist.overlap``; with ``dist.ddp`` the model in DDP with the scheme's hook."""
+    ``dist.overlap``; with ``dist.ddp`` the model in DDP with the scheme's hook. A reducer that
+    lacks a member of ``comm.Reducer`` is refused here (``ConfigError``), not mid-run."""
+    exchange = _exchange(cfg, model, world_size=world_size, rank=rank, device=device)
+    check_reducer(exchange.reducer, f"scheme={cfg.scheme.name}")
+    return exchange
+
+
+def _exchange(cfg: Any, model: torch.nn.Module, *, world_size: int, rank: int, device) -> Exchange:
     if cfg.dist.ddp and not cfg.scheme.get("sync"):
         red = DDPExchange(cfg, model, device=torch.device(device))
         return Exchange(red.net, None, list(model.parameters()), red)
@@ -40,9 +48,9 @@ def exchange_from_config(cfg: Any, model: torch.nn.Module, *, world_size: int, r
     sync = instantiate(cfg.scheme.sync) if cfg.scheme.get("sync") else None
     # local SGD / DiLoCo: the scheme's exchange (dense without a compressor) averages the model's
     # pseudo-gradient every `period` steps, not the gradient every step (comm.periodic)
+    scheme = exchange_scheme(cfg.scheme.name, has_compressor=compressor is not None, synchronises=sync is not None)
     flat, params, reducer = build_exchange(
-        params, cfg.scheme.name if compressor is not None or sync is None else "none", cfg.scope.name,
-        cfg.aggregation.name, cfg.ratio,
+        params, scheme, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
         uncompressed=cfg.scheme.uncompressed, device=device, world_size=world_size, rank=rank,
         seed=cfg.seed, error_feedback=cfg.scheme.error_feedback,
         warmup_steps=cfg.scheme.warmup_steps if sync is None else 0,

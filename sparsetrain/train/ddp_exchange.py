@@ -1,7 +1,7 @@
 """Training through torch DDP (``dist.ddp=true``): the model wrapped in DistributedDataParallel,
 the exchange done by a communication hook during backward. The hook by scheme:
 
-  every scheme with a    ``sparsetrain.ddp.sparse_hook`` with the configured scope (global: within a
+  every scheme with a    ``comm.ddp_hook.sparse_hook`` with the configured scope (global: within a
   compressor node      bucket), aggregation, ratio, memory, ``scheme.uncompressed``, warm-up and
   (topk, randk, ...,   seed: the trainer's exchange per bucket, on the bucket in place (a
   powersgd)            compressor's earlier rounds, e.g. PowerSGD's P, are waited for inside the
@@ -9,12 +9,15 @@ the exchange done by a communication hook during backward. The hook by scheme:
   none                 DDP's own AllReduce (through the same hook, so it is timed the same way)
   torch_powersgd       torch's PowerSGD hook, error feedback and warm start, at ``scheme.rank`` or,
                        by default, the rank whose bytes come closest to the layer-wise sparse
-                       hook's at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``)
+                       hook's at ``ratio`` (``comm.ddp_hook.matched_powersgd_rank``)
   fp16, bf16           torch's fp16 / bf16 compression hooks (every entry cast to 16 bits, AllReduced,
                        cast back)
   localsgd, diloco     torch's post-local-SGD hook (a scheme's sync node): the gradients AllReduced
   (a sync node)        during ``scheme.warmup_steps``, left local after; the model is synchronised
                        after the optimizer by ``comm.periodic.PeriodicSync``, as in the trainer
+
+Which schemes run one of torch's hooks is conf/schemes.yaml's ``torch_hook``, the one source;
+which hook each runs is ``TORCH_HOOKS`` (scheme name -> the factory of its hook and state).
 
 ``DDPExchange`` stands where the trainer keeps its reducer (the ``comm.Reducer`` surface): the
 exchange has already happened when the train step calls ``reduce``, which only accounts for it:
@@ -38,6 +41,8 @@ callback, and with several buckets gloo ranks can then issue collectives in diff
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
 import inspect
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,14 +55,78 @@ from torch.distributed.algorithms.ddp_comm_hooks import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsetrain.comm import ExchangeStats
-from sparsetrain.ddp import SparseHookState, matched_powersgd_rank, powersgd_numel, sparse_hook
+from sparsetrain.comm import ExchangeStats, ReducerBase
+from sparsetrain.comm.ddp_hook import (
+    SparseHookState,
+    matched_powersgd_rank,
+    powersgd_numel,
+    sparse_hook,
+)
+from sparsetrain.errors import ConfigError
 from sparsetrain.results import TORCH_HOOK_SCHEMES
+from sparsetrain.scheme_catalog import is_dense
 from sparsetrain.timing import BucketClock, PhaseTimer
 
 # DDP's bucket cap for PowerSGD on gloo: larger than any model, so every parameter is in one
 # bucket (with several, torch's hook can issue collectives in different orders across ranks)
 ONE_BUCKET_MB = float(1 << 20)
+
+
+@dataclass(frozen=True)
+class TorchHook:
+    """One of torch's DDP hooks: ``build(exchange, scheme, cfg, shapes, esize)`` sets the
+    exchange's sizes and returns ``(hook, state)``; ``one_bucket_on_gloo``: the whole model in one
+    bucket on gloo (a hook that issues collectives from future callbacks)."""
+
+    build: Callable[..., tuple[Callable, Any]]
+    one_bucket_on_gloo: bool = False
+
+
+def _torch_powersgd(ex: "DDPExchange", scheme, cfg, shapes, esize) -> tuple[Callable, Any]:
+    """torch's PowerSGD, error feedback and warm start, at ``scheme.rank`` or the matched rank."""
+    ex.powersgd_rank = scheme.get("rank") or matched_powersgd_rank(shapes, cfg.ratio)
+    # torch needs >= 2 plain iterations with error feedback / warm start (bucket rebuild)
+    ex.warmup_steps = max(2, int(scheme.warmup_steps))
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=ex.powersgd_rank,
+        start_powerSGD_iter=ex.warmup_steps, use_error_feedback=bool(scheme.error_feedback),
+        warm_start=True, random_seed=int(cfg.seed))
+    sent = powersgd_numel(shapes, ex.powersgd_rank)
+    ex.bytes_sent_per_step = sent * esize
+    ex.uncompressed_bytes_per_step = powersgd_numel(shapes, ex.powersgd_rank, whole_only=True) * esize
+    ex.density = sent / ex.numel
+    return powerSGD_hook.powerSGD_hook, state
+
+
+def _half_precision(hook: Callable) -> Callable[..., tuple[Callable, Any]]:
+    """torch's fp16 / bf16 hook: every entry cast to 16 bits, AllReduced, cast back."""
+
+    def build(ex: "DDPExchange", scheme, cfg, shapes, esize) -> tuple[Callable, Any]:
+        ex.bytes_sent_per_step = ex.numel * 2
+        ex.density = 1.0  # every entry, in half the bytes
+        return hook, None
+
+    return build
+
+
+#: torch's hooks by scheme name; which schemes run one is conf/schemes.yaml's ``torch_hook``
+#: (``results.TORCH_HOOK_SCHEMES``), and each of those must be registered here
+TORCH_HOOKS: dict[str, TorchHook] = {
+    "torch_powersgd": TorchHook(_torch_powersgd, one_bucket_on_gloo=True),
+    "fp16": TorchHook(_half_precision(default_hooks.fp16_compress_hook)),
+    "bf16": TorchHook(_half_precision(default_hooks.bf16_compress_hook)),
+}
+
+
+def torch_hook_for(scheme_name: str) -> TorchHook | None:
+    """The torch hook of a scheme conf/schemes.yaml marks ``torch_hook`` (None for any other);
+    ``ConfigError`` for one marked but not registered in ``TORCH_HOOKS``."""
+    if scheme_name not in TORCH_HOOK_SCHEMES:
+        return None
+    if scheme_name not in TORCH_HOOKS:
+        raise ConfigError(f"scheme={scheme_name!r} is marked torch_hook in conf/schemes.yaml but has no torch "
+                          f"hook registered; registered: {', '.join(TORCH_HOOKS)} (train.ddp_exchange.TORCH_HOOKS)")
+    return TORCH_HOOKS[scheme_name]
 
 
 class _TimedHook:
@@ -95,7 +164,7 @@ def _timed_hook(timed: _TimedHook, bucket: dist.GradBucket) -> torch.futures.Fut
     return fut
 
 
-class DDPExchange:
+class DDPExchange(ReducerBase):
     """The model in DDP with the configured hook, seen by the trainer as its reducer.
 
     ``net`` is the DDP model the train step runs; ``module`` the model inside it (evaluation,
@@ -112,14 +181,15 @@ class DDPExchange:
         self.dense_bytes_per_step = self.numel * esize
         # the bytes of tensors that travel whole, uncompressed: all of them for dense SGD (as the
         # trainer's DenseReducer counts), the hooks' own count otherwise
-        self.uncompressed_bytes_per_step = self.dense_bytes_per_step if scheme.name == "none" else 0
+        self.uncompressed_bytes_per_step = self.dense_bytes_per_step if is_dense(scheme.name) else 0
         self.density = 1.0
         self.collective = "allreduce"
         self.warmup_steps = 0
         sync = bool(scheme.get("sync"))
-        self.compresses = scheme.name != "none" and not sync
+        self.compresses = not is_dense(scheme.name) and not sync
+        torch_hook = torch_hook_for(scheme.name)
         bucket_cap_mb = cfg.dist.bucket_cap_mb
-        if scheme.name == "torch_powersgd" and dist.get_backend() == "gloo":
+        if torch_hook is not None and torch_hook.one_bucket_on_gloo and dist.get_backend() == "gloo":
             bucket_cap_mb = ONE_BUCKET_MB
         kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
         # No buffer broadcast before each forward: each rank keeps its own batch-norm statistics,
@@ -132,25 +202,14 @@ class DDPExchange:
         # views of the buckets, DDP copies none into a bucket or back (the results are the same;
         # the optimizer reads .grad, zeroed in place, and checkpoints hold no gradient). torch's
         # hooks keep DDP's default.
-        if scheme.name not in TORCH_HOOK_SCHEMES:
+        if torch_hook is None:
             kwargs["gradient_as_bucket_view"] = True
         self.net = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **kwargs)
         self.state: Any = None  # the hook's state: SparseHookState, PowerSGDState or None (fp16)
         self.sparse: SparseHookState | None = None  # the state when it is sparsetrain's hook
         on_bypass = None
-        if scheme.name == "torch_powersgd":
-            self.powersgd_rank = scheme.get("rank") or matched_powersgd_rank(shapes, cfg.ratio)
-            # torch needs >= 2 plain iterations with error feedback / warm start (bucket rebuild)
-            self.warmup_steps = max(2, int(scheme.warmup_steps))
-            self.state = powerSGD_hook.PowerSGDState(
-                process_group=None, matrix_approximation_rank=self.powersgd_rank,
-                start_powerSGD_iter=self.warmup_steps, use_error_feedback=bool(scheme.error_feedback),
-                warm_start=True, random_seed=int(cfg.seed))
-            hook = powerSGD_hook.powerSGD_hook
-            sent = powersgd_numel(shapes, self.powersgd_rank)
-            self.bytes_sent_per_step = sent * esize
-            self.uncompressed_bytes_per_step = powersgd_numel(shapes, self.powersgd_rank, whole_only=True) * esize
-            self.density = sent / self.numel
+        if torch_hook is not None:
+            hook, self.state = torch_hook.build(self, scheme, cfg, shapes, esize)
         elif sync:
             # the gradients averaged until local SGD starts, then kept local (no subgroup AllReduce)
             self.state = post_localSGD_hook.PostLocalSGDState(
@@ -158,10 +217,6 @@ class DDPExchange:
                 post_local_gradient_allreduce=False)
             hook = post_localSGD_hook.post_localSGD_hook
             self.bytes_sent_per_step = self.dense_bytes_per_step
-        elif scheme.name in ("fp16", "bf16"):
-            hook = default_hooks.fp16_compress_hook if scheme.name == "fp16" else default_hooks.bf16_compress_hook
-            self.bytes_sent_per_step = self.numel * 2
-            self.density = 1.0  # every entry, in half the bytes
         else:
             compressor = instantiate(scheme.compressor) if scheme.get("compressor") else None
             self.state = self.sparse = SparseHookState(
@@ -172,7 +227,7 @@ class DDPExchange:
             hook = sparse_hook
             on_bypass = self.state.plan
             self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
-            if scheme.name != "none":
+            if not is_dense(scheme.name):
                 self.collective = self.sparse.collective  # until settle() plans the buckets
                 self.warmup_steps = int(scheme.warmup_steps)
         # local SGD / DiLoCo synchronise after the optimizer, not inside backward: no overlap
@@ -249,12 +304,6 @@ class DDPExchange:
         """Per DDP bucket (launch order) its share of the entries and how long before backward's
         end it was handed to the hook (mean ms; ``timing.BucketClock``); None: not overlapped."""
         return self.timed.clock.means() if self.timed.clock is not None else None
-
-    def attach(self, params, flat_grad, **buckets) -> "DDPExchange":
-        return self  # DDP overlaps by itself
-
-    def detach(self) -> None:
-        pass
 
     def state_dict(self) -> dict:
         if self.sparse is not None:

@@ -38,6 +38,7 @@ from sparsetrain.results import (
     stability_of,
     write_test_predictions,
 )
+from sparsetrain.scheme_catalog import is_dense
 from sparsetrain.tracking import NullTracker, make_tracker
 from sparsetrain.train import checkpoint as ckpt
 from sparsetrain.train.build import Parts
@@ -96,7 +97,7 @@ class RunRecord:
         """Every rank contributes its own ``PER_RANK_STATE`` of ``state``; rank 0 writes one file."""
         # On the CPU: all_gather_object pickles, and a CUDA tensor would be unpickled on rank 0
         # onto the sender's GPU (cuda:1 in rank 0's process), where it has no business being.
-        keys = PER_RANK_STATE + (DIVERGING_STATE if getattr(self.parts.reducer, "ranks_diverge", False) else ())
+        keys = PER_RANK_STATE + (DIVERGING_STATE if self.parts.reducer.ranks_diverge else ())
         own = {key: _to_cpu(state.pop(key)) for key in keys if key in state}
         gathered = [own]
         if self.info.world_size > 1:
@@ -263,13 +264,12 @@ class RunRecord:
             "density": red.density,  # entries sent / entries, uncompressed tensors included
             "uncompressed_bytes_per_step": red.uncompressed_bytes_per_step,
             "uncompressed_share": red.uncompressed_bytes_per_step / red.bytes_sent_per_step,
-            "compression_start_step": red.warmup_steps if self.cfg.scheme.name != "none" else None,
+            "compression_start_step": red.warmup_steps if not is_dense(self.cfg.scheme.name) else None,
             # what carries the exchange once it compresses, and which of the run's axes change
             # what is sent: the compressor's own word, so the analysis needs no list of schemes
             "collective": red.collective,
-            "applies": {"ratio": bool(getattr(red, "ratio_applies", True)),
-                        "aggregation": bool(getattr(red, "aggregation_applies", True)),
-                        "scope": bool(getattr(red, "scope_applies", True))},
+            "applies": {"ratio": bool(red.ratio_applies), "aggregation": bool(red.aggregation_applies),
+                        "scope": bool(red.scope_applies)},
         }
 
     def _logged_losses(self) -> list[tuple[int, float]]:
@@ -294,10 +294,10 @@ class RunRecord:
         ev = self.last_eval
         # "did not train" reads the end of training and, where there is a split, validation
         chosen_on = ev.get("val_accuracy", ev.get("test_accuracy"))
-        sync = getattr(self.parts.reducer, "sync_summary", None)  # local SGD / DiLoCo
-        buckets = getattr(self.parts.reducer, "overlap_buckets", None)  # an exchange inside backward
+        sync = self.parts.reducer.sync_summary()  # local SGD / DiLoCo
+        buckets = self.parts.reducer.overlap_buckets  # an exchange inside backward
         return {
-            **({"sync": sync()} if sync is not None else {}),  # a synchronisation's bytes and time
+            **({"sync": sync} if sync is not None else {}),  # a synchronisation's bytes and time
             "steps": step,
             "epochs": step / len(self.parts.loader),
             "train_loss": self.last_train_loss,  # the last epoch's mean

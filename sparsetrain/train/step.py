@@ -101,7 +101,6 @@ class TrainStep:
                             group["lr"] = lr
                     self.optimizer.step()
             # an exchange that synchronises the model after the optimizer (local SGD, DiLoCo)
-            after = getattr(self.reducer, "after_optimizer", None)
-            if after is not None:
-                after(step, timer)
+            if self.reducer is not None:
+                self.reducer.after_optimizer(step, timer)
         return StepResult(loss, logits, targets, stats, lr)

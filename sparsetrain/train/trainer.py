@@ -10,7 +10,6 @@ the device it set the process group up on (``launch.worker.pick_device``).
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import signal
@@ -231,7 +230,7 @@ class Trainer:
         """The model every rank agrees on, for evaluation and ``model.pt``: itself, except where
         the ranks' models part between synchronisations (local SGD, DiLoCo: the last synchronised
         one, ``comm.periodic.PeriodicSync.synchronised``)."""
-        return getattr(self.reducer, "synchronised", contextlib.nullcontext)()
+        return self.reducer.synchronised()
 
     def _stops_here(self) -> bool:
         """The run stops at this step, mid-epoch or not: ``train.max_steps`` hit, or

@@ -1,7 +1,7 @@
 """DDP communication hooks: sparsetrain's schemes inside any torch DistributedDataParallel model.
 
     from sparsetrain.compress import BlockRandomK
-    from sparsetrain.ddp import SparseHookState, sparse_hook
+    from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
     state = SparseHookState(ddp_model, "blockk", aggregation="allreduce", ratio=0.01,
                             compressor=BlockRandomK)
     ddp_model.register_comm_hook(state, sparse_hook)
@@ -65,8 +65,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from sparsetrain.comm import SparseReducer, build_reducer, check_combination
-from sparsetrain.comm.sparse import Placement
+from sparsetrain.comm.build import build_reducer
+from sparsetrain.comm.rules import check_combination
+from sparsetrain.comm.sparse import Placement, SparseReducer
 from sparsetrain.compress import (
     BlockRandomK,
     Layout,
@@ -77,6 +78,7 @@ from sparsetrain.compress import (
     uncompressed_flags,
 )
 from sparsetrain.errors import ConfigError
+from sparsetrain.scheme_catalog import is_dense
 from sparsetrain.timing import NULL_TIMER
 
 #: the prefix of a compressor's per-parameter state among a parameter's memory pieces
@@ -178,27 +180,27 @@ class SparseHookState:
         self.exchange_ms: list[float] = []  # this iteration's waits for earlier rounds, inside the hook
 
     # --- accounting ----------------------------------------------------------------------------
-    def _planned(self, attr: str, default):
-        """``attr`` of the first planned bucket's reducer (``default`` until one is planned)."""
-        for plan in self._buckets.values():
-            if plan.reducer is not None:
-                return getattr(plan.reducer, attr)
-        return default
+    def _planned(self) -> SparseReducer | None:
+        """The first planned bucket's reducer (None until one is planned)."""
+        return next((plan.reducer for plan in self._buckets.values() if plan.reducer is not None), None)
 
     @property
     def ratio_applies(self) -> bool:
-        return self._planned("ratio_applies", True)
+        red = self._planned()
+        return red.ratio_applies if red is not None else True
 
     @property
     def aggregation_applies(self) -> bool:
-        return self._planned("aggregation_applies", True)
+        red = self._planned()
+        return red.aggregation_applies if red is not None else True
 
     @property
     def collective(self) -> str:
         """What carries the exchange once it compresses, as the planned buckets' reducers say
         (AllGather where a round gathers; PowerSGD's rounds are AllReduces whatever
         ``aggregation``); ``aggregation`` until a bucket is planned."""
-        return self._planned("collective", self.aggregation)
+        red = self._planned()
+        return red.collective if red is not None else self.aggregation
 
     @property
     def bytes_sent_per_step(self) -> int:
@@ -272,7 +274,7 @@ class SparseHookState:
         # AllReduce, per rank with AllGather).
         layerwise = self.scope == "layerwise"
         compressor = self.compressor
-        if layerwise and compressor is not None and self.scheme != "none":
+        if layerwise and not is_dense(self.scheme):  # (check_combination: a compressor)
             options = self._model_compressor(buf.device).bucket_options()
             compressor = functools.partial(compressor, **options) if options else compressor
         reducer = build_reducer(
@@ -358,7 +360,7 @@ class SparseHookState:
             self.step += 1
         self.dense_bytes[index] = buf.numel() * buf.element_size()
         plan = None
-        if self.scheme != "none" and step >= self.warmup_steps:
+        if not is_dense(self.scheme) and step >= self.warmup_steps:
             plan = self._plan(bucket, buf)
         if plan is None or plan.reducer is None:  # dense: DDP's own AllReduce
             self.bytes_sent[index] = self.dense_bytes[index]
@@ -397,7 +399,7 @@ class SparseHookState:
     def plan(self, bucket: dist.GradBucket) -> None:
         """Build ``bucket``'s reducer (and hand it its parameters' memory) without exchanging:
         the trainer calls it while DDP settles its buckets, so sizes are known before step 0."""
-        if self.scheme != "none":
+        if not is_dense(self.scheme):
             self._plan(bucket, bucket.buffer())
 
     def sizes(self) -> dict:

@@ -11,9 +11,24 @@ from pathlib import Path
 
 import yaml
 
+#: the scheme name of dense SGD (plain data-parallel AllReduce, no compressor): the one spelling
+#: every layer tests through ``is_dense``
+DENSE = "none"
+
 CONF_DIR = (Path(__file__).resolve().parent / "_conf").resolve()  # conf/, as config.schema finds it
 # The keys every scheme has (SchemeConfig's) and a yaml's own bookkeeping: not a scheme's own keys.
 _COMMON = ("defaults", "name", "compressor", "error_feedback", "uncompressed", "warmup_steps")
+
+
+def is_dense(scheme_name) -> bool:
+    """Whether ``scheme_name`` names dense SGD (``DENSE``); False for None and every other name."""
+    return scheme_name == DENSE
+
+
+def exchange_scheme(scheme_name, *, has_compressor: bool, synchronises: bool):
+    """The scheme whose exchange runs: ``DENSE`` for one that synchronises every ``period`` steps
+    without a compressor (local SGD, DiLoCo: the pseudo-gradient averaged densely), else itself."""
+    return DENSE if synchronises and not has_compressor else scheme_name
 
 
 @functools.cache
