@@ -9,6 +9,7 @@ program in numpy. Without Triton every case skips with the reason.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -281,3 +282,42 @@ def test_benchmark_times_the_fast_path_beside_the_torch_path_on_a_tiny_gradient(
         "topk_fast/global compress+EF faster than torch.topk alone",
         *(f"{s}_fast/{sc} {what} <= 2 copies" for s in ("randk", "blockk") for sc in SCOPES
           for what in ("compress+EF", "decompress"))}
+
+
+# PowerSGD's tensors: shapes repeated at uneven gaps (a 1-D tensor between two of a shape), a
+# matrix of rank below the rank asked (3 x 5), 1-D tensors (matrices of one column)
+PSGD_SHAPES = [(8, 4, 3, 3), (5,), (8, 4, 3, 3), (8, 4, 3, 3), (8, 4, 3, 3), (6,), (8, 4, 3, 3), (16, 8), (3, 5),
+               (16, 8)]
+
+
+@pytest.mark.parametrize("rank", [2, 3], ids=["gram_schmidt", "qr"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_powersgd_batched_by_shape_equals_the_unbatched_path(device, rank):
+    """``train.fast_path`` for PowerSGD: the reducer batches its matmuls by shape (one bmm per
+    run of same-shape matrices, fewer calls than matrices) and gives the same update, memory and
+    Q as the torch path over several steps, bit for bit on the CPU (each matrix's product is
+    the one ``torch.mm`` computes); on CUDA within float rounding (cuBLAS's batched kernels may
+    sum in another order)."""
+    from sparsetrain.compress import Layout, PowerSGD
+    from sparsetrain.compress.powersgd import ShapeBatches
+
+    sizes = [math.prod(s) for s in PSGD_SHAPES]
+    n = sum(sizes)
+
+    def make(fast):
+        comp = PowerSGD(1.0, Layout.from_sizes(sizes), shapes=PSGD_SHAPES, rank=rank, device=device)
+        return reducer(comp, "allreduce", fast, device, torch.float32)
+
+    fast, slow = make(True), make(False)
+    assert fast.fast_path_reason is None and fast._fused is None and fast.compressor.batched
+    assert not slow.compressor.batched
+    runs = ShapeBatches(fast.compressor).runs
+    assert len(runs) < len(PSGD_SHAPES) and max(r[1] for r in runs) >= 2
+    same = torch.equal if device == "cpu" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for step in range(4):
+        grad, _ = data(n + 5, 30 + step, torch.float32, device)
+        a, b = grad.clone(), grad.clone()
+        fast.reduce(a, step, NULL_TIMER)
+        slow.reduce(b, step, NULL_TIMER)
+        assert same(a, b) and same(fast.memory.memory, slow.memory.memory)
+        assert same(fast.compressor.q, slow.compressor.q)

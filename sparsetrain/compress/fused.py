@@ -41,6 +41,7 @@ import torch
 
 from sparsetrain.compress.base import Compressor, Payload
 from sparsetrain.compress.feedback import ErrorFeedback, Memory
+from sparsetrain.compress.powersgd import PowerSGD
 from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
 
 BLOCK = 1024  # entries per program of the full-buffer passes
@@ -70,10 +71,13 @@ def kernels():
 def reason(compressor: Compressor, memory: Memory, device, dtype) -> str | None:
     """Why the fast path cannot run for this exchange (one phrase), or None when it runs."""
     device = torch.device(device)
-    if not installed():
+    batched = type(compressor) is PowerSGD  # torch's batched matmuls: no Triton needed
+    if not batched and not installed():
         return "triton is not installed"
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return f"it runs on CUDA (here {device.type})"
+    if batched:
+        return None
     if type(compressor) not in (TopK, RandomK, BlockRandomK):
         return f"no fused kernels for {type(compressor).__name__}"
     if type(memory) is not ErrorFeedback or not memory.enabled:
@@ -81,6 +85,16 @@ def reason(compressor: Compressor, memory: Memory, device, dtype) -> str | None:
     if dtype not in (torch.float32, torch.float64):
         return f"dtype {dtype} (float32 and float64 only)"
     return None
+
+
+def prepare(compressor: Compressor) -> bool:
+    """Ready ``compressor`` for the fast path (where ``reason`` gives None): True where it then
+    runs its own rounds, faster (PowerSGD: its matmuls batched by shape, ``PowerSGD.batched``),
+    False where the exchange calls ``step`` instead of the compressor's compression."""
+    if type(compressor) is PowerSGD:
+        compressor.batched = True
+        return True
+    return False
 
 
 def _grid(n: int, block: int) -> tuple[int]:
