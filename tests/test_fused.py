@@ -321,3 +321,27 @@ def test_powersgd_batched_by_shape_equals_the_unbatched_path(device, rank):
         slow.reduce(b, step, NULL_TIMER)
         assert same(a, b) and same(fast.memory.memory, slow.memory.memory)
         assert same(fast.compressor.q, slow.compressor.q)
+
+
+def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_gradient():
+    """The compressor benchmark's PowerSGD rows: ours, ours batched by shape (``powersgd_fast``,
+    what `make gpu-check` times on the GPU) and torch's ``powerSGD_hook`` on the same gradient
+    in a one-rank gloo group at the matched rank; the goal (ours no slower) for both of ours."""
+    import torch.distributed as dist
+
+    from sparsetrain.benchmarks import compress as bench
+    from sparsetrain.ddp import matched_powersgd_rank
+
+    if not fused.interpreting():
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    cpu = torch.device("cpu")
+    g = data(sum(math.prod(s) for s in PSGD_SHAPES), 8, torch.float32, cpu)[0]
+    rows = [bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu), bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu,
+                                                                                fast_path=True),
+            bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 2, cpu)]
+    assert not dist.is_initialized()  # its own group, gone after it
+    assert [r["scheme"] for r in rows] == ["powersgd", "powersgd_fast", "torch_powersgd_hook"]
+    assert rows[2]["rank"] == matched_powersgd_rank(PSGD_SHAPES, 0.05) and rows[2]["compress_ef_ms"] > 0
+    goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {}})
+    assert sorted(name.split(" step")[0] for name in goals) == ["powersgd", "powersgd_fast"]
+    assert all("<= torch's hook" in name for name in goals)

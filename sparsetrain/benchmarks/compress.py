@@ -8,6 +8,10 @@ and PowerSGD (``scheme=powersgd``, layer-wise, its rank matched to the sparse sc
 --ratio, the 1-D tensors whole as it trains), one rank, no collective:
   compress+EF  = memory += grad; Q orthogonalised; P = M Q; P orthogonalised; Q = M^T P
   decompress   = P Q^T into the buffer; memory -= it
+beside it (``powersgd_fast``) its matmuls batched by shape (``train.fast_path``; on CUDA, or on the
+CPU under Triton's interpreter) and torch's PowerSGD DDP hook (``torch_powersgd_hook``) on the
+same gradient at the rank ``sparsetrain.ddp.matched_powersgd_rank`` gives, in a one-rank process
+group, its whole step in compress+EF (the hook does not split it); goal: ours no slower.
 "copies" = the median over repeats of (time of the call / time of one gradient copy timed right
 before it), so that load changes on a shared machine cancel out; next to references measured in
 the same run: one ``out.copy_(g)`` (the unit), an EF add,
@@ -33,9 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -177,6 +183,9 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
                          "decompress_ms": d_ms, "decompress_copies": d_cp})
     rows += fast_rows(layout, g, ratio, repeats, device, block_size, calls)
     rows.append(powersgd_row(shapes, g, ratio, repeats, device, calls))
+    fast = powersgd_row(shapes, g, ratio, repeats, device, calls, fast_path=True)
+    rows += [fast] if fast is not None else []
+    rows.append(torch_hook_row(shapes, g, ratio, repeats, device, calls))
     rows += quantizer_rows(layout, g, repeats, device, calls)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
@@ -233,11 +242,13 @@ def fast_rows(layout: Layout, g: torch.Tensor, ratio: float, repeats: int, devic
 
 
 def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
-                 calls: list | None = None) -> dict:
+                 calls: list | None = None, fast_path: bool = False) -> dict | None:
     """PowerSGD's row: the reducer training builds (``scheme=powersgd``: the composed config's
     compressor node, ``scheme.uncompressed``) on one rank, its compression (error feedback, both
     projections and orthogonalisations: the matmuls of both factors) and its decompression, each
-    timed against a copy of the gradient right before it."""
+    timed against a copy of the gradient right before it. ``fast_path``: the row
+    ``powersgd_fast``, its matmuls batched by shape (``train.fast_path``); None where the fast
+    path does not run (the CPU without Triton's interpreter)."""
     from sparsetrain.comm import build_exchange
     from sparsetrain.config import compose, scheme_compressor
 
@@ -245,7 +256,11 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
     params = [torch.empty(s, device=device, dtype=g.dtype, requires_grad=True) for s in shapes]
     buf, _, red = build_exchange(params, "powersgd", cfg.scope.name, "allreduce", cfg.ratio,
                                  uncompressed=cfg.scheme.uncompressed, device=device, dtype=g.dtype,
-                                 world_size=1, rank=0, seed=0, compressor=scheme_compressor(cfg.scheme))
+                                 world_size=1, rank=0, seed=0, compressor=scheme_compressor(cfg.scheme),
+                                 fast_path=fast_path)
+    if fast_path and not red.compressor.batched:
+        return None
+    name = "powersgd_fast" if fast_path else "powersgd"
     buf.copy_(g)
     out = torch.empty_like(g)
     state = {}
@@ -263,9 +278,72 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
     c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
     d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
     if calls is not None:
-        calls += [("powersgd/layerwise compress+EF", compress_ef), ("powersgd/layerwise decompress", decompress)]
-    return {"scheme": "powersgd", "scope": "layerwise", "k": red.entries_sent, "rank": red.compressor.rank,
+        calls += [(f"{name}/layerwise compress+EF", compress_ef), (f"{name}/layerwise decompress", decompress)]
+    return {"scheme": name, "scope": "layerwise", "k": red.entries_sent, "rank": red.compressor.rank,
             "compress_ef_ms": c_ms, "compress_ef_copies": c_cp, "decompress_ms": d_ms, "decompress_copies": d_cp}
+
+
+HOOK = "torch_powersgd_hook"  # the row of torch's PowerSGD DDP hook
+
+
+def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
+                   calls: list | None = None) -> dict:
+    """torch's PowerSGD DDP hook (``powerSGD_hook``, error feedback and warm start, as
+    ``scheme=torch_powersgd`` trains it) on the same gradient, at the rank matched to the sparse
+    schemes' bytes at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``), in a process group
+    of one rank (gloo on the CPU, NCCL on CUDA; the caller's where one is set up). Its whole
+    step (compression, the AllReduces, decompression: the hook does not split) is timed against
+    a copy, in the row's compress+EF; its decompress is 0."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+    from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
+
+    class Bucket:  # what the hook reads of a DDP bucket: one bucket of every tensor
+        def __init__(self, buf):
+            self.buf = buf
+
+        def buffer(self):
+            return self.buf
+
+        def index(self):
+            return 0
+
+        def is_last(self):
+            return True
+
+        def gradients(self):
+            return [t.view(s) for t, s in zip(self.buf.split([int(np.prod(s)) for s in shapes]), shapes, strict=True)]
+
+    own = not dist.is_initialized()
+    if own:  # a one-rank group on a file store: no port to find
+        fd, store_file = tempfile.mkstemp(prefix="sparsetrain_hook_")
+        os.close(fd)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.FileStore(store_file, 1),
+                                rank=0, world_size=1)
+    try:
+        rank = matched_powersgd_rank(shapes, ratio)
+        state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                                 use_error_feedback=True, warm_start=True, random_seed=0)
+        buf = g.clone()
+        bucket = Bucket(buf)
+        out = torch.empty_like(g)
+
+        def hook_step():
+            return ph.powerSGD_hook(state, bucket).wait()
+
+        for _ in range(2):  # the hook's plain AllReduce steps before it compresses
+            hook_step()
+        c_ms, c_cp = timeit_ratio(hook_step, lambda: out.copy_(g), repeats, device)
+        if calls is not None:
+            calls += [(f"{HOOK}/layerwise whole step", hook_step)]
+    finally:
+        if own:
+            dist.destroy_process_group()
+            if os.path.exists(store_file):  # the store removes its file when it closes
+                os.unlink(store_file)
+    return {"scheme": HOOK, "scope": "layerwise", "k": powersgd_numel(shapes, rank), "rank": rank, "compress_ef_ms": c_ms,
+            "compress_ef_copies": c_cp, "decompress_ms": 0.0, "decompress_copies": 0.0}
 
 
 def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device,
@@ -336,6 +414,13 @@ def goals(res: dict) -> dict:
         if lw and gl:
             ratio = lw["compress_ef_copies"] / gl["compress_ef_copies"]  # load-cancelled ratios
             out[f"{scheme} layerwise/global = {ratio:.2f} <= 1.5"] = ratio <= 1.5
+    hook = by.get((HOOK, "layerwise"))
+    for scheme in ("powersgd", "powersgd_fast"):  # ours (compress + decompress) no slower than torch's hook
+        r = by.get((scheme, "layerwise"))
+        if r and hook:
+            ours = r["compress_ef_copies"] + r["decompress_copies"]
+            out[f"{scheme} step (rank {r['rank']}) = {ours:.1f} copies <= torch's hook (rank {hook['rank']}) "
+                f"{hook['compress_ef_copies']:.1f}"] = ours <= hook["compress_ef_copies"]
     topk = res["references_copies"].get("torch.topk(g.abs(),k)")
     want = SPEEDUP_GOAL[torch.device(res["device"]).type]
     for scope in ("layerwise", "global"):
@@ -423,6 +508,8 @@ def print_table(res: dict) -> None:
     for r in res["schemes"]:
         print(f"{r['scheme']:<12}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
               f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
+    if any(r["scheme"] == HOOK for r in res["schemes"]):
+        print(f"({HOOK}: the hook's whole step, compression, one-rank AllReduces and decompression, under compress+EF)")
     print("\ngoals:")
     for name, ok in res.get("goals", {}).items():
         print(f"  {'met ' if ok else 'MISS'}  {name}")
