@@ -23,6 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed: the fast path's k
 
 from sparsetrain.comm import SparseReducer  # noqa: E402
 from sparsetrain.compress import (  # noqa: E402
+    QSGD,
     BlockRandomK,
     ErrorFeedback,
     RandomK,
@@ -227,8 +228,8 @@ def test_reducer_with_the_fast_path_gives_the_same_update_and_memory(device, nam
 def test_fast_path_says_why_not_and_changes_nothing_where_it_has_no_kernels(device):
     """A quantizer, error feedback switched off, or the CPU without the interpreter: the reducer
     says why and runs the torch path."""
-    sign = reducer(SignSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
-    assert sign._fused is None and "SignSGD" in sign.fast_path_reason
+    qsgd = reducer(QSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
+    assert qsgd._fused is None and "QSGD" in qsgd.fast_path_reason
     off = SparseReducer(TopK(0.03, SIZES, device=device), aggregation="allgather", world_size=1, rank=0, seed=0,
                         error_feedback=False, device=device, fast_path=True)
     assert off._fused is None and "error feedback" in off.fast_path_reason
@@ -345,3 +346,56 @@ def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_
     goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {}})
     assert sorted(name.split(" step")[0] for name in goals) == ["powersgd", "powersgd_fast"]
     assert all("<= torch's hook" in name for name in goals)
+
+
+@pytest.fixture
+def device_ops(monkeypatch):
+    """The quantizers' torch path as it runs on a GPU (its batched device ops), here on CPU
+    tensors: what the fast path's signSGD kernels are checked against."""
+    from sparsetrain.compress import quantize
+
+    monkeypatch.setattr(quantize, "_numpy_ok", lambda t: False)
+    monkeypatch.setattr(quantize, "_kernel_ok", lambda *t: False)
+    monkeypatch.setattr(quantize, "_batched", lambda t: True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_signsgd_encodes_decodes_and_forgets_as_the_torch_path(device, scope, dtype, device_ops):
+    """signSGD's kernels (the scales by the torch path's own ops, then one kernel for the packed
+    signs and the forget; one for the decode) against the torch path, bit for bit: scales,
+    codes (an odd count: a last byte part full, zeros and negative zeros), decoded update, and
+    error feedback's memory over a few steps."""
+    n = sum(SIZES)
+    mem, grad = data(n, 12, dtype, device)
+    grad[::7] = 0.0
+    grad[3::11] = -0.0
+    ref_mem = mem.clone()
+    comp, ref = SignSGD(1.0, SIZES, scope, device=device), SignSGD(1.0, SIZES, scope, device=device)
+    for step in range(3):
+        got = fused.step(comp, mem, grad)
+        want, ref_mem = torch_path(ref, ref_mem, grad)
+        assert torch.equal(got.values, want.values) and torch.equal(got.positions, want.positions)
+        assert torch.equal(mem, ref_mem)
+        out, ref_out = data(n, 40 + step, dtype, device)[0], None
+        ref_out = out.clone()
+        fused.sign_decode_add(comp, got.values, got.positions, out)
+        ref.decode_add(want.values, want.positions, ref_out)
+        assert torch.equal(out, ref_out)
+        grad = data(n, 50 + step, dtype, device)[1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reducer_with_the_fast_path_runs_signsgds_kernels_with_the_same_update(device, device_ops):
+    """``train.fast_path`` for signSGD (AllGather, error feedback): the reducer runs the fused
+    step and decodes by the kernel, and its update and memory equal the torch path's."""
+    fast = reducer(SignSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
+    slow = reducer(SignSGD(1.0, SIZES, device=device), "allgather", False, device, torch.float32)
+    assert fast._fused is not None and fast.compressor.fast_path and not slow.compressor.fast_path
+    for step in range(3):
+        grad, _ = data(sum(SIZES) + 5, 60 + step, torch.float32, device)
+        a, b = grad.clone(), grad.clone()
+        fast.reduce(a, step, NULL_TIMER)
+        slow.reduce(b, step, NULL_TIMER)
+        assert torch.equal(a, b) and torch.equal(fast.memory.memory, slow.memory.memory)

@@ -42,6 +42,7 @@ import torch
 from sparsetrain.compress.base import Compressor, Payload
 from sparsetrain.compress.feedback import ErrorFeedback, Memory
 from sparsetrain.compress.powersgd import PowerSGD
+from sparsetrain.compress.quantize import SignSGD
 from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
 
 BLOCK = 1024  # entries per program of the full-buffer passes
@@ -78,7 +79,7 @@ def reason(compressor: Compressor, memory: Memory, device, dtype) -> str | None:
         return f"it runs on CUDA (here {device.type})"
     if batched:
         return None
-    if type(compressor) not in (TopK, RandomK, BlockRandomK):
+    if type(compressor) not in (TopK, RandomK, BlockRandomK, SignSGD):
         return f"no fused kernels for {type(compressor).__name__}"
     if type(memory) is not ErrorFeedback or not memory.enabled:
         return "it fuses plain error feedback only"
@@ -94,6 +95,8 @@ def prepare(compressor: Compressor) -> bool:
     if type(compressor) is PowerSGD:
         compressor.batched = True
         return True
+    if type(compressor) is SignSGD:  # its decode (every received message) by one kernel too
+        compressor.fast_path = True
     return False
 
 
@@ -238,6 +241,42 @@ def drawn_step(comp: RandomK | BlockRandomK, mem: torch.Tensor, grad: torch.Tens
     return Payload(values, starts, idx)
 
 
+def _sign_scales(comp: SignSGD, acc: torch.Tensor, values: torch.Tensor) -> None:
+    """Each segment's ``mean(|acc|)``, by the torch path's device ops (one ``_foreach_norm`` and
+    a division): a kernel of its own would sum in another order, other floats."""
+    sizes = comp.__dict__.setdefault("_sizes", {})
+    if (acc.device, acc.dtype) not in sizes:
+        sizes[(acc.device, acc.dtype)] = torch.tensor(comp.layout.sizes, dtype=acc.dtype, device=acc.device)
+    values.copy_(comp.segment_norms(acc, 1).div_(sizes[(acc.device, acc.dtype)]))
+
+
+def sign_encode(comp: SignSGD, acc: torch.Tensor, values: torch.Tensor, wire: torch.Tensor,
+                forget: bool = False) -> None:
+    """signSGD's encode: the scales (``_sign_scales``), then one kernel for the packed signs;
+    ``forget``: error feedback's ``acc -= decode(message)`` in the same kernel."""
+    _sign_scales(comp, acc, values)
+    n = comp.numel
+    kernels().sign_pack[_grid(wire.numel(), TAKE_BLOCK // 8)](
+        acc, comp.entry_table("segment", acc.device), values, wire, n, wire.numel(),
+        BLOCK=TAKE_BLOCK // 8, FORGET=forget)
+
+
+def sign_decode_add(comp: SignSGD, values: torch.Tensor, wire: torch.Tensor, out: torch.Tensor) -> None:
+    """signSGD's decode in one kernel: ``out += +-scale`` per entry (the torch path's floats)."""
+    kernels().sign_unpack_add[_grid(comp.numel, TAKE_BLOCK)](
+        wire, comp.entry_table("segment", out.device), values.to(out.dtype), out, comp.numel, BLOCK=TAKE_BLOCK)
+
+
+def sign_step(comp: SignSGD, mem: torch.Tensor, grad: torch.Tensor, out=None, wire=None) -> Payload:
+    """Error feedback + signSGD: ``mem += grad``, the scales, then one kernel for the codes and
+    the forget (``mem -= decode(message)``)."""
+    mem.add_(grad)
+    values = out if out is not None else torch.empty(comp.num_values, dtype=mem.dtype, device=mem.device)
+    wire = wire if wire is not None else torch.empty(comp.num_positions, dtype=torch.uint8, device=mem.device)
+    sign_encode(comp, mem, values, wire, forget=True)
+    return Payload(values, wire, None)
+
+
 def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0, out=None, wire=None) -> Payload:
     """One fused step of error feedback: ``mem`` (the memory's buffer) becomes ``mem + grad``
     less what was sent; returns the payload the torch path's ``accumulate``, ``compress`` and
@@ -248,4 +287,6 @@ def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0,
         raise ValueError(f"the fused step needs a contiguous gradient of {mem.numel()} {mem.dtype} entries")
     if isinstance(comp, TopK):
         return topk_step(comp, mem, grad, out, wire)
+    if type(comp) is SignSGD:
+        return sign_step(comp, mem, grad, out, wire)
     return drawn_step(comp, mem, grad, seed, out, wire)
