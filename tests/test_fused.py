@@ -274,15 +274,21 @@ def test_benchmark_times_the_fast_path_beside_the_torch_path_on_a_tiny_gradient(
     layout = Layout.from_sizes(SIZES)
     g = data(layout.total, 6, torch.float32, cpu)[0]
     rows = bench.fast_rows(layout, g, 0.02, 1, cpu)
-    assert [(r["scheme"], r["scope"]) for r in rows] == [(f"{s}_fast", sc) for s in ("topk", "randk", "blockk")
-                                                        for sc in SCOPES]
+    assert [(r["scheme"], r["scope"]) for r in rows] == [(f"{s}_fast", sc) for s in ("topk", "randk", "blockk",
+                                                                                      "signsgd") for sc in SCOPES]
     assert all(r["compress_ef_ms"] > 0 and r["compress_ef_copies"] > 0 and r["decompress_ms"] > 0 for r in rows)
     goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {"torch.topk(g.abs(),k)": 1.0}})
     assert {name.split(" = ")[0] for name in goals} == {
         "topk_fast/layerwise compress+EF faster than torch.topk alone",
         "topk_fast/global compress+EF faster than torch.topk alone",
         *(f"{s}_fast/{sc} {what} <= 2 copies" for s in ("randk", "blockk") for sc in SCOPES
-          for what in ("compress+EF", "decompress"))}
+          for what in ("compress+EF", "decompress")),
+        *(f"signsgd_fast/{sc} {what}" for sc in SCOPES for what in ("compress+EF <= 4 copies",
+                                                                     "decompress <= 2 copies"))}
+    kernel_rows = bench.sign_fast_kernel_rows(layout, g, 1, cpu)
+    assert [(r["scheme"], r["scope"]) for r in kernel_rows] == [("signsgd_fast", "kernels")]
+    assert set(bench.goals({"device": "cuda", "schemes": kernel_rows, "references_copies": {}})) == {
+        "signsgd_fast encode <= 4 copies", "signsgd_fast decode_add <= 4 copies"}
 
 
 # PowerSGD's tensors: shapes repeated at uneven gaps (a 1-D tensor between two of a shape), a
@@ -337,10 +343,16 @@ def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_
         pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
     cpu = torch.device("cpu")
     g = data(sum(math.prod(s) for s in PSGD_SHAPES), 8, torch.float32, cpu)[0]
-    rows = [bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu), bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu,
-                                                                                fast_path=True),
-            bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 2, cpu)]
-    assert not dist.is_initialized()  # its own group, gone after it
+    calls = []
+    try:
+        rows = [bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu),
+                bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu, fast_path=True),
+                bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 2, cpu, calls)]
+        assert dist.is_initialized()  # its own group, kept for the profile's rerun of the hook
+        calls[-1][1]()
+    finally:
+        bench.close_group()
+    assert not dist.is_initialized()
     assert [r["scheme"] for r in rows] == ["powersgd", "powersgd_fast", "torch_powersgd_hook"]
     assert rows[2]["rank"] == matched_powersgd_rank(PSGD_SHAPES, 0.05) and rows[2]["compress_ef_ms"] > 0
     goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {}})

@@ -29,13 +29,16 @@ encode <= 2, QSGD s=1 encode <= 4, decode_add <= 2 copies (on a GPU each <= 4); 
 
 The fast path (``train.fast_path=true``: ``compress.fused``, Triton) of top-k, random-k and block-k
 is timed beside the torch path as rows ``<scheme>_fast`` (on CUDA; on the CPU only under Triton's
-interpreter, ``TRITON_INTERPRET=1``, which the tests use on a tiny gradient). Its goals: top-k's
-compress + EF faster than ``torch.topk`` alone, random-k's and block-k's <= 2 copies.
+interpreter, ``TRITON_INTERPRET=1``, which the tests use on a tiny gradient), and signSGD's
+(its kernels alone too: ``signsgd_fast`` of scope "kernels"). Its goals: top-k's compress + EF
+faster than ``torch.topk`` alone, random-k's and block-k's <= 2 copies, signSGD's <= 4 (its
+kernels' encode and decode_add <= 4 each).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -187,6 +190,7 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
     rows += [fast] if fast is not None else []
     rows.append(torch_hook_row(shapes, g, ratio, repeats, device, calls))
     rows += quantizer_rows(layout, g, repeats, device, calls)
+    rows += sign_fast_kernel_rows(layout, g, repeats, device, calls)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
             "references_ms": ref,
@@ -194,16 +198,16 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
             "schemes": rows}
 
 
-FAST = ("topk", "randk", "blockk")  # the schemes with fused kernels (train.fast_path)
+FAST = ("topk", "randk", "blockk", "signsgd")  # the schemes with fused kernels (train.fast_path)
 
 
 def fast_rows(layout: Layout, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
               block_size: int | None = None, calls: list | None = None) -> list[dict]:
-    """The fast path (``train.fast_path=true``: ``compress.fused``) of top-k, random-k and
-    block-k, both scopes, as rows ``<scheme>_fast``: compress+EF = one fused step (memory +=
-    grad, choose, gather, zero in memory) into the message's values, decompress as the torch
-    path's (the fast path does not change it); each timed against a copy. No rows where the
-    fast path cannot run (the CPU without Triton's interpreter, no Triton)."""
+    """The fast path (``train.fast_path=true``: ``compress.fused``) of top-k, random-k, block-k
+    and signSGD, both scopes, as rows ``<scheme>_fast``: compress+EF = one fused step (memory +=
+    grad, choose or encode, gather, the forget) into the message's sections, decompress as the
+    torch path's (signSGD's: its kernel); each timed against a copy. No rows where the fast
+    path cannot run (the CPU without Triton's interpreter, no Triton)."""
     from sparsetrain.compress import fused
 
     rows = []
@@ -215,6 +219,7 @@ def fast_rows(layout: Layout, g: torch.Tensor, ratio: float, repeats: int, devic
             ef = ErrorFeedback(n, device=device, dtype=g.dtype)
             if fused.reason(comp, ef, device, g.dtype) is not None:
                 return rows
+            fused.prepare(comp)  # signSGD: its decode by the kernel too
             values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
             step = [0]
 
@@ -284,6 +289,37 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
 
 
 HOOK = "torch_powersgd_hook"  # the row of torch's PowerSGD DDP hook
+_OWN_GROUP: list[str] = []  # the file store of the one-rank group this module set up, if it did
+
+
+def one_rank_group() -> None:
+    """The process group torch's hook runs in: the caller's where one is set up, else a
+    one-rank group of this process (gloo, and NCCL for CUDA tensors where there is a GPU) on a
+    file store (no port to find), kept until ``close_group`` or exit (``--profile`` reruns the
+    hook after the timings)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    fd, path = tempfile.mkstemp(prefix="sparsetrain_hook_")
+    os.close(fd)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
+    if not _OWN_GROUP:
+        atexit.register(close_group)
+    _OWN_GROUP.append(path)
+
+
+def close_group() -> None:
+    """Close the group ``one_rank_group`` set up (nothing where it set none up)."""
+    import torch.distributed as dist
+
+    while _OWN_GROUP:
+        path = _OWN_GROUP.pop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if os.path.exists(path):  # the store removes its file when it closes
+            os.unlink(path)
 
 
 def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
@@ -291,10 +327,9 @@ def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: 
     """torch's PowerSGD DDP hook (``powerSGD_hook``, error feedback and warm start, as
     ``scheme=torch_powersgd`` trains it) on the same gradient, at the rank matched to the sparse
     schemes' bytes at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``), in a process group
-    of one rank (gloo on the CPU, NCCL on CUDA; the caller's where one is set up). Its whole
+    of one rank (``one_rank_group``). Its whole
     step (compression, the AllReduces, decompression: the hook does not split) is timed against
     a copy, in the row's compress+EF; its decompress is 0."""
-    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
     from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
@@ -315,33 +350,21 @@ def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: 
         def gradients(self):
             return [t.view(s) for t, s in zip(self.buf.split([int(np.prod(s)) for s in shapes]), shapes, strict=True)]
 
-    own = not dist.is_initialized()
-    if own:  # a one-rank group on a file store: no port to find
-        fd, store_file = tempfile.mkstemp(prefix="sparsetrain_hook_")
-        os.close(fd)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.FileStore(store_file, 1),
-                                rank=0, world_size=1)
-    try:
-        rank = matched_powersgd_rank(shapes, ratio)
-        state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
-                                 use_error_feedback=True, warm_start=True, random_seed=0)
-        buf = g.clone()
-        bucket = Bucket(buf)
-        out = torch.empty_like(g)
+    one_rank_group()
+    rank = matched_powersgd_rank(shapes, ratio)
+    state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                             use_error_feedback=True, warm_start=True, random_seed=0)
+    bucket = Bucket(g.clone())
+    out = torch.empty_like(g)
 
-        def hook_step():
-            return ph.powerSGD_hook(state, bucket).wait()
+    def hook_step():
+        return ph.powerSGD_hook(state, bucket).wait()
 
-        for _ in range(2):  # the hook's plain AllReduce steps before it compresses
-            hook_step()
-        c_ms, c_cp = timeit_ratio(hook_step, lambda: out.copy_(g), repeats, device)
-        if calls is not None:
-            calls += [(f"{HOOK}/layerwise whole step", hook_step)]
-    finally:
-        if own:
-            dist.destroy_process_group()
-            if os.path.exists(store_file):  # the store removes its file when it closes
-                os.unlink(store_file)
+    for _ in range(2):  # the hook's plain AllReduce steps before it compresses
+        hook_step()
+    c_ms, c_cp = timeit_ratio(hook_step, lambda: out.copy_(g), repeats, device)
+    if calls is not None:
+        calls += [(f"{HOOK}/layerwise whole step", hook_step)]
     return {"scheme": HOOK, "scope": "layerwise", "k": powersgd_numel(shapes, rank), "rank": rank, "compress_ef_ms": c_ms,
             "compress_ef_copies": c_cp, "decompress_ms": 0.0, "decompress_copies": 0.0}
 
@@ -382,13 +405,45 @@ def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.
     return rows
 
 
+def sign_fast_kernel_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device,
+                          calls: list | None = None) -> list[dict]:
+    """signSGD's fast-path kernels alone (``compress.fused``: the scales, then one kernel for
+    the packed signs; one kernel for ``decode_add``), the row ``signsgd_fast`` of scope
+    "kernels"; none where the fast path does not run."""
+    from sparsetrain.compress import SignSGD, fused
+
+    comp = SignSGD(1.0, layout, device=device)
+    if fused.reason(comp, ErrorFeedback(layout.total, device=device, dtype=g.dtype), device, g.dtype) is not None:
+        return []
+    out, out2 = torch.zeros_like(g), torch.empty_like(g)
+    values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
+    wire = torch.empty(comp.num_positions, dtype=torch.uint8, device=device)
+
+    def encode():
+        fused.sign_encode(comp, g, values, wire)
+
+    def decode():
+        fused.sign_decode_add(comp, values, wire, out)
+
+    def copy_once():
+        out2.copy_(g)
+
+    e_ms, e_cp = timeit_ratio(encode, copy_once, repeats, device)
+    d_ms, d_cp = timeit_ratio(decode, copy_once, repeats, device)
+    if calls is not None:
+        calls += [("signsgd_fast/kernels encode", encode), ("signsgd_fast/kernels decode_add", decode)]
+    return [{"scheme": "signsgd_fast", "scope": "kernels", "k": comp.k, "compress_ef_ms": e_ms,
+             "compress_ef_copies": e_cp, "decompress_ms": d_ms, "decompress_copies": d_cp}]
+
+
 GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None,  # max copies, compress + EF
-         "randk_fast": 2.0, "blockk_fast": 2.0}  # (topk_fast: faster than torch.topk alone, below)
+         "randk_fast": 2.0, "blockk_fast": 2.0,  # (topk_fast: faster than torch.topk alone, below)
+         "signsgd_fast": 4.0}  # (issue 65: the quantizers' copies <= 4)
 # every scheme's row: dense, the sparsifiers, the quantizers (qsgd at its default levels, without
 # error feedback, as conf/scheme/qsgd.yaml trains it)
 SCHEMES = ("none", "topk", "randk", "blockk", "signsgd", "qsgd")
 # the quantizers' kernels alone (scope "kernels": encode, decode_add of one message), max copies
-KERNEL_GOALS = {"signsgd": 2.0, "qsgd_s1": 4.0}
+KERNEL_GOALS = {"signsgd": 2.0, "qsgd_s1": 4.0, "signsgd_fast": 4.0}
 GPU_KERNEL_GOAL = 4.0  # on a GPU: signSGD's and QSGD's encode and decode_add, max copies each
 SPEEDUP_GOAL = {"cpu": 12.0, "cuda": 5.0}  # top-k compress + EF vs torch.topk(g.abs(), k)
 
