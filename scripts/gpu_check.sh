@@ -4,9 +4,12 @@
 #      reducers over gloo-on-CUDA (and NCCL with 2 GPUs), a world_size=1 CUDA run whose phases
 #      add up to its step within 10%, peak memory from CUDA;
 #   2. the compressor benchmark on CUDA (ResNet-18 gradient, 1%, every scheme and scope, against
-#      torch.topk and a copy of the gradient; the fast path's fused kernels (train.fast_path:
-#      rows <scheme>_fast) beside the torch path; goals printed), then each timed call profiled
-#      (kernel launches and host waits per call: what sets a call's time on a fast GPU);
+#      torch.topk and a copy of the gradient; the fast path (train.fast_path: rows <scheme>_fast,
+#      top-k, random-k, block-k and signSGD's fused kernels, PowerSGD batched by shape) beside the
+#      torch path, and torch's powerSGD_hook (row torch_powersgd_hook, a one-rank NCCL group, the
+#      matched rank) beside PowerSGD; goals printed), then each timed call profiled (kernel
+#      launches and host waits per call: what sets a call's time on a fast GPU). The new rows
+#      add seconds (one NCCL init, three Triton compilations, ~100 calls of a few ms at most);
 #   3. the ResNet-18 CIFAR-shape step-time table (dense vs each scheme and scope, one rank, phases;
 #      top-k, random-k and block-k again with train.fast_path=true, rows <scheme>+F).
 # The cuda tests include tests/test_fused.py's: the fast path's kernels compiled on the GPU

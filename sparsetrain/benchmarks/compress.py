@@ -559,9 +559,9 @@ def print_table(res: dict) -> None:
     print(f"{'reference':<36}{'ms':>10}{'copies':>10}")
     for name, ms in res["references_ms"].items():
         print(f"{name:<36}{ms:>10.2f}{res['references_copies'][name]:>10.1f}")
-    print(f"\n{'scheme':<12}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
+    print(f"\n{'scheme':<20}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
     for r in res["schemes"]:
-        print(f"{r['scheme']:<12}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
+        print(f"{r['scheme']:<20}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
               f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
     if any(r["scheme"] == HOOK for r in res["schemes"]):
         print(f"({HOOK}: the hook's whole step, compression, one-rank AllReduces and decompression, under compress+EF)")
