@@ -404,7 +404,8 @@ def test_reducer_with_the_fast_path_runs_signsgds_kernels_with_the_same_update(d
     step and decodes by the kernel, and its update and memory equal the torch path's."""
     fast = reducer(SignSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
     slow = reducer(SignSGD(1.0, SIZES, device=device), "allgather", False, device, torch.float32)
-    assert fast._fused is not None and fast.compressor.fast_path and not slow.compressor.fast_path
+    assert fast._fused is not None and fast.compressor.fast_decode is fused.sign_decode_add
+    assert slow.compressor.fast_decode is None
     for step in range(3):
         grad, _ = data(sum(SIZES) + 5, 60 + step, torch.float32, device)
         a, b = grad.clone(), grad.clone()

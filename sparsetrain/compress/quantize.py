@@ -438,8 +438,9 @@ class SignSGD(Quantizer):
     with ``scope="global"``). Use with error feedback (the scheme's default)."""
 
     bits_per_entry = 1
-    #: ``train.fast_path``: decode by one Triton kernel (``compress.fused``; set by the exchange)
-    fast_path: bool = False
+    #: ``train.fast_path``: the decode, one Triton kernel (``compress.fused.sign_decode_add``, set
+    #: by ``fused.prepare``; a function here keeps this module from importing the kernels')
+    fast_decode = None
 
     def warm_kernels(self):
         kernels.warm(1, signs=True)
@@ -471,10 +472,8 @@ class SignSGD(Quantizer):
                             self._segment_bounds, 1, out.numpy())
 
     def decode_add(self, values, wire, out):
-        if self.fast_path:
-            from sparsetrain.compress import fused
-
-            fused.sign_decode_add(self, values, wire, out)
+        if self.fast_decode is not None:
+            self.fast_decode(self, values, wire, out)
             return
         if _kernel_ok(wire, out):
             self.decode_many(values.reshape(1, -1), wire.reshape(1, -1), out)
