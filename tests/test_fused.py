@@ -412,3 +412,19 @@ def test_reducer_with_the_fast_path_runs_signsgds_kernels_with_the_same_update(d
         fast.reduce(a, step, NULL_TIMER)
         slow.reduce(b, step, NULL_TIMER)
         assert torch.equal(a, b) and torch.equal(fast.memory.memory, slow.memory.memory)
+
+
+def test_torchs_hook_row_is_left_out_in_one_line_where_no_group_can_be_set_up(monkeypatch, capsys):
+    """A machine where the one-rank group fails (NCCL missing, say): no hook row, one line on
+    stderr, and the benchmark's other rows still come."""
+    import torch.distributed as dist
+
+    from sparsetrain.benchmarks import compress as bench
+
+    def refuse(*a, **kw):
+        raise RuntimeError("no backend here")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    g = torch.randn(sum(math.prod(s) for s in PSGD_SHAPES))
+    assert bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 1, torch.device("cpu")) is None
+    assert "torch_powersgd_hook: no row" in capsys.readouterr().err and not dist.is_initialized()

@@ -188,7 +188,8 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
     rows.append(powersgd_row(shapes, g, ratio, repeats, device, calls))
     fast = powersgd_row(shapes, g, ratio, repeats, device, calls, fast_path=True)
     rows += [fast] if fast is not None else []
-    rows.append(torch_hook_row(shapes, g, ratio, repeats, device, calls))
+    hook = torch_hook_row(shapes, g, ratio, repeats, device, calls)
+    rows += [hook] if hook is not None else []
     rows += quantizer_rows(layout, g, repeats, device, calls)
     rows += sign_fast_kernel_rows(layout, g, repeats, device, calls)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
@@ -323,13 +324,14 @@ def close_group() -> None:
 
 
 def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
-                   calls: list | None = None) -> dict:
+                   calls: list | None = None) -> dict | None:
     """torch's PowerSGD DDP hook (``powerSGD_hook``, error feedback and warm start, as
     ``scheme=torch_powersgd`` trains it) on the same gradient, at the rank matched to the sparse
     schemes' bytes at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``), in a process group
     of one rank (``one_rank_group``). Its whole
     step (compression, the AllReduces, decompression: the hook does not split) is timed against
-    a copy, in the row's compress+EF; its decompress is 0."""
+    a copy, in the row's compress+EF; its decompress is 0. None (said on stderr) where no
+    process group can be set up: the other rows still come."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
     from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
@@ -350,7 +352,11 @@ def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: 
         def gradients(self):
             return [t.view(s) for t, s in zip(self.buf.split([int(np.prod(s)) for s in shapes]), shapes, strict=True)]
 
-    one_rank_group()
+    try:
+        one_rank_group()
+    except (RuntimeError, ValueError) as err:  # torch.distributed's errors are RuntimeErrors
+        print(f"{HOOK}: no row, no one-rank process group here ({type(err).__name__}: {err})", file=sys.stderr)
+        return None
     rank = matched_powersgd_rank(shapes, ratio)
     state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
                              use_error_feedback=True, warm_start=True, random_seed=0)
