@@ -228,8 +228,8 @@ def test_reducer_with_the_fast_path_gives_the_same_update_and_memory(device, nam
 def test_fast_path_says_why_not_and_changes_nothing_where_it_has_no_kernels(device):
     """A quantizer, error feedback switched off, or the CPU without the interpreter: the reducer
     says why and runs the torch path."""
-    qsgd = reducer(QSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
-    assert qsgd._fused is None and "QSGD" in qsgd.fast_path_reason
+    qsgd = reducer(QSGD(1.0, SIZES, levels=3, device=device), "allgather", True, device, torch.float32)
+    assert qsgd._fused is None and "QSGD" in qsgd.fast_path_reason and "(here 3)" in qsgd.fast_path_reason
     off = SparseReducer(TopK(0.03, SIZES, device=device), aggregation="allgather", world_size=1, rank=0, seed=0,
                         error_feedback=False, device=device, fast_path=True)
     assert off._fused is None and "error feedback" in off.fast_path_reason
@@ -428,3 +428,48 @@ def test_torchs_hook_row_is_left_out_in_one_line_where_no_group_can_be_set_up(mo
     g = torch.randn(sum(math.prod(s) for s in PSGD_SHAPES))
     assert bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 1, torch.device("cpu")) is None
     assert "torch_powersgd_hook: no row" in capsys.readouterr().err and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("levels,generator", [(1, "counter"), (7, "pcg64"), (127, "counter")],
+                         ids=["s1_2bits", "s7_4bits_pcg64", "s127_8bits"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_qsgd_encodes_and_decodes_as_the_torch_path(device, levels, generator, dtype, device_ops):
+    """QSGD's kernels (the norms, factors and uniforms by the torch path's ops, its generator's
+    numbers as an input; one kernel for the levels and packed codes, one for the decode) against
+    the torch path, bit for bit: norms, codes (an odd count, buckets cut short, zeros) and the
+    decoded update, over a few seeds."""
+    n = sum(SIZES)
+    comp = QSGD(1.0, SIZES, levels=levels, bucket_size=64, generator=generator, device=device)
+    ref = QSGD(1.0, SIZES, levels=levels, bucket_size=64, generator=generator, device=device)
+    comp.fast_encode, comp.fast_decode = fused.qsgd_encode, fused.qsgd_decode_add
+    for seed in range(2):
+        acc, out = data(n, 70 + seed, dtype, device)
+        acc[::9] = 0.0
+        acc[600:616] = 0.0  # a small segment all zeros: norm 0
+        got, want = comp.compress(acc, seed), ref.compress(acc, seed)
+        assert torch.equal(got.values, want.values) and torch.equal(got.positions, want.positions)
+        ref_out = out.clone()
+        comp.decompress_add(got.values, got.positions, out)
+        ref.decompress_add(want.values, want.positions, ref_out)
+        assert torch.equal(out, ref_out)
+
+
+@pytest.mark.parametrize("ef", [False, True], ids=["no_ef", "ef"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_reducer_with_the_fast_path_runs_qsgds_kernels_with_the_same_update(device, ef, device_ops):
+    """``train.fast_path`` for QSGD (its default: no error feedback; and with it): the reducer
+    encodes and decodes by the kernels, and its update and memory equal the torch path's."""
+    def make(fast):
+        return SparseReducer(QSGD(1.0, SIZES, levels=1, device=device), aggregation="allgather", world_size=1,
+                             rank=0, seed=3, uncompressed_numel=5, error_feedback=ef, device=device, fast_path=fast)
+
+    fast, slow = make(True), make(False)
+    assert fast.fast_path_reason is None and fast._fused is None
+    assert fast.compressor.fast_encode is fused.qsgd_encode and slow.compressor.fast_encode is None
+    for step in range(3):
+        grad, _ = data(sum(SIZES) + 5, 80 + step, torch.float32, device)
+        a, b = grad.clone(), grad.clone()
+        fast.reduce(a, step, NULL_TIMER)
+        slow.reduce(b, step, NULL_TIMER)
+        assert torch.equal(a, b) and torch.equal(fast.memory.memory, slow.memory.memory)

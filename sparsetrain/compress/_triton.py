@@ -200,3 +200,38 @@ def sign_unpack_add(wire, seg, scales, out, N, BLOCK: tl.constexpr):
     s = tl.load(scales + tl.load(seg + i, mask=mask, other=0), mask=mask, other=0.0)
     o = tl.load(out + i, mask=mask, other=0.0)
     tl.store(out + i, o + tl.where(neg, -s, s), mask=mask)
+
+
+@triton.jit
+def qsgd_pack(acc, bucket, factors, u, wire, N, NBYTES, S, MASK, BITS: tl.constexpr, PER: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """QSGD's codes, ``PER = 8 // BITS`` a byte from the lowest bits: each entry's signed level
+    ``copysign(min(floor(|acc| * factor + u), S), acc)`` (the torch path's ops, in its order;
+    launched without fused multiply-adds) in two's complement, ``& MASK``."""
+    pid = tl.program_id(0)
+    b = pid * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, PER)
+    i = b[:, None] * PER + j[None, :]
+    mask = i < N
+    a = tl.load(acc + i, mask=mask, other=0.0)
+    f = tl.load(factors + tl.load(bucket + i, mask=mask, other=0), mask=mask, other=0.0)
+    t = tl.abs(a) * f + tl.load(u + i, mask=mask, other=0.0)
+    level = tl.minimum(tl.floor(t), S)
+    code = tl.where(mask, tl.where(a < 0, -level, level).to(tl.int32) & MASK, 0)
+    tl.store(wire + b, tl.sum(code << (j[None, :] * BITS), axis=1).to(tl.uint8), mask=b < NBYTES)
+
+
+@triton.jit
+def qsgd_unpack_add(wire, bucket, units, out, N, TOP, MASK, BITS: tl.constexpr, PER: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """QSGD's decode: ``out += signed level x unit`` (``unit``: the bucket's norm / levels), the
+    product rounded before the sum, as the torch path (launched without fused multiply-adds)."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    byte = tl.load(wire + i // PER, mask=mask, other=0).to(tl.int32)
+    c = (byte >> ((i % PER) * BITS)) & MASK
+    o = tl.load(out + i, mask=mask, other=0.0)
+    signed = ((c ^ TOP) - TOP).to(o.dtype)
+    unit = tl.load(units + tl.load(bucket + i, mask=mask, other=0), mask=mask, other=0.0)
+    tl.store(out + i, o + signed * unit, mask=mask)

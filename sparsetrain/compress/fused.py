@@ -42,7 +42,7 @@ import torch
 from sparsetrain.compress.base import Compressor, Payload
 from sparsetrain.compress.feedback import ErrorFeedback, Memory
 from sparsetrain.compress.powersgd import PowerSGD
-from sparsetrain.compress.quantize import SignSGD
+from sparsetrain.compress.quantize import QSGD, SignSGD
 from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
 
 BLOCK = 1024  # entries per program of the full-buffer passes
@@ -79,6 +79,10 @@ def reason(compressor: Compressor, memory: Memory, device, dtype) -> str | None:
         return f"it runs on CUDA (here {device.type})"
     if batched:
         return None
+    if type(compressor) is QSGD:  # encode and decode in kernels, with or without error feedback
+        if compressor.bits_per_entry not in (2, 4, 8):
+            return f"QSGD's kernels take whole codes in a byte: 2, 4 or 8 bits (here {compressor.bits_per_entry})"
+        return None if dtype in (torch.float32, torch.float64) else f"dtype {dtype} (float32 and float64 only)"
     if type(compressor) not in (TopK, RandomK, BlockRandomK, SignSGD):
         return f"no fused kernels for {type(compressor).__name__}"
     if type(memory) is not ErrorFeedback or not memory.enabled:
@@ -97,6 +101,9 @@ def prepare(compressor: Compressor) -> bool:
         return True
     if type(compressor) is SignSGD:  # its decode (every received message) by one kernel too
         compressor.fast_decode = sign_decode_add
+    if type(compressor) is QSGD:  # its own encode and decode, each one kernel after torch's norms
+        compressor.fast_encode, compressor.fast_decode = qsgd_encode, qsgd_decode_add
+        return True
     return False
 
 
@@ -275,6 +282,31 @@ def sign_step(comp: SignSGD, mem: torch.Tensor, grad: torch.Tensor, out=None, wi
     wire = wire if wire is not None else torch.empty(comp.num_positions, dtype=torch.uint8, device=mem.device)
     sign_encode(comp, mem, values, wire, forget=True)
     return Payload(values, wire, None)
+
+
+def qsgd_encode(comp: QSGD, acc: torch.Tensor, seed: int, values: torch.Tensor, wire: torch.Tensor) -> None:
+    """QSGD's encode: the bucket norms, factors and uniforms by the torch path's device ops (its
+    generator's numbers, drawn as it draws them: the kernel takes them as a tensor), then one
+    kernel for the levels and the packed codes."""
+    s = comp.levels
+    values.copy_(comp.bucket_norms(acc))
+    norms = values.to(acc.dtype)
+    factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
+    u = comp.uniforms(seed, acc, numpy=False)
+    bits = comp.bits_per_entry
+    kernels().qsgd_pack[_grid(wire.numel(), TAKE_BLOCK // 8)](
+        acc, comp.entry_table("bucket", acc.device), factors, u, wire, comp.numel, wire.numel(), float(s),
+        comp._mask, BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK // 8, enable_fp_fusion=False)
+
+
+def qsgd_decode_add(comp: QSGD, values: torch.Tensor, wire: torch.Tensor, out: torch.Tensor) -> None:
+    """QSGD's decode in one kernel: ``out += signed level x norm / levels`` (the torch path's
+    floats: the units divided by a tensor, the product rounded before the sum)."""
+    units = values.div(values.new_tensor(comp.levels)).to(out.dtype)
+    bits = comp.bits_per_entry
+    kernels().qsgd_unpack_add[_grid(comp.numel, TAKE_BLOCK)](
+        wire, comp.entry_table("bucket", out.device), units, out, comp.numel, comp._top, comp._mask,
+        BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK, enable_fp_fusion=False)
 
 
 def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0, out=None, wire=None) -> Payload:
