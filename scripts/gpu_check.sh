@@ -8,7 +8,7 @@
 #      add up to its step within 10%, peak memory from CUDA;
 #   2. the compressor benchmark on CUDA (ResNet-18 gradient, 1%, every scheme and scope, against
 #      torch.topk and a copy of the gradient; the fast path (train.fast_path: rows <scheme>_fast,
-#      top-k, random-k, block-k and signSGD's fused kernels, PowerSGD batched by shape) beside the
+#      top-k, random-k, block-k, signSGD and QSGD's kernels, PowerSGD batched by shape) beside the
 #      torch path, and torch's powerSGD_hook (row torch_powersgd_hook, a one-rank NCCL group, the
 #      matched rank) beside PowerSGD; goals printed), then each timed call profiled (kernel
 #      launches and host waits per call: what sets a call's time on a fast GPU). The new rows

@@ -285,10 +285,10 @@ def test_benchmark_times_the_fast_path_beside_the_torch_path_on_a_tiny_gradient(
           for what in ("compress+EF", "decompress")),
         *(f"signsgd_fast/{sc} {what}" for sc in SCOPES for what in ("compress+EF <= 4 copies",
                                                                      "decompress <= 2 copies"))}
-    kernel_rows = bench.sign_fast_kernel_rows(layout, g, 1, cpu)
-    assert [(r["scheme"], r["scope"]) for r in kernel_rows] == [("signsgd_fast", "kernels")]
+    kernel_rows = bench.fast_kernel_rows(layout, g, 1, cpu)
+    assert [(r["scheme"], r["scope"]) for r in kernel_rows] == [("signsgd_fast", "kernels"), ("qsgd_s1_fast", "kernels")]
     assert set(bench.goals({"device": "cuda", "schemes": kernel_rows, "references_copies": {}})) == {
-        "signsgd_fast encode <= 4 copies", "signsgd_fast decode_add <= 4 copies"}
+        f"{s} {what} <= 4 copies" for s in ("signsgd_fast", "qsgd_s1_fast") for what in ("encode", "decode_add")}
 
 
 # PowerSGD's tensors: shapes repeated at uneven gaps (a 1-D tensor between two of a shape), a

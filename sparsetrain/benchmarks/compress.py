@@ -29,10 +29,10 @@ encode <= 2, QSGD s=1 encode <= 4, decode_add <= 2 copies (on a GPU each <= 4); 
 
 The fast path (``train.fast_path=true``: ``compress.fused``, Triton) of top-k, random-k and block-k
 is timed beside the torch path as rows ``<scheme>_fast`` (on CUDA; on the CPU only under Triton's
-interpreter, ``TRITON_INTERPRET=1``, which the tests use on a tiny gradient), and signSGD's
-(its kernels alone too: ``signsgd_fast`` of scope "kernels"). Its goals: top-k's compress + EF
-faster than ``torch.topk`` alone, random-k's and block-k's <= 2 copies, signSGD's <= 4 (its
-kernels' encode and decode_add <= 4 each).
+interpreter, ``TRITON_INTERPRET=1``, which the tests use on a tiny gradient), and signSGD's;
+the quantizers' kernels alone too (``signsgd_fast``, ``qsgd_s1_fast`` of scope "kernels"). Its
+goals: top-k's compress + EF faster than ``torch.topk`` alone, random-k's and block-k's <= 2
+copies, signSGD's <= 4, the quantizers' kernels' encode and decode_add <= 4 each.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
     hook = torch_hook_row(shapes, g, ratio, repeats, device, calls)
     rows += [hook] if hook is not None else []
     rows += quantizer_rows(layout, g, repeats, device, calls)
-    rows += sign_fast_kernel_rows(layout, g, repeats, device, calls)
+    rows += fast_kernel_rows(layout, g, repeats, device, calls)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
             "references_ms": ref,
@@ -411,36 +411,45 @@ def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.
     return rows
 
 
-def sign_fast_kernel_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device,
-                          calls: list | None = None) -> list[dict]:
-    """signSGD's fast-path kernels alone (``compress.fused``: the scales, then one kernel for
-    the packed signs; one kernel for ``decode_add``), the row ``signsgd_fast`` of scope
-    "kernels"; none where the fast path does not run."""
-    from sparsetrain.compress import SignSGD, fused
+def fast_kernel_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device,
+                     calls: list | None = None) -> list[dict]:
+    """The quantizers' fast-path kernels alone (``compress.fused``, as ``quantizer_rows``:
+    layer-wise, no error feedback), rows ``signsgd_fast`` and ``qsgd_s1_fast`` of scope
+    "kernels": encode (the torch path's scales or norms and draws, then one kernel for the
+    packed codes) and ``decode_add`` (one kernel); none where the fast path does not run."""
+    from sparsetrain.compress import QSGD, SignSGD, fused
 
-    comp = SignSGD(1.0, layout, device=device)
-    if fused.reason(comp, ErrorFeedback(layout.total, device=device, dtype=g.dtype), device, g.dtype) is not None:
-        return []
+    rows = []
     out, out2 = torch.zeros_like(g), torch.empty_like(g)
-    values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
-    wire = torch.empty(comp.num_positions, dtype=torch.uint8, device=device)
+    for scheme, comp in (("signsgd_fast", SignSGD(1.0, layout, device=device)),
+                         ("qsgd_s1_fast", QSGD(1.0, layout, levels=1, device=device))):
+        if fused.reason(comp, ErrorFeedback(layout.total, device=device, dtype=g.dtype), device, g.dtype) is not None:
+            return rows
+        fused.prepare(comp)
+        values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
+        wire = torch.empty(comp.num_positions, dtype=torch.uint8, device=device)
+        step = [0]
 
-    def encode():
-        fused.sign_encode(comp, g, values, wire)
+        def encode(comp=comp, values=values, wire=wire, step=step):
+            step[0] += 1
+            if isinstance(comp, SignSGD):
+                fused.sign_encode(comp, g, values, wire)
+            else:
+                comp.encode(g, step_seed(0, step[0]), values, wire)
 
-    def decode():
-        fused.sign_decode_add(comp, values, wire, out)
+        def decode(comp=comp, values=values, wire=wire):
+            comp.decode_add(values, wire, out)
 
-    def copy_once():
-        out2.copy_(g)
+        def copy_once():
+            out2.copy_(g)
 
-    e_ms, e_cp = timeit_ratio(encode, copy_once, repeats, device)
-    d_ms, d_cp = timeit_ratio(decode, copy_once, repeats, device)
-    if calls is not None:
-        calls += [("signsgd_fast/kernels encode", encode), ("signsgd_fast/kernels decode_add", decode)]
-    return [{"scheme": "signsgd_fast", "scope": "kernels", "k": comp.k, "compress_ef_ms": e_ms,
-             "compress_ef_copies": e_cp, "decompress_ms": d_ms, "decompress_copies": d_cp}]
-
+        e_ms, e_cp = timeit_ratio(encode, copy_once, repeats, device)
+        d_ms, d_cp = timeit_ratio(decode, copy_once, repeats, device)
+        if calls is not None:
+            calls += [(f"{scheme}/kernels encode", encode), (f"{scheme}/kernels decode_add", decode)]
+        rows.append({"scheme": scheme, "scope": "kernels", "k": comp.k, "compress_ef_ms": e_ms,
+                     "compress_ef_copies": e_cp, "decompress_ms": d_ms, "decompress_copies": d_cp})
+    return rows
 
 GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None,  # max copies, compress + EF
          "randk_fast": 2.0, "blockk_fast": 2.0,  # (topk_fast: faster than torch.topk alone, below)
@@ -449,7 +458,7 @@ GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None,  # max copies, 
 # error feedback, as conf/scheme/qsgd.yaml trains it)
 SCHEMES = ("none", "topk", "randk", "blockk", "signsgd", "qsgd")
 # the quantizers' kernels alone (scope "kernels": encode, decode_add of one message), max copies
-KERNEL_GOALS = {"signsgd": 2.0, "qsgd_s1": 4.0, "signsgd_fast": 4.0}
+KERNEL_GOALS = {"signsgd": 2.0, "qsgd_s1": 4.0, "signsgd_fast": 4.0, "qsgd_s1_fast": 4.0}
 GPU_KERNEL_GOAL = 4.0  # on a GPU: signSGD's and QSGD's encode and decode_add, max copies each
 SPEEDUP_GOAL = {"cpu": 12.0, "cuda": 5.0}  # top-k compress + EF vs torch.topk(g.abs(), k)
 
