@@ -1,5 +1,5 @@
-"""The fast path (``train.fast_path=true``): error feedback and the sparsifiers' compression in
-fused Triton kernels on CUDA, sending exactly what the torch path sends.
+"""The fast path (``train.fast_path=true``): error feedback and compression in fused Triton
+kernels on CUDA, sending exactly what the torch path sends.
 
 On a GPU one copy of the ResNet-18 gradient takes 0.03 ms, so a compressor that composes a few
 dozen torch ops is bound by their launches (docs/performance.md, section 4). Here one step of
@@ -24,6 +24,13 @@ error feedback + compression is a handful of kernels (``compress._triton``):
   the memory (three torch ops before); block-k's kernel also expands its run starts (layer-wise)
   or drawn blocks (global) into the entries (``BlockRandomK.indices``' integer arithmetic: half a
   dozen torch ops before). The draws themselves stay torch ops: they define the schemes.
+
+- signSGD (with error feedback): the scales by the torch path's device ops, then one kernel
+  packs the signs and does the forget; one kernel decodes (``sign_step``, ``sign_decode_add``).
+- QSGD (2, 4 or 8 bits a code): its encode and decode swapped (``prepare``): the norms and the
+  generator's uniforms by the torch path's ops, one kernel for the levels and codes, one to
+  decode, without fused multiply-adds (``qsgd_encode``, ``qsgd_decode_add``).
+- PowerSGD: no kernel; its matmuls batched by shape (``PowerSGD.batched``, ``prepare``).
 
 Nothing else changes: the other schemes, another memory than plain error feedback, a DDP
 bucket's pieces, or a step whose compression error is measured take the torch path
