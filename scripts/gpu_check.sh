@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# make gpu-check: the CUDA path on one GPU in a few minutes (at most 11: the stages' limits).
+# make gpu-check: the CUDA path on one GPU in a few minutes (at most 9: the stages' limits, 240 + 150
+# + 150 s; a lent machine runs a command for at most 10). Estimate: the H200 run of 2026-12-04 took
+# 118 + 16 + 36 s; since then the fast path's cuda tests and rows (Triton compiles each kernel once,
+# seconds), torch's hook (one NCCL init) and ~100 more timed calls of a few ms: about 4 minutes.
 #   1. the tests marked `cuda` (pytest -m cuda): compressors on CUDA vs CPU, error feedback,
 #      reducers over gloo-on-CUDA (and NCCL with 2 GPUs), a world_size=1 CUDA run whose phases
 #      add up to its step within 10%, peak memory from CUDA;
 #   2. the compressor benchmark on CUDA (ResNet-18 gradient, 1%, every scheme and scope, against
-#      torch.topk and a copy of the gradient; the fast path's fused kernels (train.fast_path:
-#      rows <scheme>_fast) beside the torch path; goals printed), then each timed call profiled
-#      (kernel launches and host waits per call: what sets a call's time on a fast GPU);
+#      torch.topk and a copy of the gradient; the fast path (train.fast_path: rows <scheme>_fast,
+#      top-k, random-k, block-k, signSGD and QSGD's kernels, PowerSGD batched by shape) beside the
+#      torch path, and torch's powerSGD_hook (row torch_powersgd_hook, a one-rank NCCL group, the
+#      matched rank) beside PowerSGD; goals printed), then each timed call profiled (kernel
+#      launches and host waits per call: what sets a call's time on a fast GPU). The new rows
+#      add seconds (one NCCL init, three Triton compilations, ~100 calls of a few ms at most);
 #   3. the ResNet-18 CIFAR-shape step-time table (dense vs each scheme and scope, one rank, phases;
 #      top-k, random-k and block-k again with train.fast_path=true, rows <scheme>+F).
 # The cuda tests include tests/test_fused.py's: the fast path's kernels compiled on the GPU
@@ -50,11 +56,11 @@ stage() {  # stage NAME FILE TIMEOUT CMD...: run CMD, tee its output under the h
 # Only the modules that hold cuda tests are collected: the others import what a GPU machine
 # need not have (notebook runners, the SLURM launcher), and one failed import stops a session.
 mapfile -t CUDA_TESTS < <(grep -l "pytest.mark.cuda" tests/test_*.py)
-stage "cuda tests" "$OUT/gpu_tests.txt" 300 "$PY" -m pytest -m cuda -rs -q -p no:cacheprovider "${CUDA_TESTS[@]}"
-stage "compressor benchmark" "$OUT/gpu_compress.txt" 180 \
+stage "cuda tests" "$OUT/gpu_tests.txt" 240 "$PY" -m pytest -m cuda -rs -q -p no:cacheprovider "${CUDA_TESTS[@]}"
+stage "compressor benchmark" "$OUT/gpu_compress.txt" 150 \
     "$PY" -m sparsetrain.benchmarks.compress --device cuda --repeats 15 --rounds 3 --json "$OUT/gpu_compress.json" \
     --profile "$OUT/gpu_profile.txt"
-stage "step-time table" "$OUT/gpu_step_log.txt" 180 \
+stage "step-time table" "$OUT/gpu_step_log.txt" 150 \
     "$PY" -m sparsetrain.benchmarks.step_device --device cuda --out "$OUT"
 
 {

@@ -9,6 +9,7 @@ program in numpy. Without Triton every case skips with the reason.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -22,6 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed: the fast path's k
 
 from sparsetrain.comm import SparseReducer  # noqa: E402
 from sparsetrain.compress import (  # noqa: E402
+    QSGD,
     BlockRandomK,
     ErrorFeedback,
     RandomK,
@@ -226,8 +228,8 @@ def test_reducer_with_the_fast_path_gives_the_same_update_and_memory(device, nam
 def test_fast_path_says_why_not_and_changes_nothing_where_it_has_no_kernels(device):
     """A quantizer, error feedback switched off, or the CPU without the interpreter: the reducer
     says why and runs the torch path."""
-    sign = reducer(SignSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
-    assert sign._fused is None and "SignSGD" in sign.fast_path_reason
+    qsgd = reducer(QSGD(1.0, SIZES, levels=3, device=device), "allgather", True, device, torch.float32)
+    assert qsgd._fused is None and "QSGD" in qsgd.fast_path_reason and "(here 3)" in qsgd.fast_path_reason
     off = SparseReducer(TopK(0.03, SIZES, device=device), aggregation="allgather", world_size=1, rank=0, seed=0,
                         error_feedback=False, device=device, fast_path=True)
     assert off._fused is None and "error feedback" in off.fast_path_reason
@@ -272,12 +274,202 @@ def test_benchmark_times_the_fast_path_beside_the_torch_path_on_a_tiny_gradient(
     layout = Layout.from_sizes(SIZES)
     g = data(layout.total, 6, torch.float32, cpu)[0]
     rows = bench.fast_rows(layout, g, 0.02, 1, cpu)
-    assert [(r["scheme"], r["scope"]) for r in rows] == [(f"{s}_fast", sc) for s in ("topk", "randk", "blockk")
-                                                        for sc in SCOPES]
+    assert [(r["scheme"], r["scope"]) for r in rows] == [(f"{s}_fast", sc) for s in ("topk", "randk", "blockk",
+                                                                                      "signsgd") for sc in SCOPES]
     assert all(r["compress_ef_ms"] > 0 and r["compress_ef_copies"] > 0 and r["decompress_ms"] > 0 for r in rows)
     goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {"torch.topk(g.abs(),k)": 1.0}})
     assert {name.split(" = ")[0] for name in goals} == {
         "topk_fast/layerwise compress+EF faster than torch.topk alone",
         "topk_fast/global compress+EF faster than torch.topk alone",
         *(f"{s}_fast/{sc} {what} <= 2 copies" for s in ("randk", "blockk") for sc in SCOPES
-          for what in ("compress+EF", "decompress"))}
+          for what in ("compress+EF", "decompress")),
+        *(f"signsgd_fast/{sc} {what}" for sc in SCOPES for what in ("compress+EF <= 4 copies",
+                                                                     "decompress <= 2 copies"))}
+    kernel_rows = bench.fast_kernel_rows(layout, g, 1, cpu)
+    assert [(r["scheme"], r["scope"]) for r in kernel_rows] == [("signsgd_fast", "kernels"), ("qsgd_s1_fast", "kernels")]
+    assert set(bench.goals({"device": "cuda", "schemes": kernel_rows, "references_copies": {}})) == {
+        f"{s} {what} <= 4 copies" for s in ("signsgd_fast", "qsgd_s1_fast") for what in ("encode", "decode_add")}
+
+
+# PowerSGD's tensors: shapes repeated at uneven gaps (a 1-D tensor between two of a shape), a
+# matrix of rank below the rank asked (3 x 5), 1-D tensors (matrices of one column)
+PSGD_SHAPES = [(8, 4, 3, 3), (5,), (8, 4, 3, 3), (8, 4, 3, 3), (8, 4, 3, 3), (6,), (8, 4, 3, 3), (16, 8), (3, 5),
+               (16, 8)]
+
+
+@pytest.mark.parametrize("rank", [2, 3], ids=["gram_schmidt", "qr"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_powersgd_batched_by_shape_equals_the_unbatched_path(device, rank):
+    """``train.fast_path`` for PowerSGD: the reducer batches its matmuls by shape (one bmm per
+    run of same-shape matrices, fewer calls than matrices) and gives the same update, memory and
+    Q as the torch path over several steps, bit for bit on the CPU (each matrix's product is
+    the one ``torch.mm`` computes); on CUDA within float rounding (cuBLAS's batched kernels may
+    sum in another order)."""
+    from sparsetrain.compress import Layout, PowerSGD
+    from sparsetrain.compress.powersgd import ShapeBatches
+
+    sizes = [math.prod(s) for s in PSGD_SHAPES]
+    n = sum(sizes)
+
+    def make(fast):
+        comp = PowerSGD(1.0, Layout.from_sizes(sizes), shapes=PSGD_SHAPES, rank=rank, device=device)
+        return reducer(comp, "allreduce", fast, device, torch.float32)
+
+    fast, slow = make(True), make(False)
+    assert fast.fast_path_reason is None and fast._fused is None and fast.compressor.batched
+    assert not slow.compressor.batched
+    runs = ShapeBatches(fast.compressor).runs
+    assert len(runs) < len(PSGD_SHAPES) and max(r[1] for r in runs) >= 2
+    same = torch.equal if device == "cpu" else lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for step in range(4):
+        grad, _ = data(n + 5, 30 + step, torch.float32, device)
+        a, b = grad.clone(), grad.clone()
+        fast.reduce(a, step, NULL_TIMER)
+        slow.reduce(b, step, NULL_TIMER)
+        assert same(a, b) and same(fast.memory.memory, slow.memory.memory)
+        assert same(fast.compressor.q, slow.compressor.q)
+
+
+def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_gradient():
+    """The compressor benchmark's PowerSGD rows: ours, ours batched by shape (``powersgd_fast``,
+    what `make gpu-check` times on the GPU) and torch's ``powerSGD_hook`` on the same gradient
+    in a one-rank gloo group at the matched rank; the goal (ours no slower) for both of ours."""
+    import torch.distributed as dist
+
+    from sparsetrain.benchmarks import compress as bench
+    from sparsetrain.ddp import matched_powersgd_rank
+
+    if not fused.interpreting():
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+    cpu = torch.device("cpu")
+    g = data(sum(math.prod(s) for s in PSGD_SHAPES), 8, torch.float32, cpu)[0]
+    calls = []
+    try:
+        rows = [bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu),
+                bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu, fast_path=True),
+                bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 2, cpu, calls)]
+        assert dist.is_initialized()  # its own group, kept for the profile's rerun of the hook
+        calls[-1][1]()
+    finally:
+        bench.close_group()
+    assert not dist.is_initialized()
+    assert [r["scheme"] for r in rows] == ["powersgd", "powersgd_fast", "torch_powersgd_hook"]
+    assert rows[2]["rank"] == matched_powersgd_rank(PSGD_SHAPES, 0.05) and rows[2]["compress_ef_ms"] > 0
+    goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {}})
+    assert sorted(name.split(" step")[0] for name in goals) == ["powersgd", "powersgd_fast"]
+    assert all("<= torch's hook" in name for name in goals)
+
+
+@pytest.fixture
+def device_ops(monkeypatch):
+    """The quantizers' torch path as it runs on a GPU (its batched device ops), here on CPU
+    tensors: what the fast path's signSGD kernels are checked against."""
+    from sparsetrain.compress import quantize
+
+    monkeypatch.setattr(quantize, "_numpy_ok", lambda t: False)
+    monkeypatch.setattr(quantize, "_kernel_ok", lambda *t: False)
+    monkeypatch.setattr(quantize, "_batched", lambda t: True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_signsgd_encodes_decodes_and_forgets_as_the_torch_path(device, scope, dtype, device_ops):
+    """signSGD's kernels (the scales by the torch path's own ops, then one kernel for the packed
+    signs and the forget; one for the decode) against the torch path, bit for bit: scales,
+    codes (an odd count: a last byte part full, zeros and negative zeros), decoded update, and
+    error feedback's memory over a few steps."""
+    n = sum(SIZES)
+    mem, grad = data(n, 12, dtype, device)
+    grad[::7] = 0.0
+    grad[3::11] = -0.0
+    ref_mem = mem.clone()
+    comp, ref = SignSGD(1.0, SIZES, scope, device=device), SignSGD(1.0, SIZES, scope, device=device)
+    for step in range(3):
+        got = fused.step(comp, mem, grad)
+        want, ref_mem = torch_path(ref, ref_mem, grad)
+        assert torch.equal(got.values, want.values) and torch.equal(got.positions, want.positions)
+        assert torch.equal(mem, ref_mem)
+        out, ref_out = data(n, 40 + step, dtype, device)[0], None
+        ref_out = out.clone()
+        fused.sign_decode_add(comp, got.values, got.positions, out)
+        ref.decode_add(want.values, want.positions, ref_out)
+        assert torch.equal(out, ref_out)
+        grad = data(n, 50 + step, dtype, device)[1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reducer_with_the_fast_path_runs_signsgds_kernels_with_the_same_update(device, device_ops):
+    """``train.fast_path`` for signSGD (AllGather, error feedback): the reducer runs the fused
+    step and decodes by the kernel, and its update and memory equal the torch path's."""
+    fast = reducer(SignSGD(1.0, SIZES, device=device), "allgather", True, device, torch.float32)
+    slow = reducer(SignSGD(1.0, SIZES, device=device), "allgather", False, device, torch.float32)
+    assert fast._fused is not None and fast.compressor.fast_decode is fused.sign_decode_add
+    assert slow.compressor.fast_decode is None
+    for step in range(3):
+        grad, _ = data(sum(SIZES) + 5, 60 + step, torch.float32, device)
+        a, b = grad.clone(), grad.clone()
+        fast.reduce(a, step, NULL_TIMER)
+        slow.reduce(b, step, NULL_TIMER)
+        assert torch.equal(a, b) and torch.equal(fast.memory.memory, slow.memory.memory)
+
+
+def test_torchs_hook_row_is_left_out_in_one_line_where_no_group_can_be_set_up(monkeypatch, capsys):
+    """A machine where the one-rank group fails (NCCL missing, say): no hook row, one line on
+    stderr, and the benchmark's other rows still come."""
+    import torch.distributed as dist
+
+    from sparsetrain.benchmarks import compress as bench
+
+    def refuse(*a, **kw):
+        raise RuntimeError("no backend here")
+
+    monkeypatch.setattr(dist, "init_process_group", refuse)
+    g = torch.randn(sum(math.prod(s) for s in PSGD_SHAPES))
+    assert bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 1, torch.device("cpu")) is None
+    assert "torch_powersgd_hook: no row" in capsys.readouterr().err and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("levels,generator", [(1, "counter"), (7, "pcg64"), (127, "counter")],
+                         ids=["s1_2bits", "s7_4bits_pcg64", "s127_8bits"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_qsgd_encodes_and_decodes_as_the_torch_path(device, levels, generator, dtype, device_ops):
+    """QSGD's kernels (the norms, factors and uniforms by the torch path's ops, its generator's
+    numbers as an input; one kernel for the levels and packed codes, one for the decode) against
+    the torch path, bit for bit: norms, codes (an odd count, buckets cut short, zeros) and the
+    decoded update, over a few seeds."""
+    n = sum(SIZES)
+    comp = QSGD(1.0, SIZES, levels=levels, bucket_size=64, generator=generator, device=device)
+    ref = QSGD(1.0, SIZES, levels=levels, bucket_size=64, generator=generator, device=device)
+    comp.fast_encode, comp.fast_decode = fused.qsgd_encode, fused.qsgd_decode_add
+    for seed in range(2):
+        acc, out = data(n, 70 + seed, dtype, device)
+        acc[::9] = 0.0
+        acc[600:616] = 0.0  # a small segment all zeros: norm 0
+        got, want = comp.compress(acc, seed), ref.compress(acc, seed)
+        assert torch.equal(got.values, want.values) and torch.equal(got.positions, want.positions)
+        ref_out = out.clone()
+        comp.decompress_add(got.values, got.positions, out)
+        ref.decompress_add(want.values, want.positions, ref_out)
+        assert torch.equal(out, ref_out)
+
+
+@pytest.mark.parametrize("ef", [False, True], ids=["no_ef", "ef"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_reducer_with_the_fast_path_runs_qsgds_kernels_with_the_same_update(device, ef, device_ops):
+    """``train.fast_path`` for QSGD (its default: no error feedback; and with it): the reducer
+    encodes and decodes by the kernels, and its update and memory equal the torch path's."""
+    def make(fast):
+        return SparseReducer(QSGD(1.0, SIZES, levels=1, device=device), aggregation="allgather", world_size=1,
+                             rank=0, seed=3, uncompressed_numel=5, error_feedback=ef, device=device, fast_path=fast)
+
+    fast, slow = make(True), make(False)
+    assert fast.fast_path_reason is None and fast._fused is None
+    assert fast.compressor.fast_encode is fused.qsgd_encode and slow.compressor.fast_encode is None
+    for step in range(3):
+        grad, _ = data(sum(SIZES) + 5, 80 + step, torch.float32, device)
+        a, b = grad.clone(), grad.clone()
+        fast.reduce(a, step, NULL_TIMER)
+        slow.reduce(b, step, NULL_TIMER)
+        assert torch.equal(a, b) and torch.equal(fast.memory.memory, slow.memory.memory)

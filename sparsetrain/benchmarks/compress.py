@@ -8,6 +8,10 @@ and PowerSGD (``scheme=powersgd``, layer-wise, its rank matched to the sparse sc
 --ratio, the 1-D tensors whole as it trains), one rank, no collective:
   compress+EF  = memory += grad; Q orthogonalised; P = M Q; P orthogonalised; Q = M^T P
   decompress   = P Q^T into the buffer; memory -= it
+beside it (``powersgd_fast``) its matmuls batched by shape (``train.fast_path``; on CUDA, or on the
+CPU under Triton's interpreter) and torch's PowerSGD DDP hook (``torch_powersgd_hook``) on the
+same gradient at the rank ``sparsetrain.ddp.matched_powersgd_rank`` gives, in a one-rank process
+group, its whole step in compress+EF (the hook does not split it); goal: ours no slower.
 "copies" = the median over repeats of (time of the call / time of one gradient copy timed right
 before it), so that load changes on a shared machine cancel out; next to references measured in
 the same run: one ``out.copy_(g)`` (the unit), an EF add,
@@ -25,17 +29,22 @@ encode <= 2, QSGD s=1 encode <= 4, decode_add <= 2 copies (on a GPU each <= 4); 
 
 The fast path (``train.fast_path=true``: ``compress.fused``, Triton) of top-k, random-k and block-k
 is timed beside the torch path as rows ``<scheme>_fast`` (on CUDA; on the CPU only under Triton's
-interpreter, ``TRITON_INTERPRET=1``, which the tests use on a tiny gradient). Its goals: top-k's
-compress + EF faster than ``torch.topk`` alone, random-k's and block-k's <= 2 copies.
+interpreter, ``TRITON_INTERPRET=1``, which the tests use on a tiny gradient), and signSGD's;
+the quantizers' kernels alone too (``signsgd_fast``, ``qsgd_s1_fast`` of scope "kernels"). Its
+goals: top-k's compress + EF faster than ``torch.topk`` alone, random-k's and block-k's <= 2
+copies, signSGD's <= 4, the quantizers' kernels' encode and decode_add <= 4 each.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -177,7 +186,12 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
                          "decompress_ms": d_ms, "decompress_copies": d_cp})
     rows += fast_rows(layout, g, ratio, repeats, device, block_size, calls)
     rows.append(powersgd_row(shapes, g, ratio, repeats, device, calls))
+    fast = powersgd_row(shapes, g, ratio, repeats, device, calls, fast_path=True)
+    rows += [fast] if fast is not None else []
+    hook = torch_hook_row(shapes, g, ratio, repeats, device, calls)
+    rows += [hook] if hook is not None else []
     rows += quantizer_rows(layout, g, repeats, device, calls)
+    rows += fast_kernel_rows(layout, g, repeats, device, calls)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": str(device), "device_name": name, "numel": n, "k": k, "tensors": len(shapes),
             "references_ms": ref,
@@ -185,16 +199,16 @@ def bench_device(device: torch.device, ratio: float, repeats: int, block_size: i
             "schemes": rows}
 
 
-FAST = ("topk", "randk", "blockk")  # the schemes with fused kernels (train.fast_path)
+FAST = ("topk", "randk", "blockk", "signsgd")  # the schemes with fused kernels (train.fast_path)
 
 
 def fast_rows(layout: Layout, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
               block_size: int | None = None, calls: list | None = None) -> list[dict]:
-    """The fast path (``train.fast_path=true``: ``compress.fused``) of top-k, random-k and
-    block-k, both scopes, as rows ``<scheme>_fast``: compress+EF = one fused step (memory +=
-    grad, choose, gather, zero in memory) into the message's values, decompress as the torch
-    path's (the fast path does not change it); each timed against a copy. No rows where the
-    fast path cannot run (the CPU without Triton's interpreter, no Triton)."""
+    """The fast path (``train.fast_path=true``: ``compress.fused``) of top-k, random-k, block-k
+    and signSGD, both scopes, as rows ``<scheme>_fast``: compress+EF = one fused step (memory +=
+    grad, choose or encode, gather, the forget) into the message's sections, decompress as the
+    torch path's (signSGD's: its kernel); each timed against a copy. No rows where the fast
+    path cannot run (the CPU without Triton's interpreter, no Triton)."""
     from sparsetrain.compress import fused
 
     rows = []
@@ -206,6 +220,7 @@ def fast_rows(layout: Layout, g: torch.Tensor, ratio: float, repeats: int, devic
             ef = ErrorFeedback(n, device=device, dtype=g.dtype)
             if fused.reason(comp, ef, device, g.dtype) is not None:
                 return rows
+            fused.prepare(comp)  # signSGD: its decode by the kernel too
             values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
             step = [0]
 
@@ -233,11 +248,13 @@ def fast_rows(layout: Layout, g: torch.Tensor, ratio: float, repeats: int, devic
 
 
 def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
-                 calls: list | None = None) -> dict:
+                 calls: list | None = None, fast_path: bool = False) -> dict | None:
     """PowerSGD's row: the reducer training builds (``scheme=powersgd``: the composed config's
     compressor node, ``scheme.uncompressed``) on one rank, its compression (error feedback, both
     projections and orthogonalisations: the matmuls of both factors) and its decompression, each
-    timed against a copy of the gradient right before it."""
+    timed against a copy of the gradient right before it. ``fast_path``: the row
+    ``powersgd_fast``, its matmuls batched by shape (``train.fast_path``); None where the fast
+    path does not run (the CPU without Triton's interpreter)."""
     from sparsetrain.comm import build_exchange
     from sparsetrain.config import compose, scheme_compressor
 
@@ -245,7 +262,11 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
     params = [torch.empty(s, device=device, dtype=g.dtype, requires_grad=True) for s in shapes]
     buf, _, red = build_exchange(params, "powersgd", cfg.scope.name, "allreduce", cfg.ratio,
                                  uncompressed=cfg.scheme.uncompressed, device=device, dtype=g.dtype,
-                                 world_size=1, rank=0, seed=0, compressor=scheme_compressor(cfg.scheme))
+                                 world_size=1, rank=0, seed=0, compressor=scheme_compressor(cfg.scheme),
+                                 fast_path=fast_path)
+    if fast_path and not red.compressor.batched:
+        return None
+    name = "powersgd_fast" if fast_path else "powersgd"
     buf.copy_(g)
     out = torch.empty_like(g)
     state = {}
@@ -263,9 +284,95 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
     c_ms, c_cp = timeit_ratio(compress_ef, copy_once, repeats, device)
     d_ms, d_cp = timeit_ratio(decompress, copy_once, repeats, device)
     if calls is not None:
-        calls += [("powersgd/layerwise compress+EF", compress_ef), ("powersgd/layerwise decompress", decompress)]
-    return {"scheme": "powersgd", "scope": "layerwise", "k": red.entries_sent, "rank": red.compressor.rank,
+        calls += [(f"{name}/layerwise compress+EF", compress_ef), (f"{name}/layerwise decompress", decompress)]
+    return {"scheme": name, "scope": "layerwise", "k": red.entries_sent, "rank": red.compressor.rank,
             "compress_ef_ms": c_ms, "compress_ef_copies": c_cp, "decompress_ms": d_ms, "decompress_copies": d_cp}
+
+
+HOOK = "torch_powersgd_hook"  # the row of torch's PowerSGD DDP hook
+_OWN_GROUP: list[str] = []  # the file store of the one-rank group this module set up, if it did
+
+
+def one_rank_group() -> None:
+    """The process group torch's hook runs in: the caller's where one is set up, else a
+    one-rank group of this process (gloo, and NCCL for CUDA tensors where there is a GPU) on a
+    file store (no port to find), kept until ``close_group`` or exit (``--profile`` reruns the
+    hook after the timings)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    fd, path = tempfile.mkstemp(prefix="sparsetrain_hook_")
+    os.close(fd)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
+    if not _OWN_GROUP:
+        atexit.register(close_group)
+    _OWN_GROUP.append(path)
+
+
+def close_group() -> None:
+    """Close the group ``one_rank_group`` set up (nothing where it set none up)."""
+    import torch.distributed as dist
+
+    while _OWN_GROUP:
+        path = _OWN_GROUP.pop()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if os.path.exists(path):  # the store removes its file when it closes
+            os.unlink(path)
+
+
+def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
+                   calls: list | None = None) -> dict | None:
+    """torch's PowerSGD DDP hook (``powerSGD_hook``, error feedback and warm start, as
+    ``scheme=torch_powersgd`` trains it) on the same gradient, at the rank matched to the sparse
+    schemes' bytes at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``), in a process group
+    of one rank (``one_rank_group``). Its whole
+    step (compression, the AllReduces, decompression: the hook does not split) is timed against
+    a copy, in the row's compress+EF; its decompress is 0. None (said on stderr) where no
+    process group can be set up: the other rows still come."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+    from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
+
+    class Bucket:  # what the hook reads of a DDP bucket: one bucket of every tensor
+        def __init__(self, buf):
+            self.buf = buf
+
+        def buffer(self):
+            return self.buf
+
+        def index(self):
+            return 0
+
+        def is_last(self):
+            return True
+
+        def gradients(self):
+            return [t.view(s) for t, s in zip(self.buf.split([int(np.prod(s)) for s in shapes]), shapes, strict=True)]
+
+    try:
+        one_rank_group()
+    except (RuntimeError, ValueError) as err:  # torch.distributed's errors are RuntimeErrors
+        print(f"{HOOK}: no row, no one-rank process group here ({type(err).__name__}: {err})", file=sys.stderr)
+        return None
+    rank = matched_powersgd_rank(shapes, ratio)
+    state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
+                             use_error_feedback=True, warm_start=True, random_seed=0)
+    bucket = Bucket(g.clone())
+    out = torch.empty_like(g)
+
+    def hook_step():
+        return ph.powerSGD_hook(state, bucket).wait()
+
+    for _ in range(2):  # the hook's plain AllReduce steps before it compresses
+        hook_step()
+    c_ms, c_cp = timeit_ratio(hook_step, lambda: out.copy_(g), repeats, device)
+    if calls is not None:
+        calls += [(f"{HOOK}/layerwise whole step", hook_step)]
+    return {"scheme": HOOK, "scope": "layerwise", "k": powersgd_numel(shapes, rank), "rank": rank, "compress_ef_ms": c_ms,
+            "compress_ef_copies": c_cp, "decompress_ms": 0.0, "decompress_copies": 0.0}
 
 
 def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device,
@@ -304,13 +411,54 @@ def quantizer_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.
     return rows
 
 
+def fast_kernel_rows(layout: Layout, g: torch.Tensor, repeats: int, device: torch.device,
+                     calls: list | None = None) -> list[dict]:
+    """The quantizers' fast-path kernels alone (``compress.fused``, as ``quantizer_rows``:
+    layer-wise, no error feedback), rows ``signsgd_fast`` and ``qsgd_s1_fast`` of scope
+    "kernels": encode (the torch path's scales or norms and draws, then one kernel for the
+    packed codes) and ``decode_add`` (one kernel); none where the fast path does not run."""
+    from sparsetrain.compress import QSGD, SignSGD, fused
+
+    rows = []
+    out, out2 = torch.zeros_like(g), torch.empty_like(g)
+    for scheme, comp in (("signsgd_fast", SignSGD(1.0, layout, device=device)),
+                         ("qsgd_s1_fast", QSGD(1.0, layout, levels=1, device=device))):
+        if fused.reason(comp, ErrorFeedback(layout.total, device=device, dtype=g.dtype), device, g.dtype) is not None:
+            return rows
+        fused.prepare(comp)
+        values = torch.empty(comp.num_values, device=device, dtype=g.dtype)
+        wire = torch.empty(comp.num_positions, dtype=torch.uint8, device=device)
+        step = [0]
+
+        def encode(comp=comp, values=values, wire=wire, step=step):
+            step[0] += 1
+            if isinstance(comp, SignSGD):
+                fused.sign_encode(comp, g, values, wire)
+            else:
+                comp.encode(g, step_seed(0, step[0]), values, wire)
+
+        def decode(comp=comp, values=values, wire=wire):
+            comp.decode_add(values, wire, out)
+
+        def copy_once():
+            out2.copy_(g)
+
+        e_ms, e_cp = timeit_ratio(encode, copy_once, repeats, device)
+        d_ms, d_cp = timeit_ratio(decode, copy_once, repeats, device)
+        if calls is not None:
+            calls += [(f"{scheme}/kernels encode", encode), (f"{scheme}/kernels decode_add", decode)]
+        rows.append({"scheme": scheme, "scope": "kernels", "k": comp.k, "compress_ef_ms": e_ms,
+                     "compress_ef_copies": e_cp, "decompress_ms": d_ms, "decompress_copies": d_cp})
+    return rows
+
 GOALS = {"topk": 5.0, "randk": 2.0, "blockk": 2.0, "none": None,  # max copies, compress + EF
-         "randk_fast": 2.0, "blockk_fast": 2.0}  # (topk_fast: faster than torch.topk alone, below)
+         "randk_fast": 2.0, "blockk_fast": 2.0,  # (topk_fast: faster than torch.topk alone, below)
+         "signsgd_fast": 4.0}  # (issue 65: the quantizers' copies <= 4)
 # every scheme's row: dense, the sparsifiers, the quantizers (qsgd at its default levels, without
 # error feedback, as conf/scheme/qsgd.yaml trains it)
 SCHEMES = ("none", "topk", "randk", "blockk", "signsgd", "qsgd")
 # the quantizers' kernels alone (scope "kernels": encode, decode_add of one message), max copies
-KERNEL_GOALS = {"signsgd": 2.0, "qsgd_s1": 4.0}
+KERNEL_GOALS = {"signsgd": 2.0, "qsgd_s1": 4.0, "signsgd_fast": 4.0, "qsgd_s1_fast": 4.0}
 GPU_KERNEL_GOAL = 4.0  # on a GPU: signSGD's and QSGD's encode and decode_add, max copies each
 SPEEDUP_GOAL = {"cpu": 12.0, "cuda": 5.0}  # top-k compress + EF vs torch.topk(g.abs(), k)
 
@@ -336,6 +484,13 @@ def goals(res: dict) -> dict:
         if lw and gl:
             ratio = lw["compress_ef_copies"] / gl["compress_ef_copies"]  # load-cancelled ratios
             out[f"{scheme} layerwise/global = {ratio:.2f} <= 1.5"] = ratio <= 1.5
+    hook = by.get((HOOK, "layerwise"))
+    for scheme in ("powersgd", "powersgd_fast"):  # ours (compress + decompress) no slower than torch's hook
+        r = by.get((scheme, "layerwise"))
+        if r and hook:
+            ours = r["compress_ef_copies"] + r["decompress_copies"]
+            out[f"{scheme} step (rank {r['rank']}) = {ours:.1f} copies <= torch's hook (rank {hook['rank']}) "
+                f"{hook['compress_ef_copies']:.1f}"] = ours <= hook["compress_ef_copies"]
     topk = res["references_copies"].get("torch.topk(g.abs(),k)")
     want = SPEEDUP_GOAL[torch.device(res["device"]).type]
     for scope in ("layerwise", "global"):
@@ -419,10 +574,12 @@ def print_table(res: dict) -> None:
     print(f"{'reference':<36}{'ms':>10}{'copies':>10}")
     for name, ms in res["references_ms"].items():
         print(f"{name:<36}{ms:>10.2f}{res['references_copies'][name]:>10.1f}")
-    print(f"\n{'scheme':<12}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
+    print(f"\n{'scheme':<20}{'scope':<11}{'compress+EF ms':>15}{'copies':>8}{'decompress ms':>15}{'copies':>8}")
     for r in res["schemes"]:
-        print(f"{r['scheme']:<12}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
+        print(f"{r['scheme']:<20}{r['scope']:<11}{r['compress_ef_ms']:>15.2f}{r['compress_ef_copies']:>8.2f}"
               f"{r['decompress_ms']:>15.2f}{r['decompress_copies']:>8.2f}")
+    if any(r["scheme"] == HOOK for r in res["schemes"]):
+        print(f"({HOOK}: the hook's whole step, compression, one-rank AllReduces and decompression, under compress+EF)")
     print("\ngoals:")
     for name, ok in res.get("goals", {}).items():
         print(f"  {'met ' if ok else 'MISS'}  {name}")

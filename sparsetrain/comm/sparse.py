@@ -272,7 +272,7 @@ class SparseReducer(ReducerBase):
             from sparsetrain.compress import fused
 
             self.fast_path_reason = fused.reason(compressor, self.memory, self.device, dtype)
-            if self.fast_path_reason is None:
+            if self.fast_path_reason is None and not fused.prepare(compressor):
                 self._fused = fused
             elif self.device.type == "cuda":  # asked for where it could run: say why it does not
                 warnings.warn(f"the fast path (train.fast_path=true) is off here: {self.fast_path_reason}", stacklevel=2)

@@ -166,3 +166,72 @@ def take_blocks(mem, starts, values, idx, DRAWN, K, B, LAST_START, LAST_SIZE,
         tl.store(values + slot0 + e, v, mask=mask)
         tl.store(idx + slot0 + e, i, mask=mask)
         tl.store(mem + i, tl.zeros_like(v), mask=mask)
+
+
+@triton.jit
+def sign_pack(acc, seg, scales, wire, N, NBYTES, BLOCK: tl.constexpr, FORGET: tl.constexpr):
+    """signSGD's codes, one bit per entry (1: negative), 8 entries a byte from the lowest bit
+    (``pack_codes(acc < 0, 1, wire)``), a block of bytes per program. ``FORGET``: error
+    feedback's forget in the same pass, ``acc + (neg ? scale : -scale)``, the float of the torch
+    path's ``acc += decode(-scales)`` (``seg``: each entry's segment, int32)."""
+    pid = tl.program_id(0)
+    b = pid * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, 8)
+    i = b[:, None] * 8 + j[None, :]
+    mask = i < N
+    a = tl.load(acc + i, mask=mask, other=0.0)
+    neg = (a < 0) & mask
+    code = tl.sum(neg.to(tl.int32) << j[None, :], axis=1)
+    tl.store(wire + b, code.to(tl.uint8), mask=b < NBYTES)
+    if FORGET:
+        s = tl.load(scales + tl.load(seg + i, mask=mask, other=0), mask=mask, other=0.0)
+        tl.store(acc + i, a + tl.where(neg, s, -s), mask=mask)
+
+
+@triton.jit
+def sign_unpack_add(wire, seg, scales, out, N, BLOCK: tl.constexpr):
+    """signSGD's decode: ``out += (bit ? -scale : scale)`` per entry, its segment's scale (the
+    torch path's ``out.add_(torch.where(negative, -scale, scale))``, the same floats)."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    byte = tl.load(wire + i // 8, mask=mask, other=0).to(tl.int32)
+    neg = ((byte >> (i % 8)) & 1) != 0
+    s = tl.load(scales + tl.load(seg + i, mask=mask, other=0), mask=mask, other=0.0)
+    o = tl.load(out + i, mask=mask, other=0.0)
+    tl.store(out + i, o + tl.where(neg, -s, s), mask=mask)
+
+
+@triton.jit
+def qsgd_pack(acc, bucket, factors, u, wire, N, NBYTES, S, MASK, BITS: tl.constexpr, PER: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """QSGD's codes, ``PER = 8 // BITS`` a byte from the lowest bits: each entry's signed level
+    ``copysign(min(floor(|acc| * factor + u), S), acc)`` (the torch path's ops, in its order;
+    launched without fused multiply-adds) in two's complement, ``& MASK``."""
+    pid = tl.program_id(0)
+    b = pid * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, PER)
+    i = b[:, None] * PER + j[None, :]
+    mask = i < N
+    a = tl.load(acc + i, mask=mask, other=0.0)
+    f = tl.load(factors + tl.load(bucket + i, mask=mask, other=0), mask=mask, other=0.0)
+    t = tl.abs(a) * f + tl.load(u + i, mask=mask, other=0.0)
+    level = tl.minimum(tl.floor(t), S)
+    code = tl.where(mask, tl.where(a < 0, -level, level).to(tl.int32) & MASK, 0)
+    tl.store(wire + b, tl.sum(code << (j[None, :] * BITS), axis=1).to(tl.uint8), mask=b < NBYTES)
+
+
+@triton.jit
+def qsgd_unpack_add(wire, bucket, units, out, N, TOP, MASK, BITS: tl.constexpr, PER: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """QSGD's decode: ``out += signed level x unit`` (``unit``: the bucket's norm / levels), the
+    product rounded before the sum, as the torch path (launched without fused multiply-adds)."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    byte = tl.load(wire + i // PER, mask=mask, other=0).to(tl.int32)
+    c = (byte >> ((i % PER) * BITS)) & MASK
+    o = tl.load(out + i, mask=mask, other=0.0)
+    signed = ((c ^ TOP) - TOP).to(o.dtype)
+    unit = tl.load(units + tl.load(bucket + i, mask=mask, other=0), mask=mask, other=0.0)
+    tl.store(out + i, o + signed * unit, mask=mask)

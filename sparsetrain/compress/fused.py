@@ -1,5 +1,5 @@
-"""The fast path (``train.fast_path=true``): error feedback and the sparsifiers' compression in
-fused Triton kernels on CUDA, sending exactly what the torch path sends.
+"""The fast path (``train.fast_path=true``): error feedback and compression in fused Triton
+kernels on CUDA, sending exactly what the torch path sends.
 
 On a GPU one copy of the ResNet-18 gradient takes 0.03 ms, so a compressor that composes a few
 dozen torch ops is bound by their launches (docs/performance.md, section 4). Here one step of
@@ -25,6 +25,13 @@ error feedback + compression is a handful of kernels (``compress._triton``):
   or drawn blocks (global) into the entries (``BlockRandomK.indices``' integer arithmetic: half a
   dozen torch ops before). The draws themselves stay torch ops: they define the schemes.
 
+- signSGD (with error feedback): the scales by the torch path's device ops, then one kernel
+  packs the signs and does the forget; one kernel decodes (``sign_step``, ``sign_decode_add``).
+- QSGD (2, 4 or 8 bits a code): its encode and decode swapped (``prepare``): the norms and the
+  generator's uniforms by the torch path's ops, one kernel for the levels and codes, one to
+  decode, without fused multiply-adds (``qsgd_encode``, ``qsgd_decode_add``).
+- PowerSGD: no kernel; its matmuls batched by shape (``PowerSGD.batched``, ``prepare``).
+
 Nothing else changes: the other schemes, another memory than plain error feedback, a DDP
 bucket's pieces, or a step whose compression error is measured take the torch path
 (``reason`` says why). The CPU path is untouched: there the fast path runs only under
@@ -41,6 +48,8 @@ import torch
 
 from sparsetrain.compress.base import Compressor, Payload
 from sparsetrain.compress.feedback import ErrorFeedback, Memory
+from sparsetrain.compress.powersgd import PowerSGD
+from sparsetrain.compress.quantize import QSGD, SignSGD
 from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
 
 BLOCK = 1024  # entries per program of the full-buffer passes
@@ -70,17 +79,39 @@ def kernels():
 def reason(compressor: Compressor, memory: Memory, device, dtype) -> str | None:
     """Why the fast path cannot run for this exchange (one phrase), or None when it runs."""
     device = torch.device(device)
-    if not installed():
+    batched = type(compressor) is PowerSGD  # torch's batched matmuls: no Triton needed
+    if not batched and not installed():
         return "triton is not installed"
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         return f"it runs on CUDA (here {device.type})"
-    if type(compressor) not in (TopK, RandomK, BlockRandomK):
+    if batched:
+        return None
+    if type(compressor) is QSGD:  # encode and decode in kernels, with or without error feedback
+        if compressor.bits_per_entry not in (2, 4, 8):
+            return f"QSGD's kernels take whole codes in a byte: 2, 4 or 8 bits (here {compressor.bits_per_entry})"
+        return None if dtype in (torch.float32, torch.float64) else f"dtype {dtype} (float32 and float64 only)"
+    if type(compressor) not in (TopK, RandomK, BlockRandomK, SignSGD):
         return f"no fused kernels for {type(compressor).__name__}"
     if type(memory) is not ErrorFeedback or not memory.enabled:
         return "it fuses plain error feedback only"
     if dtype not in (torch.float32, torch.float64):
         return f"dtype {dtype} (float32 and float64 only)"
     return None
+
+
+def prepare(compressor: Compressor) -> bool:
+    """Ready ``compressor`` for the fast path (where ``reason`` gives None): True where it then
+    runs its own rounds, faster (PowerSGD: its matmuls batched by shape, ``PowerSGD.batched``),
+    False where the exchange calls ``step`` instead of the compressor's compression."""
+    if type(compressor) is PowerSGD:
+        compressor.batched = True
+        return True
+    if type(compressor) is SignSGD:  # its decode (every received message) by one kernel too
+        compressor.fast_decode = sign_decode_add
+    if type(compressor) is QSGD:  # its own encode and decode, each one kernel after torch's norms
+        compressor.fast_encode, compressor.fast_decode = qsgd_encode, qsgd_decode_add
+        return True
+    return False
 
 
 def _grid(n: int, block: int) -> tuple[int]:
@@ -224,6 +255,67 @@ def drawn_step(comp: RandomK | BlockRandomK, mem: torch.Tensor, grad: torch.Tens
     return Payload(values, starts, idx)
 
 
+def _sign_scales(comp: SignSGD, acc: torch.Tensor, values: torch.Tensor) -> None:
+    """Each segment's ``mean(|acc|)``, by the torch path's device ops (one ``_foreach_norm`` and
+    a division): a kernel of its own would sum in another order, other floats."""
+    sizes = comp.__dict__.setdefault("_sizes", {})
+    if (acc.device, acc.dtype) not in sizes:
+        sizes[(acc.device, acc.dtype)] = torch.tensor(comp.layout.sizes, dtype=acc.dtype, device=acc.device)
+    values.copy_(comp.segment_norms(acc, 1).div_(sizes[(acc.device, acc.dtype)]))
+
+
+def sign_encode(comp: SignSGD, acc: torch.Tensor, values: torch.Tensor, wire: torch.Tensor,
+                forget: bool = False) -> None:
+    """signSGD's encode: the scales (``_sign_scales``), then one kernel for the packed signs;
+    ``forget``: error feedback's ``acc -= decode(message)`` in the same kernel."""
+    _sign_scales(comp, acc, values)
+    n = comp.numel
+    kernels().sign_pack[_grid(wire.numel(), TAKE_BLOCK // 8)](
+        acc, comp.entry_table("segment", acc.device), values, wire, n, wire.numel(),
+        BLOCK=TAKE_BLOCK // 8, FORGET=forget)
+
+
+def sign_decode_add(comp: SignSGD, values: torch.Tensor, wire: torch.Tensor, out: torch.Tensor) -> None:
+    """signSGD's decode in one kernel: ``out += +-scale`` per entry (the torch path's floats)."""
+    kernels().sign_unpack_add[_grid(comp.numel, TAKE_BLOCK)](
+        wire, comp.entry_table("segment", out.device), values.to(out.dtype), out, comp.numel, BLOCK=TAKE_BLOCK)
+
+
+def sign_step(comp: SignSGD, mem: torch.Tensor, grad: torch.Tensor, out=None, wire=None) -> Payload:
+    """Error feedback + signSGD: ``mem += grad``, the scales, then one kernel for the codes and
+    the forget (``mem -= decode(message)``)."""
+    mem.add_(grad)
+    values = out if out is not None else torch.empty(comp.num_values, dtype=mem.dtype, device=mem.device)
+    wire = wire if wire is not None else torch.empty(comp.num_positions, dtype=torch.uint8, device=mem.device)
+    sign_encode(comp, mem, values, wire, forget=True)
+    return Payload(values, wire, None)
+
+
+def qsgd_encode(comp: QSGD, acc: torch.Tensor, seed: int, values: torch.Tensor, wire: torch.Tensor) -> None:
+    """QSGD's encode: the bucket norms, factors and uniforms by the torch path's device ops (its
+    generator's numbers, drawn as it draws them: the kernel takes them as a tensor), then one
+    kernel for the levels and the packed codes."""
+    s = comp.levels
+    values.copy_(comp.bucket_norms(acc))
+    norms = values.to(acc.dtype)
+    factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
+    u = comp.uniforms(seed, acc, numpy=False)
+    bits = comp.bits_per_entry
+    kernels().qsgd_pack[_grid(wire.numel(), TAKE_BLOCK // 8)](
+        acc, comp.entry_table("bucket", acc.device), factors, u, wire, comp.numel, wire.numel(), float(s),
+        comp._mask, BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK // 8, enable_fp_fusion=False)
+
+
+def qsgd_decode_add(comp: QSGD, values: torch.Tensor, wire: torch.Tensor, out: torch.Tensor) -> None:
+    """QSGD's decode in one kernel: ``out += signed level x norm / levels`` (the torch path's
+    floats: the units divided by a tensor, the product rounded before the sum)."""
+    units = values.div(values.new_tensor(comp.levels)).to(out.dtype)
+    bits = comp.bits_per_entry
+    kernels().qsgd_unpack_add[_grid(comp.numel, TAKE_BLOCK)](
+        wire, comp.entry_table("bucket", out.device), units, out, comp.numel, comp._top, comp._mask,
+        BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK, enable_fp_fusion=False)
+
+
 def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0, out=None, wire=None) -> Payload:
     """One fused step of error feedback: ``mem`` (the memory's buffer) becomes ``mem + grad``
     less what was sent; returns the payload the torch path's ``accumulate``, ``compress`` and
@@ -234,4 +326,6 @@ def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0,
         raise ValueError(f"the fused step needs a contiguous gradient of {mem.numel()} {mem.dtype} entries")
     if isinstance(comp, TopK):
         return topk_step(comp, mem, grad, out, wire)
+    if type(comp) is SignSGD:
+        return sign_step(comp, mem, grad, out, wire)
     return drawn_step(comp, mem, grad, seed, out, wire)

@@ -113,6 +113,9 @@ class PowerSGD(Compressor):
     #: the scopes it allows (the constructor and comm.rules refuse the others in one line)
     scopes: ClassVar[tuple[str, ...]] = ("layerwise",)
     scope_reason: ClassVar[str] = "PowerSGD compresses each tensor as a matrix of its own"
+    #: ``train.fast_path``: the matmuls batched by shape (``ShapeBatches``), set by the exchange
+    #: (``compress.fused.prepare``); the same factors and update bit for bit on the CPU
+    batched: bool = False
 
     def __init__(self, ratio: float, layout, scope: str = "layerwise", *, device="cpu",
                  rank: int | None = None, shapes: Sequence[Sequence[int]] | None = None):
@@ -283,6 +286,9 @@ class PowerSGD(Compressor):
         """Orthogonalise Q (in place), then P = M Q for each matrix ``mats[i]`` (``[n, m]``)."""
         for block in self._blocks(q, "q"):
             orthogonalise(block)
+        if self.batched:
+            self._shape_batches().project(mats, q, p)
+            return
         for mat, qi, pi in zip(mats, self.q_views(q), self.p_views(p), strict=True):
             torch.mm(mat, qi, out=pi)
 
@@ -290,16 +296,78 @@ class PowerSGD(Compressor):
         """Orthogonalise P (summed over ranks; in place), then Q = M^T P for each matrix."""
         for block in self._blocks(p, "p"):
             orthogonalise(block)
+        if self.batched:
+            self._shape_batches().project_back(mats, p, q)
+            return
         for mat, pi, qi in zip(mats, self.p_views(p), self.q_views(q), strict=True):
             torch.mm(mat.t(), pi, out=qi)
 
     def expand(self, p: torch.Tensor, q: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """``outs[i] = P_i Q_i^T``: the decompressed matrices (Q averaged over ranks)."""
+        if self.batched:
+            self._shape_batches().expand(p, q, outs)
+            return
         for pi, qi, out in zip(self.p_views(p), self.q_views(q), outs, strict=True):
             torch.mm(pi, qi.t(), out=out)
+
+    def _shape_batches(self) -> ShapeBatches:
+        batches = self.__dict__.get("_batches")
+        if batches is None:
+            batches = self.__dict__["_batches"] = ShapeBatches(self)
+        return batches
 
     def __repr__(self) -> str:
         return f"PowerSGD(rank={self.rank}, matrices={len(self.shapes)}, k={self.k}, n={self.numel})"
 
 
-__all__ = ["MAX_RANK", "PowerSGD", "closest_rank", "factor_entries", "matrix_shape", "orthogonalise"]
+class ShapeBatches:
+    """PowerSGD's matmuls batched by shape (the fast path, ``PowerSGD.batched``): one
+    ``torch.bmm`` per run of same-shape matrices instead of one ``torch.mm`` per matrix.
+
+    A shape group's factors are already one ``[B, rows, r]`` block of the P and Q buffers
+    (``PowerSGD.groups``; orthogonalised in one call either way). Its matrices lie in the flat
+    buffer at the layout's offsets; where consecutive members lie at a constant stride (ResNet's
+    stacked convolutions of one shape, the 1-D tensors travelling whole in between) they are one
+    strided view ``[count, n, m]`` of the buffer, without a copy; each such run is one batched
+    matmul. Each matrix's product is the one ``torch.mm`` computes (the same reduction per entry:
+    equal bit for bit on the CPU, tested; cuBLAS's batched kernels may sum in another order).
+    """
+
+    def __init__(self, comp: PowerSGD):
+        offsets = comp.layout.offsets
+        #: (first matrix, count, stride between matrices, n, m, r, P start, Q start) per run
+        self.runs: list[tuple[int, int, int, int, int, int, int, int]] = []
+        for members, n, m, r, p0, q0 in comp.groups:
+            j = 0
+            while j < len(members):
+                count, stride = 1, n * m
+                if j + 1 < len(members):
+                    stride = offsets[members[j + 1]] - offsets[members[j]]
+                    count = 2
+                    while (j + count < len(members)
+                           and offsets[members[j + count]] - offsets[members[j + count - 1]] == stride):
+                        count += 1
+                self.runs.append((members[j], count, stride, n, m, r, p0 + j * n * r, q0 + j * m * r))
+                j += count
+
+    def _views(self, mats, p, q):
+        """Per run: the matrices as one strided view of their buffer (``mats``: the views
+        ``PowerSGD.matrices`` gives), and their P and Q blocks."""
+        for first, count, stride, n, m, r, p0, q0 in self.runs:
+            yield (mats[first].as_strided((count, n, m), (stride, m, 1)),
+                   p[p0 : p0 + count * n * r].view(count, n, r), q[q0 : q0 + count * m * r].view(count, m, r))
+
+    def project(self, mats, q, p) -> None:
+        for mat, pb, qb in self._views(mats, p, q):
+            torch.bmm(mat, qb, out=pb)
+
+    def project_back(self, mats, p, q) -> None:
+        for mat, pb, qb in self._views(mats, p, q):
+            torch.bmm(mat.transpose(1, 2), pb, out=qb)
+
+    def expand(self, p, q, outs) -> None:
+        for out, pb, qb in self._views(outs, p, q):
+            torch.bmm(pb, qb.transpose(1, 2), out=out)
+
+
+__all__ = ["MAX_RANK", "PowerSGD", "ShapeBatches", "closest_rank", "factor_entries", "matrix_shape", "orthogonalise"]

@@ -442,6 +442,9 @@ class SignSGD(Quantizer):
     with ``scope="global"``). Use with error feedback (the scheme's default)."""
 
     bits_per_entry = 1
+    #: ``train.fast_path``: the decode, one Triton kernel (``compress.fused.sign_decode_add``, set
+    #: by ``fused.prepare``; a function here keeps this module from importing the kernels')
+    fast_decode = None
 
     def warm_kernels(self):
         kernels.warm(1, signs=True)
@@ -473,6 +476,9 @@ class SignSGD(Quantizer):
                             self._segment_bounds, 1, out.numpy())
 
     def decode_add(self, values, wire, out):
+        if self.fast_decode is not None:
+            self.fast_decode(self, values, wire, out)
+            return
         if _kernel_ok(wire, out):
             self.decode_many(values.reshape(1, -1), wire.reshape(1, -1), out)
             return
@@ -641,7 +647,15 @@ class QSGD(Quantizer):
                                    for s, n in zip(segments, self.layout.sizes, strict=True)])
         self._entries_np = self._entries.numpy()
 
+    #: ``train.fast_path``: encode and decode by Triton kernels (``compress.fused.qsgd_encode``,
+    #: ``qsgd_decode_add``; set by ``fused.prepare``)
+    fast_encode = None
+    fast_decode = None
+
     def encode(self, acc, seed, values, wire):
+        if self.fast_encode is not None:
+            self.fast_encode(self, acc, seed, values, wire)
+            return
         s = self.levels
         values.copy_(self.bucket_norms(acc))
         norms = values.to(acc.dtype)  # the norms as sent: decode multiplies by them
@@ -697,6 +711,9 @@ class QSGD(Quantizer):
                             self._bucket_bounds, bits, out.numpy())
 
     def decode_add(self, values, wire, out):
+        if self.fast_decode is not None:
+            self.fast_decode(self, values, wire, out)
+            return
         if self.fused_decode and _kernel_ok(wire, out):
             self.decode_many(values.reshape(1, -1), wire.reshape(1, -1), out)
             return
