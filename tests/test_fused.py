@@ -337,7 +337,7 @@ def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_
     import torch.distributed as dist
 
     from sparsetrain.benchmarks import compress as bench
-    from sparsetrain.ddp import matched_powersgd_rank
+    from sparsetrain.comm.ddp_hook import matched_powersgd_rank
 
     if not fused.interpreting():
         pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")

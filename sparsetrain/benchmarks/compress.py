@@ -10,7 +10,7 @@ and PowerSGD (``scheme=powersgd``, layer-wise, its rank matched to the sparse sc
   decompress   = P Q^T into the buffer; memory -= it
 beside it (``powersgd_fast``) its matmuls batched by shape (``train.fast_path``; on CUDA, or on the
 CPU under Triton's interpreter) and torch's PowerSGD DDP hook (``torch_powersgd_hook``) on the
-same gradient at the rank ``sparsetrain.ddp.matched_powersgd_rank`` gives, in a one-rank process
+same gradient at the rank ``sparsetrain.comm.ddp_hook.matched_powersgd_rank`` gives, in a one-rank process
 group, its whole step in compress+EF (the hook does not split it); goal: ours no slower.
 "copies" = the median over repeats of (time of the call / time of one gradient copy timed right
 before it), so that load changes on a shared machine cancel out; next to references measured in
@@ -327,14 +327,14 @@ def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: 
                    calls: list | None = None) -> dict | None:
     """torch's PowerSGD DDP hook (``powerSGD_hook``, error feedback and warm start, as
     ``scheme=torch_powersgd`` trains it) on the same gradient, at the rank matched to the sparse
-    schemes' bytes at ``ratio`` (``sparsetrain.ddp.matched_powersgd_rank``), in a process group
+    schemes' bytes at ``ratio`` (``sparsetrain.comm.ddp_hook.matched_powersgd_rank``), in a process group
     of one rank (``one_rank_group``). Its whole
     step (compression, the AllReduces, decompression: the hook does not split) is timed against
     a copy, in the row's compress+EF; its decompress is 0. None (said on stderr) where no
     process group can be set up: the other rows still come."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
-    from sparsetrain.ddp import matched_powersgd_rank, powersgd_numel
+    from sparsetrain.comm.ddp_hook import matched_powersgd_rank, powersgd_numel
 
     class Bucket:  # what the hook reads of a DDP bucket: one bucket of every tensor
         def __init__(self, buf):

@@ -58,7 +58,7 @@ HELP = {
     "train.log_every": "log a step record every N steps; stop signals and divergence are checked then",
     "train.device": "auto, cpu or cuda (one GPU per rank)",
     "train.threads": "torch threads per rank (null: cores / local ranks)",
-    "train.fast_path": "fused Triton kernels for top-k / random-k / block-k with error feedback on CUDA (untimed: docs/performance.md)",
+    "train.fast_path": "fused Triton kernels (top-k, random-k, block-k, signSGD, QSGD at 2/4/8 bits) and PowerSGD batched by shape, on CUDA (untimed: docs/performance.md)",
     "train.timing_warmup": "first steps left out of the per-phase time means",
     "train.checkpoint": "save checkpoint.pt every epoch and on a stop signal, and resume from it",
     "train.save_model": "write the final weights to model.pt",
