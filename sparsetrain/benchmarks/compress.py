@@ -40,11 +40,9 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -290,25 +288,24 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
 
 
 HOOK = "torch_powersgd_hook"  # the row of torch's PowerSGD DDP hook
-_OWN_GROUP: list[str] = []  # the file store of the one-rank group this module set up, if it did
+_OWN_GROUP: list[bool] = []  # whether this module set up the one-rank group
 
 
 def one_rank_group() -> None:
     """The process group torch's hook runs in: the caller's where one is set up, else a
-    one-rank group of this process (gloo, and NCCL for CUDA tensors where there is a GPU) on a
-    file store (no port to find), kept until ``close_group`` or exit (``--profile`` reruns the
-    hook after the timings)."""
+    one-rank group of this process (gloo, and NCCL for CUDA tensors where there is a GPU) on an
+    in-memory store (no port to find, no file: a file store deleted under the group aborted the
+    process from one of its threads), kept until ``close_group`` or exit (``--profile`` reruns
+    the hook after the timings)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    fd, path = tempfile.mkstemp(prefix="sparsetrain_hook_")
-    os.close(fd)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, store=dist.FileStore(path, 1), rank=0, world_size=1)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not _OWN_GROUP:
         atexit.register(close_group)
-    _OWN_GROUP.append(path)
+    _OWN_GROUP.append(True)
 
 
 def close_group() -> None:
@@ -316,11 +313,9 @@ def close_group() -> None:
     import torch.distributed as dist
 
     while _OWN_GROUP:
-        path = _OWN_GROUP.pop()
+        _OWN_GROUP.pop()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if os.path.exists(path):  # the store removes its file when it closes
-            os.unlink(path)
 
 
 def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
