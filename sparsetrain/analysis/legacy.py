@@ -129,7 +129,9 @@ def upgrade_row(row: dict, summary: dict, config: dict, collective: str | None, 
     if not is_old(version):
         return row
     for axis, (keys, value) in KEYS_ADDED.items():
-        if _lacks(config, *keys):
+        # the loader's reading of the absent key (str(None) for a text axis), not an axis it
+        # marked as not applying (dense SGD's ``-``)
+        if _lacks(config, *keys) and row[axis] in (None, str(None)):
             row[axis] = value
     if not row["generator"]:  # "-" where the scheme has no generator
         row["generator"] = OLD_GENERATOR

@@ -445,6 +445,7 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
     summary of an older layout is read through ``legacy``'s steps; one of a newer layout is
     refused, naming ``where`` (the run folder)."""
     version = legacy.version_of(summary, where)
+    status = summary.get("status") if summary else "no summary"
     summary = summary or {}
     recorded = summary.get("config") or config or {}
     config = legacy.upgrade_config(recorded, version)
@@ -452,7 +453,6 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
     row = _axes_from_config(config, summary.get("applies") or {})
     row[CONFIG_FIELDS] = config_fields(recorded)  # into columns by load_runs (_config_columns)
     row[CONFIG_DIGEST] = config_digest(recorded)
-    status = summary.get("status") if summary else "no summary"
     row.update(
         status=status or "unknown",
         error=summary.get("error"),
