@@ -245,10 +245,11 @@ def _powersgd_rank(cfg: dict, scheme: str | None):
     return MATCHED_TO_RATIO if value is None else value
 
 
-def _axes_from_config(cfg: dict, applies: dict) -> dict:
+def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
     """The run's axes from its config. ``applies``: which of them change what is sent, as the
     run's summary recorded it from the compressor (``{"ratio": ..., "aggregation": ...}``); a
-    knob it does not name applies."""
+    knob it does not name (or no ``applies``) applies."""
+    applies = applies or {}
     scheme = _name(cfg.get("scheme"))
     row = {
         "scheme": scheme,
@@ -450,7 +451,7 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
     recorded = summary.get("config") or config or {}
     config = legacy.upgrade_config(recorded, version)
     summary = legacy.upgrade_summary(summary, _name(config.get("scheme")), version)
-    row = _axes_from_config(config, summary.get("applies") or {})
+    row = _axes_from_config(config, summary.get("applies"))
     row[CONFIG_FIELDS] = config_fields(recorded)  # into columns by load_runs (_config_columns)
     row[CONFIG_DIGEST] = config_digest(recorded)
     row.update(
