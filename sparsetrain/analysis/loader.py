@@ -5,6 +5,9 @@ numbered job folders and ``multirun.yaml``. Both are found recursively under the
 that Hydra's sweep promised but that left no folder at all is reported as an ``absent`` row, so a
 crashed sweep cannot shrink a grid without a trace.
 
+The code here reads summary.json's current layout (``sparsetrain.results.SCHEMA_VERSION``) only:
+a summary of an older layout goes through ``legacy``'s steps, one of a newer layout is refused.
+
 No torch here: results are plain files.
 
 Over 400 lines on purpose: one run's row (summary, config, metrics, heartbeat) and the rows a
