@@ -8,8 +8,10 @@ order, each a no-op for the current version:
 1. ``upgrade_config``: the scheme a recorded config ran, by today's name (``scheme=powersgd``
    recorded with no compressor was torch's DDP hook: ``torch_powersgd``). The axes read the
    upgraded config; a row's config columns and digest keep the recorded one.
-2. ``upgrade_summary``: what the summary did not say yet: which knobs change what is sent
-   (``applies``, from conf/schemes.yaml) and the quantizers' kernels (numpy's).
+2. ``upgrade_summary``: what the summary did not say yet: the quantizers' kernels (numpy's).
+   (Which knobs change what is sent, ``applies``, is not here: a current summary of a run refused
+   or stopped before its exchange was built lacks it too, and the loader reads conf/schemes.yaml
+   for both.)
 3. ``upgrade_row``: axes whose config key came after the run take what the run did
    (``KEYS_ADDED``), and wire bytes the trainer did not log yet are computed from the payload
    with the ring model (``wire_bytes_source``: ``computed``).
@@ -25,10 +27,8 @@ from __future__ import annotations
 
 import math
 
-from sparsetrain import schemes  # plain yaml, no torch
 from sparsetrain.costmodel import wire_bytes  # no torch
 from sparsetrain.results import (
-    QUANTIZER_SCHEMES,
     SCHEMA_VERSION,
     STABILITY_FROM_STEP,
     recorded_scheme,
@@ -78,19 +78,11 @@ def upgrade_config(config: dict, version: int) -> dict:
 OLD_KERNELS = "numpy"
 
 
-def upgrade_summary(summary: dict, scheme, version: int) -> dict:
-    """``summary`` with what it did not say yet, by the run's ``scheme`` (today's name):
-    ``applies``: conf/schemes.yaml's ``allreduce`` (no aggregation axis) and the quantizers (no
-    ratio); ``kernels``: numpy's."""
-    if not is_old(version):
+def upgrade_summary(summary: dict, version: int) -> dict:
+    """``summary`` with what it did not say yet: ``kernels``, numpy's."""
+    if not is_old(version) or "kernels" in summary:
         return summary
-    added = {}
-    if summary.get("applies") is None:
-        added["applies"] = {"aggregation": not schemes.info(scheme).get("allreduce"),
-                            "ratio": scheme not in QUANTIZER_SCHEMES}
-    if "kernels" not in summary:
-        added["kernels"] = OLD_KERNELS
-    return {**summary, **added} if added else summary
+    return {**summary, "kernels": OLD_KERNELS}
 
 
 # --- step 3: the row ------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from sparsetrain.results import (  # stdlib only, no torch
     DID_NOT_TRAIN,
     HEARTBEAT_STALE_S,
     PHASES,
+    QUANTIZER_SCHEMES,
     STABILITY_FROM_STEP,
     TORCH_HOOK_SCHEMES,
     blow_up,
@@ -250,9 +251,9 @@ def _powersgd_rank(cfg: dict, scheme: str | None):
 
 def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
     """The run's axes from its config. ``applies``: which of them change what is sent, as the
-    run's summary recorded it from the compressor (``{"ratio": ..., "aggregation": ...}``); a
-    knob it does not name (or no ``applies``) applies."""
-    applies = applies or {}
+    run's summary recorded it from the compressor (``{"ratio": ..., "aggregation": ...}``); None
+    where the summary does not say (a run refused or stopped before its exchange was built, as
+    every run before summaries said), which reads conf/schemes.yaml's ``allreduce`` instead."""
     scheme = _name(cfg.get("scheme"))
     row = {
         "scheme": scheme,
@@ -293,6 +294,8 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         if schemes.info(scheme).get("every_entry"):
             row["ratio"] = 1.0  # every entry, in half the bytes
         return row  # torch_powersgd keeps its ratio unless its rank is set: the rank matched to it
+    if applies is None:  # no compressor said: what conf/schemes.yaml says
+        applies = {"aggregation": not schemes.info(scheme).get("allreduce"), "ratio": scheme not in QUANTIZER_SCHEMES}
     if not applies.get("aggregation", True):  # PowerSGD: two AllReduces whatever the key says
         row["aggregation"] = NOT_APPLICABLE
     if not applies.get("scope", True):  # local SGD / DiLoCo averaging densely
@@ -453,7 +456,7 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
     summary = summary or {}
     recorded = summary.get("config") or config or {}
     config = legacy.upgrade_config(recorded, version)
-    summary = legacy.upgrade_summary(summary, _name(config.get("scheme")), version)
+    summary = legacy.upgrade_summary(summary, version)
     row = _axes_from_config(config, summary.get("applies"))
     row[CONFIG_FIELDS] = config_fields(recorded)  # into columns by load_runs (_config_columns)
     row[CONFIG_DIGEST] = config_digest(recorded)
