@@ -643,7 +643,7 @@ def test_an_error_feedback_split_has_legend_entries_that_say_what_they_are(tmp_p
 def test_ddp_hooks_table_names_torch_hooks_as_schemes(results):
     """Runs through DDP (dist.ddp) carry exchange="ddp hook"; torch's PowerSGD hook is a scheme of
     its own (not dense SGD), with no scope or aggregation of sparsetrain's."""
-    from sparsetrain.analysis.tables import ddp_hooks_table
+    from sparsetrain.analysis.study_tables import ddp_hooks_table
 
     runs = sa.load_runs(results / "ddp_hooks")
     assert set(runs["exchange"]) == {"ddp hook"}

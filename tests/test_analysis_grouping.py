@@ -16,7 +16,7 @@ from sparsetrain import analysis as sa
 from sparsetrain.analysis.__main__ import main as analysis_main
 from sparsetrain.analysis.group import varying_axes
 from sparsetrain.analysis.loader import select
-from sparsetrain.analysis.tables import runs_table
+from sparsetrain.analysis.study_tables import runs_table
 from sparsetrain.results import RunWriter
 
 ACCURACY = "test accuracy (%)"

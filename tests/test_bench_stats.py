@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from sparsetrain.benchmarks import harness, step
-from sparsetrain.benchmarks.stats import (
+from sparsetrain.benchmarks.timing_stats import (
     Interval,
     compute_flags,
     coverage,
@@ -22,7 +22,7 @@ from sparsetrain.benchmarks.stats import (
     paired_ratio,
     round_order,
 )
-from sparsetrain.benchmarks.tables import grid
+from sparsetrain.launch.report import grid
 
 REPO = Path(__file__).resolve().parents[1]
 

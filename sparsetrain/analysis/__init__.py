@@ -49,8 +49,7 @@ from .report import (
     write_studies,
     write_time_to_accuracy,
 )
-from .table import Table, write_table
-from .tables import (
+from .study_tables import (
     TABLES,
     budget_table,
     plateau_table,
@@ -61,6 +60,7 @@ from .tables import (
     rq5_speed_table,
     status_table,
 )
+from .table import Table, write_table
 from .time_to_accuracy import plot_time_to_accuracy, time_to_accuracy_table
 from .wandb_runs import load_wandb_runs
 

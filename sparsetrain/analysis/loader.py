@@ -5,6 +5,9 @@ numbered job folders and ``multirun.yaml``. Both are found recursively under the
 that Hydra's sweep promised but that left no folder at all is reported as an ``absent`` row, so a
 crashed sweep cannot shrink a grid without a trace.
 
+The code here reads summary.json's current layout (``sparsetrain.results.SCHEMA_VERSION``) only:
+a summary of an older layout goes through ``legacy``'s steps, one of a newer layout is refused.
+
 No torch here: results are plain files.
 
 Over 400 lines on purpose: one run's row (summary, config, metrics, heartbeat) and the rows a
@@ -27,7 +30,6 @@ import pandas as pd
 import yaml
 
 from sparsetrain import scheme_catalog as schemes  # plain yaml, no torch
-from sparsetrain.costmodel import wire_bytes  # no torch
 from sparsetrain.provenance import UNKNOWN, describe  # stdlib only, no torch
 from sparsetrain.results import (  # stdlib only, no torch
     BLEW_UP_RECOVERED,  # noqa: F401  (re-exported for the tables)
@@ -39,11 +41,12 @@ from sparsetrain.results import (  # stdlib only, no torch
     TORCH_HOOK_SCHEMES,
     blow_up,
     peak_loss_of,
-    recorded_scheme,
     stability_of,
     unfinished_reason,
     untrained_reason,
 )
+
+from . import legacy  # runs written before summary.json's current layout, read as it
 
 # Phases that a dense run does not have: absent there means zero, not unknown.
 SPARSE_ONLY_PHASES = ("compress", "decompress")
@@ -82,12 +85,11 @@ REPLICATE = "seed"
 DENSE_IRRELEVANT = ("scope", "aggregation", "error_feedback", "block_size", "uncompressed", "warmup_steps")
 NOT_APPLICABLE = "-"
 DENSE = "dense"
-# scheme.block_size is block-k's own key (issue 23). Until then every scheme's config carried it,
-# at its default, 256: a newer run of another scheme, without the key, shows that same value, so
-# its cells and its groups stay those of the runs before.
+# scheme.block_size is block-k's own key (issue 23): a run of another scheme, without the key,
+# shows 256, the value every scheme's config carried before, so that its cells and groups are
+# those of the same scheme's other runs.
 BLOCK_SIZE_OF_OTHER_SCHEMES = 256
-# scheme.bucket_size (QSGD's entries per norm) null: one norm per tensor, as every QSGD run before
-# the key existed
+# scheme.bucket_size (QSGD's entries per norm) null: one norm per tensor
 PER_TENSOR = "tensor"
 # scheme.rank (PowerSGD's, sparsetrain's and torch's hook) null: the rank whose bytes come closest
 # to the sparse schemes' at `ratio`
@@ -185,16 +187,11 @@ def _bucket_size(cfg: dict, scheme: str | None):
     return PER_TENSOR if value is None else value
 
 
-# QSGD's generator of a run from before scheme.generator existed: numpy's PCG64 (torch's on CUDA)
-OLD_GENERATOR = "pcg64"
-
-
 def _generator(cfg: dict, scheme: str | None):
-    """QSGD's ``scheme.generator``; runs from before the key (every QSGD study up to the compiled
-    kernels, the frontier's among them) drew PCG64 unless ``+scheme.compressor.generator`` said."""
+    """QSGD's ``scheme.generator``, or the one ``+scheme.compressor.generator`` named."""
     if "generator" not in schemes.own_keys(scheme):
         return NOT_APPLICABLE
-    return _get(cfg, "scheme", "generator") or _get(cfg, "scheme", "compressor", "generator") or OLD_GENERATOR
+    return _get(cfg, "scheme", "generator") or _get(cfg, "scheme", "compressor", "generator")
 
 
 # compressor_options of a run that set none: its class's defaults. The column is there only when
@@ -253,11 +250,11 @@ def _powersgd_rank(cfg: dict, scheme: str | None):
 
 
 def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
-    """The run's axes from its recorded config. ``applies``: which of them change what is sent,
-    as the run's summary recorded it from the compressor (``{"ratio": ..., "aggregation": ...}``);
-    None for runs written before it did, which read conf/schemes.yaml's ``every_entry`` and
-    ``allreduce`` instead."""
-    scheme = recorded_scheme(cfg.get("scheme"))  # scheme=powersgd before issue 24: torch_powersgd
+    """The run's axes from its config. ``applies``: which of them change what is sent, as the
+    run's summary recorded it from the compressor (``{"ratio": ..., "aggregation": ...}``); None
+    where the summary does not say (a run refused or stopped before its exchange was built, as
+    every run before summaries said), which reads conf/schemes.yaml's ``allreduce`` instead."""
+    scheme = _name(cfg.get("scheme"))
     row = {
         "scheme": scheme,
         "scope": _name(cfg.get("scope")),
@@ -275,9 +272,8 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         "memory": _class_node(cfg, "memory"),
         "sync": _class_node(cfg, "sync"),
         "delta": _delta(cfg),
-        # Runs from before these keys existed compressed every tensor from the first step.
-        "uncompressed": str(_get(cfg, "scheme", "uncompressed", default="none")),
-        "warmup_steps": _get(cfg, "scheme", "warmup_steps", default=0),
+        "uncompressed": str(_get(cfg, "scheme", "uncompressed")),
+        "warmup_steps": _get(cfg, "scheme", "warmup_steps"),
         "model": _name(cfg.get("model")),
         "data": _name(cfg.get("data")),
         "epochs_planned": _get(cfg, "train", "epochs"),
@@ -286,7 +282,7 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         "warmup_epochs": _get(cfg, "optim", "warmup_epochs"),  # the lr warm-up, in epochs
         "train_size": _get(cfg, "data", "train_size") or "all",  # null: the whole training set
         # evaluation with recomputed batch-norm statistics: another measurement, not averaged in
-        "bn_recalibrate": _get(cfg, "train", "bn_recalibrate", default=0),
+        "bn_recalibrate": _get(cfg, "train", "bn_recalibrate"),
     }
     # Where the exchange ran: the trainer's own reducer after backward, or a DDP hook (dist.ddp).
     row["exchange"] = "ddp hook" if _get(cfg, "dist", "ddp") else "trainer"
@@ -298,7 +294,7 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         if schemes.info(scheme).get("every_entry"):
             row["ratio"] = 1.0  # every entry, in half the bytes
         return row  # torch_powersgd keeps its ratio unless its rank is set: the rank matched to it
-    if applies is None:  # a run from before the summary said: what conf/schemes.yaml says
+    if applies is None:  # no compressor said: what conf/schemes.yaml says
         applies = {"aggregation": not schemes.info(scheme).get("allreduce"), "ratio": scheme not in QUANTIZER_SCHEMES}
     if not applies.get("aggregation", True):  # PowerSGD: two AllReduces whatever the key says
         row["aggregation"] = NOT_APPLICABLE
@@ -325,8 +321,8 @@ CONFIG_DIGEST = "config_digest"
 # into an axis becomes a column named by its dotted path (``optim.momentum``), and the tables
 # group by it where it differs between runs they would otherwise put together (group.py).
 #
-# Keys an axis above already reads, each with its own reading of runs from before the key
-# (``scheme.uncompressed``: ``none``, ...): they are that axis, not a column of their own. A prefix
+# Keys an axis above already reads (runs from before the key: legacy.KEYS_ADDED): they are that
+# axis, not a column of their own. A prefix
 # covers the keys under it; ``scheme.compressor._target_`` is not covered (a class swapped in
 # under a scheme's name is another compressor).
 COVERED_KEYS = (
@@ -351,9 +347,6 @@ BOOKKEEPING_KEYS = (
 )
 # Hydra's own plumbing in a node (``_partial_: true``), never a setting
 PLUMBING_LEAVES = ("_partial_",)
-# A key a run's config lacks was added after the run: the run did what the key's default does
-# (each key was added with a default that keeps earlier runs' behaviour), unless listed here.
-BEFORE_THE_KEY = {"dist.overlap": False}  # dense exchange after backward before dist.overlap existed
 
 
 def _flat_config(node, prefix: str = "") -> dict:
@@ -399,23 +392,6 @@ def config_digest(config: dict | None) -> str | None:
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-_SCHEMA_DEFAULTS: dict | None = None
-
-
-def _schema_defaults() -> dict:
-    """The schema's keys and defaults (``sparsetrain.config.schema``: Hydra and OmegaConf, no
-    torch), read once, when a loaded frame lacks a key in some runs."""
-    global _SCHEMA_DEFAULTS
-    if _SCHEMA_DEFAULTS is None:
-        from omegaconf import MISSING
-
-        from sparsetrain.config.schema import schema_keys
-
-        _SCHEMA_DEFAULTS = {k: v for k, v in schema_keys().items() if v != MISSING}
-        _SCHEMA_DEFAULTS.update(BEFORE_THE_KEY)
-    return _SCHEMA_DEFAULTS
-
-
 def _same_value(value):
     """A value as one comparable text: 0 and 0.0 alike, True and 1 not."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -423,20 +399,17 @@ def _same_value(value):
     return ("value", json.dumps(value, sort_keys=True, default=str))
 
 
-def _config_columns(frame: pd.DataFrame, fields: list[dict], partial: list[bool]) -> pd.DataFrame:
+def _config_columns(frame: pd.DataFrame, fields: list[dict], partial: list[bool],
+                    versions: list[int]) -> pd.DataFrame:
     """``frame`` with a column per config key that takes more than one value among its rows (a
-    key the same in every run can tell none apart). A run without the key gets the key's default
-    (``BEFORE_THE_KEY``, else the schema's; None where the schema has none). A row with a
-    ``partial`` config (a job a sweep promised, known by its overrides alone) is None where its
-    overrides say nothing, and that None makes no key vary."""
+    key the same in every run can tell none apart). A run without the key: ``legacy.config_default``
+    (of the row's ``versions``). A row with a ``partial`` config (a job a sweep promised, known by
+    its overrides alone) is None where its overrides say nothing, and that None makes no key vary."""
     keys = sorted(set().union(*fields)) if fields else []
     columns = {}
     for key in keys:
-        default = None
-        if not all(key in f for f, part in zip(fields, partial, strict=True) if not part):
-            default = _schema_defaults().get(key)
-            default = _flat_config(default)[""] if isinstance(default, (list, tuple, dict)) else default
-        values = [f.get(key) if part else f.get(key, default) for f, part in zip(fields, partial, strict=True)]
+        values = [f.get(key) if part or key in f else legacy.config_default(key, version, _flat_config)
+                  for f, part, version in zip(fields, partial, versions, strict=True)]
         seen = {_same_value(v) for v, f, part in zip(values, fields, partial, strict=True) if not part or key in f}
         if len(seen) > 1:
             columns[key] = values
@@ -474,14 +447,19 @@ def _target_fields(target: dict | None) -> dict:
             "target_curve_s": _num(target.get("curve_s")), "target_wall_s": _num(target.get("wall_s"))}
 
 
-def row_from_summary(summary: dict | None, config: dict | None) -> dict:
-    """One loader row from a ``summary.json`` dict and a config dict (either may be missing)."""
-    summary = summary or {}
-    config = summary.get("config") or config or {}
-    row = _axes_from_config(config, summary.get("applies"))
-    row[CONFIG_FIELDS] = config_fields(config)  # into columns by load_runs (_config_columns)
-    row[CONFIG_DIGEST] = config_digest(config)
+def row_from_summary(summary: dict | None, config: dict | None, where: str | Path | None = None) -> dict:
+    """One loader row from a ``summary.json`` dict and a config dict (either may be missing). A
+    summary of an older layout is read through ``legacy``'s steps; one of a newer layout is
+    refused, naming ``where`` (the run folder)."""
+    version = legacy.version_of(summary, where)
     status = summary.get("status") if summary else "no summary"
+    summary = summary or {}
+    recorded = summary.get("config") or config or {}
+    config = legacy.upgrade_config(recorded, version)
+    summary = legacy.upgrade_summary(summary, version)
+    row = _axes_from_config(config, summary.get("applies"))
+    row[CONFIG_FIELDS] = config_fields(recorded)  # into columns by load_runs (_config_columns)
+    row[CONFIG_DIGEST] = config_digest(recorded)
     row.update(
         status=status or "unknown",
         error=summary.get("error"),
@@ -489,7 +467,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         test_loss=_num(summary.get("test_loss")),
         val_accuracy=_num(summary.get("val_accuracy")),  # NaN: the run held no validation split
         train_loss=_num(summary.get("train_loss")),
-        train_loss_final=_num(summary.get("train_loss_final")),  # NaN: written before it existed
+        train_loss_final=_num(summary.get("train_loss_final")),
         steps=_num(summary.get("steps")),
         epochs=_num(summary.get("epochs")),
         bytes_sent_per_step=_num(summary.get("bytes_sent_per_step")),
@@ -502,21 +480,20 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         memory_norm_max=_num(summary.get("memory_norm_max")),
         test_accuracy_running_bn=_num(summary.get("test_accuracy_running_bn")),
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
-        collective=summary.get("collective"),  # None: written before the summary said
+        collective=summary.get("collective"),  # None: the summary does not say
         sync_period=_num((summary.get("sync") or {}).get("period")),  # NaN: synchronises every step
         # an exchange inside backward: ((share, lead ms), ...) per bucket; None: after backward,
-        # or a run written before summaries recorded it
+        # or not recorded
         overlap_buckets=tuple((float(b["share"]), float(b["lead_ms"])) for b in summary["overlap_buckets"])
         if summary.get("overlap_buckets") else None,
-        # dense SGD's buckets started during backward (configs from before the key: after it)
-        dist_overlap=bool(_get(config, "dist", "overlap", default=False)),
-        # the quantizers' CPU kernels; runs written before the compiled ones existed ran numpy's
-        kernels=summary.get("kernels", "numpy"),
+        # dense SGD's buckets started during backward
+        dist_overlap=bool(_get(config, "dist", "overlap")),
+        kernels=summary.get("kernels"),  # the quantizers' CPU kernels
         # each rank's compute per step (COMPUTE_PHASES' sum), where the summary gathered every
-        # rank's phases (time_ms_ranks); None for one rank or a run written before
+        # rank's phases (time_ms_ranks); None for one rank or where it did not
         compute_ms_ranks=_compute_of_ranks(summary.get("time_ms_ranks")),
         # the node's 1-minute load average over the run, its CPUs and the run's ranks there
-        # (summary's load, from rank 0's heartbeat; NaN for runs written before)
+        # (summary's load, from rank 0's heartbeat; NaN where it has none)
         load_mean=_num((summary.get("load") or {}).get("mean_1min")),
         load_cpus=_num((summary.get("load") or {}).get("cpus")),
         load_local_ranks=_num((summary.get("load") or {}).get("local_ranks")),
@@ -530,8 +507,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
                loss_peak_source="summary" if "train_loss_peak" in summary else None)
     row.update(_code_fields(summary))
     row["host"] = _host_of(summary)
-    # summary.json's layout (sparsetrain.results.SCHEMA_VERSION); 0: written before it said
-    row["schema_version"] = int(summary.get("schema_version") or 0)
+    row[legacy.VERSION_COLUMN] = version  # summary.json's layout (legacy.version_of)
     # an out-of-tree compressor's source (summary's compressor_code.digest): two versions of
     # one's own class are two configurations; None for sparsetrain's own classes
     row["compressor_code"] = (summary.get("compressor_code") or {}).get("digest")
@@ -550,7 +526,7 @@ def row_from_summary(summary: dict | None, config: dict | None) -> dict:
         if math.isnan(value) and row["scheme"] == DENSE and phase in SPARSE_ONLY_PHASES and times:
             value = 0.0
         row[f"time_{phase}_ms"] = value
-    return row
+    return legacy.upgrade_row(row, summary, config, collective_of(row), version)
 
 
 #: the measured phases that stay when only the network changes (time to accuracy's compute): not
@@ -570,7 +546,7 @@ def _compute_of_ranks(ranks: dict | None) -> tuple[float, ...] | None:
 
 def _code_fields(summary: dict) -> dict:
     """``code``: the version a run ran (``sparsetrain.provenance.describe``; ``unrecorded`` for
-    runs written before summaries recorded it); ``code_commits``: every version a resumed run
+    a summary without it); ``code_commits``: every version a resumed run
     ran on, joined with ``;`` (more than one: it was resumed on other code)."""
     if "code" not in summary:
         return {"code": "unrecorded", "code_commits": "unrecorded"}
@@ -581,7 +557,7 @@ def _code_fields(summary: dict) -> dict:
 
 def _host_of(summary: dict) -> str:
     """The machine a run ran on (rank 0's: processor x logical CPUs, + the GPU where one ran),
-    ``;``-joined when a resumed run moved; ``unrecorded`` for runs written before summaries said."""
+    ``;``-joined when a resumed run moved; ``unrecorded`` for a summary without it."""
     hosts = summary.get("hosts")
     if not hosts:
         return "unrecorded"
@@ -621,7 +597,8 @@ def collective_of(row: dict) -> str | None:
     scheme uses its aggregation (None when unknown). PowerSGD, sparsetrain's and torch's hook,
     AllReduces its P, then its Q (one AllReduce of their bytes here, one latency too few); torch's
     fp16 and bf16 hooks AllReduce the 16-bit gradient. A run's summary records it (``collective``,
-    the exchange's own word); older runs read it from the scheme and its aggregation."""
+    the exchange's own word); without it (a summary that does not say, or a configuration not
+    run: cluster_check) it is read from the scheme and its aggregation."""
     if row.get("collective") in ("allreduce", "allgather"):
         return row["collective"]
     if is_dense(row.get("scheme")) or schemes.info(row.get("scheme")).get("allreduce"):
@@ -632,33 +609,15 @@ def collective_of(row: dict) -> str | None:
 
 def _wire_fields(summary: dict, row: dict) -> dict:
     """``wire_bytes_per_step`` / ``wire_bytes_total`` (per rank, ring model: what crosses the
-    link) from the summary, or, for run folders written before the trainer logged them, computed
-    from the config's aggregation and world size and the payload bytes with the same model
-    (``costmodel.wire_bytes``); ``wire_bytes_source`` says which (``summary``, ``computed``, or
-    ``unknown`` when neither works: the fields are then NaN)."""
+    link) as the summary logged them, and their mean per step; ``wire_bytes_source``: ``summary``,
+    or ``unknown`` where it has none (the fields are then NaN). Runs written before the trainer
+    logged them: ``legacy.upgrade_row`` computes them."""
     per_step = _num(summary.get("wire_bytes_per_step"))
     total = _num(summary.get("wire_bytes_total"))
-    source = "summary"
-    world, steps = _num(row.get("world_size")), row["steps"]
-    collective = collective_of(row)
-    if math.isnan(per_step):
-        source = "computed"
-        sent = row["bytes_sent_per_step"]
-        if collective is None or math.isnan(world) or math.isnan(sent):
-            source, per_step = "unknown", math.nan
-        else:
-            per_step = float(round(wire_bytes(collective, sent, int(world))))
-    if math.isnan(total) and not math.isnan(per_step) and not math.isnan(steps):
-        # warm-up steps (dense, AllReduce of the whole buffer) first, then the scheme's steps
-        warm = min(int(_num(summary.get("compression_start_step")) if summary.get("compression_start_step") else 0),
-                   int(steps))
-        dense = row["dense_bytes_per_step"]
-        dense_wire = round(wire_bytes("allreduce", dense, int(world))) if warm and not math.isnan(dense) else 0
-        total = warm * dense_wire + (int(steps) - warm) * per_step
-        source = "computed" if source == "summary" else source
+    steps = row["steps"]
     mean = total / steps if steps and not math.isnan(total) else math.nan
     return {"wire_bytes_per_step": per_step, "wire_bytes_total": total, "wire_bytes_mean_per_step": mean,
-            "wire_bytes_source": source}
+            "wire_bytes_source": "unknown" if math.isnan(per_step) else "summary"}
 
 
 def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
@@ -666,10 +625,11 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     config = None
     if not (summary and summary.get("config")) and (run / ".hydra" / "config.yaml").is_file():
         config = _read_yaml(run / ".hydra" / "config.yaml")
-    row = row_from_summary(summary, config)
-    metrics = _from_metrics(run / "metrics.jsonl", logged_peak=row.get("loss_peak_source") is None)
+    row = row_from_summary(summary, config, where=run)
+    metrics = _from_metrics(run / "metrics.jsonl")
     logged = metrics.pop("logged_losses")
     row.update(metrics)
+    row.update(legacy.upgrade_logged(row, logged, row[legacy.VERSION_COLUMN]))
     row.update(_spike_fields(row, logged))
     row["stability"] = _stability(row, logged)
     silent = unfinished_reason(run, summary, stale_after_s)
@@ -686,18 +646,15 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     return row
 
 
-def _from_metrics(path: Path, logged_peak: bool = False) -> dict:
+def _from_metrics(path: Path) -> dict:
     """What ``metrics.jsonl`` adds to a run's row, in one read.
 
     ``test_accuracy_gain_last_epoch``: test accuracy at the last evaluation minus the one before
     (NaN with fewer than two). How fast a run was still climbing when it stopped; under a step
     schedule it includes what the last lr decays bought, so read it against dense SGD's.
-
-    ``logged_peak``: for runs whose summary predates the per-step record, the largest train loss
-    among the *logged* steps from ``STABILITY_FROM_STEP`` on (``loss_peak_source``: ``logged
-    steps``; every ``train.log_every``-th step only, so a short spike between them can be missed).
+    ``logged_losses``: every logged step's ``(step, train loss)``, for the blow-up rule.
     """
-    accuracies, peak, logged = [], (math.nan, math.nan), []
+    accuracies, logged = [], []
     if path.is_file():
         for r in _read_metrics(path, warn=False):
             if r.get("kind") == "epoch":
@@ -706,15 +663,8 @@ def _from_metrics(path: Path, logged_peak: bool = False) -> dict:
                 loss, step = _num(r.get("train_loss")), _num(r.get("step"))
                 if not (math.isnan(loss) or math.isnan(step)):
                     logged.append((int(step), loss))
-                if logged_peak and step >= STABILITY_FROM_STEP and not math.isnan(loss) and not loss <= peak[0]:
-                    peak = (loss, step)
     gain = accuracies[-1] - accuracies[-2] if len(accuracies) >= 2 else math.nan
-    # every logged step's loss, for the blow-up rule (not a column)
-    out = {"test_accuracy_gain_last_epoch": gain, "logged_losses": logged}
-    if logged_peak:
-        out.update(loss_peak=peak[0], loss_peak_step=peak[1],
-                   loss_peak_source="logged steps" if not math.isnan(peak[0]) else None)
-    return out
+    return {"test_accuracy_gain_last_epoch": gain, "logged_losses": logged}
 
 
 # --- the grid a sweep promised --------------------------------------------------------------
@@ -918,11 +868,12 @@ def frame_of_rows(rows: list[dict]) -> pd.DataFrame:
     differs between them (``_config_columns``)."""
     fields = [row.pop(CONFIG_FIELDS, None) or {} for row in rows]
     partial = [bool(row.pop(PARTIAL_CONFIG, False)) for row in rows]
+    versions = [row.get(legacy.VERSION_COLUMN, 0) for row in rows]
     frame = pd.DataFrame(rows)
     if frame.empty:
         return frame
     frame = frame[[*COLUMNS_FIRST, *[c for c in frame.columns if c not in COLUMNS_FIRST]]]
-    frame = _config_columns(frame, fields, partial)
+    frame = _config_columns(frame, fields, partial, versions)
     if "compressor_code" in frame and frame["compressor_code"].isna().all():  # only where some run recorded one
         frame = frame.drop(columns="compressor_code")
     return frame

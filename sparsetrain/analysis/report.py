@@ -12,8 +12,8 @@ from .break_even import break_even_table, plot_break_even, targets_table
 from .figures import PLOTS, save_figure
 from .findings import BEYOND_FINDINGS, SECOND_PASS_FINDINGS, findings_tables
 from .loader import curves_of, load_runs, select
+from .study_tables import TABLES, status_table
 from .table import Table, write_table
-from .tables import TABLES, status_table
 from .time_to_accuracy import (
     BANDWIDTHS_GBIT,
     WORKERS,

@@ -11,6 +11,6 @@
 
 Shared machinery: ``harness`` (the cluster runs through ``sparsetrain.launch.netcluster``, the
 rows built from the studies' config, the timing loop over ``train.step.TrainStep``, rounds),
-``stats`` (medians, intervals, flags; no torch), ``tables`` (the one table formatter). Nothing in
-``sparsetrain`` imports this package; the old ``scripts/*.py`` command lines are thin wrappers.
+``timing_stats`` (medians, intervals, flags; no torch); tables through the command line's own
+formatter (``sparsetrain.launch.report.grid``). Nothing in ``sparsetrain`` imports this package; the old ``scripts/*.py`` command lines are thin wrappers.
 """

@@ -31,10 +31,10 @@ with DDP's buffers left unsynchronised and its buckets settled before step 0 as 
 
 Every configuration is rebuilt and timed with the trainer's step (``train.step.TrainStep``;
 DDP's own ``.grad`` tensors, or sparsetrain's reducer after backward) once per round, in a
-rotated round-robin order (``stats.round_order``), for --rounds rounds (>= 5); a round's value is
+rotated round-robin order (``timing_stats.round_order``), for --rounds rounds (>= 5); a round's value is
 the median of its timed steps (each step's time is the slowest rank's; ranks start every step
 together after a barrier). Reported per configuration: the median over rounds and a
-distribution-free confidence interval for it (``stats.median_interval``: order statistics of the
+distribution-free confidence interval for it (``timing_stats.median_interval``: order statistics of the
 round values; with 6 or more rounds at least 95%, its exact level is printed): the same
 machinery as ``sparsetrain.benchmarks.step`` (``harness.timed_steps``, ``harness.summarize``).
 
@@ -60,11 +60,11 @@ import time
 from pathlib import Path
 
 from sparsetrain.benchmarks import harness
-from sparsetrain.benchmarks.stats import median_interval, round_order  # noqa: F401  (re-exported)
-from sparsetrain.benchmarks.tables import grid, num
+from sparsetrain.benchmarks.timing_stats import median_interval, round_order  # noqa: F401  (re-exported)
 from sparsetrain.comm.ddp_hook import matched_powersgd_rank
 from sparsetrain.compress import kernels
 from sparsetrain.costmodel import mean_buckets
+from sparsetrain.launch.report import grid, num
 
 # configuration -> the config overrides that build it (on top of experiment=cpu_scale,
 # model=resnet18, ratio=--ratio): every one through train.components.exchange_from_config, the

@@ -4,7 +4,7 @@ Driver side (root namespace, no torch): run a worker command on a fresh netclust
 (``run_on_cluster``), the paper-like rate, signals. Worker side (one rank per namespace, started
 by torchrun): the rows built from the studies' own config (``study_config``,
 ``train.components``: the trainer's own build), the timing loop over
-``train.step.TrainStep`` (``timed_steps``), interleaved rounds (``stats.round_order``) and their
+``train.step.TrainStep`` (``timed_steps``), interleaved rounds (``timing_stats.round_order``) and their
 summary (``summarize``: the slowest rank per step, a round's median, the median over rounds with
 its 95% interval).
 """
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sparsetrain.benchmarks.stats import COMPUTE, median_interval, paired_ratio
+from sparsetrain.benchmarks.timing_stats import COMPUTE, median_interval, paired_ratio
 from sparsetrain.costmodel import wire_bytes
 
 REPO = Path(__file__).resolve().parents[2]

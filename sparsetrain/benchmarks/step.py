@@ -36,7 +36,7 @@ machine's speed spreads over all of them (the first run measured the rates one a
 compute-only drifted 5% between them);
 every step starts on all ranks together (a barrier) and lasts as long as its slowest rank; a
 round's value is its median step. Reported per row: the median over rounds and its 95%
-distribution-free interval (order statistics of the round values, ``stats.median_interval``),
+distribution-free interval (order statistics of the round values, ``timing_stats.median_interval``),
 the per-round ratio to compute-only (median, interval), phases (median over rounds of the median
 over ranks), bytes, peak RSS. A row whose median is below compute-only's is flagged (its
 interval overlaps compute-only's: a tie within noise; it lies below: suspect). Compute-only
@@ -67,15 +67,15 @@ from pathlib import Path
 
 from sparsetrain.analysis.cluster_check import bench_collective
 from sparsetrain.benchmarks import harness
-from sparsetrain.benchmarks.stats import (
+from sparsetrain.benchmarks.timing_stats import (
     LEVEL,
     Interval,
     compute_flags,
     flatness,
     round_order,
 )
-from sparsetrain.benchmarks.tables import grid, num
 from sparsetrain.compress import kernels
+from sparsetrain.launch.report import grid, num
 
 SCHEMA = 2
 # row -> the config overrides that make it (on top of --preset, --model, --ratio, --override)
