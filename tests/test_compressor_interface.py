@@ -199,3 +199,32 @@ def test_the_documented_attribute_table_is_the_class_vars_exactly():
     assert sorted(rows) == sorted(declared)
     for name, default in rows.items():
         assert default == f"`{getattr(declared[name], name)!r}`".replace("'", '"'), name
+
+
+@pytest.mark.parametrize("scheme", ["blockk", "powersgd", "qsgd"])
+def test_a_schemes_option_defaults_agree_between_its_schema_and_its_class(scheme):
+    """A scheme option's default is stated twice, in its typed config (config/schema.py, which
+    Hydra needs) and in its class's constructor (which the library's users call): the two
+    must agree, so a default changed in one place cannot silently differ in the other."""
+    import dataclasses
+    import inspect
+
+    import yaml
+
+    from sparsetrain.config.overrides import compressor_class
+    from sparsetrain.config.schema import SCHEME_SCHEMAS, SchemeConfig
+
+    node = yaml.safe_load((ROOT / "sparsetrain" / "_conf" / "scheme" / f"{scheme}.yaml").read_text())["compressor"]
+    params = inspect.signature(compressor_class(node["_target_"])).parameters
+    common = {f.name for f in dataclasses.fields(SchemeConfig)}
+    options = [f for f in dataclasses.fields(SCHEME_SCHEMAS[scheme]) if f.name not in common and f.name in node]
+    assert options, f"scheme={scheme} passes no option of its schema to its class"
+    for f in options:
+        assert f.default == params[f.name].default, (scheme, f.name, f.default, params[f.name].default)
+
+
+def test_help_states_qsgds_levels_range_as_the_class_checks_it():
+    from sparsetrain.compress import QSGD
+    from sparsetrain.config.help import HELP
+
+    assert f"[1, {QSGD.MAX_LEVELS}]" in HELP["scheme.levels"]
