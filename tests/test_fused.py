@@ -330,11 +330,35 @@ def test_powersgd_batched_by_shape_equals_the_unbatched_path(device, rank):
         assert same(fast.compressor.q, slow.compressor.q)
 
 
+HOOK_ROW = """
+import json, math, sys
+import torch
+import torch.distributed as dist
+from sparsetrain.benchmarks import compress as bench
+shapes = [tuple(s) for s in json.loads(sys.argv[1])]
+g = torch.Generator().manual_seed(8)
+grad = torch.randn(sum(math.prod(s) for s in shapes), generator=g)
+calls = []
+try:
+    row = bench.torch_hook_row(shapes, grad, 0.05, 2, torch.device("cpu"), calls)
+    assert dist.is_initialized()  # its own group, kept for the profile's rerun of the hook
+    calls[-1][1]()
+finally:
+    bench.close_group()
+assert not dist.is_initialized()
+print(json.dumps(row))
+"""
+
+
 def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_gradient():
     """The compressor benchmark's PowerSGD rows: ours, ours batched by shape (``powersgd_fast``,
     what `make gpu-check` times on the GPU) and torch's ``powerSGD_hook`` on the same gradient
-    in a one-rank gloo group at the matched rank; the goal (ours no slower) for both of ours."""
-    import torch.distributed as dist
+    in a one-rank gloo group at the matched rank; the goal (ours no slower) for both of ours.
+    torch's row runs in a child process that must exit cleanly: its group, freed on a gloo
+    thread, once aborted the process at exit or in a later test (``close_group`` says why)."""
+    import json
+    import subprocess
+    import sys
 
     from sparsetrain.benchmarks import compress as bench
     from sparsetrain.comm.ddp_hook import matched_powersgd_rank
@@ -343,16 +367,12 @@ def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_
         pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
     cpu = torch.device("cpu")
     g = data(sum(math.prod(s) for s in PSGD_SHAPES), 8, torch.float32, cpu)[0]
-    calls = []
-    try:
-        rows = [bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu),
-                bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu, fast_path=True),
-                bench.torch_hook_row(PSGD_SHAPES, g, 0.05, 2, cpu, calls)]
-        assert dist.is_initialized()  # its own group, kept for the profile's rerun of the hook
-        calls[-1][1]()
-    finally:
-        bench.close_group()
-    assert not dist.is_initialized()
+    rows = [bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu),
+            bench.powersgd_row(PSGD_SHAPES, g, 0.05, 2, cpu, fast_path=True)]
+    child = subprocess.run([sys.executable, "-c", HOOK_ROW, json.dumps(PSGD_SHAPES)], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    rows.append(json.loads(child.stdout.splitlines()[-1]))
     assert [r["scheme"] for r in rows] == ["powersgd", "powersgd_fast", "torch_powersgd_hook"]
     assert rows[2]["rank"] == matched_powersgd_rank(PSGD_SHAPES, 0.05) and rows[2]["compress_ef_ms"] > 0
     goals = bench.goals({"device": "cpu", "schemes": rows, "references_copies": {}})

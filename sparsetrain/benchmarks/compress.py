@@ -289,6 +289,7 @@ def powersgd_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: to
 
 HOOK = "torch_powersgd_hook"  # the row of torch's PowerSGD DDP hook
 _OWN_GROUP: list[bool] = []  # whether this module set up the one-rank group
+_HELD: list = []  # closed groups that torch's callbacks still held after close_group's wait
 
 
 def one_rank_group() -> None:
@@ -309,13 +310,27 @@ def one_rank_group() -> None:
 
 
 def close_group() -> None:
-    """Close the group ``one_rank_group`` set up (nothing where it set none up)."""
+    """Close the group ``one_rank_group`` set up (nothing where it set none up).
+
+    torch's hook chains callbacks on its futures, and their closures hold the group: a gloo
+    thread lets go of them just after the last future completes. Were that the group's last
+    reference, its destructor would run on that very thread, join it and abort the process
+    (seen, at exit and in a later test). So the group is held here until only this function
+    holds it, and freed on this thread; one still held elsewhere after 10 s is kept until exit."""
     import torch.distributed as dist
 
     while _OWN_GROUP:
         _OWN_GROUP.pop()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not dist.is_initialized():
+            continue
+        group = dist.group.WORLD
+        dist.destroy_process_group()
+        deadline = time.monotonic() + 10.0
+        while sys.getrefcount(group) > 2 and time.monotonic() < deadline:  # 2: `group`, the argument
+            time.sleep(0.001)
+        if sys.getrefcount(group) > 2:
+            _HELD.append(group)
+        del group
 
 
 def torch_hook_row(shapes, g: torch.Tensor, ratio: float, repeats: int, device: torch.device,
