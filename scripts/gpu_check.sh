@@ -14,7 +14,7 @@
 #      launches and host waits per call: what sets a call's time on a fast GPU). The new rows
 #      add seconds (one NCCL init, three Triton compilations, ~100 calls of a few ms at most);
 #   3. the ResNet-18 CIFAR-shape step-time table (dense vs each scheme and scope, one rank, phases;
-#      top-k, random-k and block-k again with train.fast_path=true, rows <scheme>+F).
+#      every compressed row again with train.fast_path=true, rows <scheme>+F).
 # The cuda tests include tests/test_fused.py's: the fast path's kernels compiled on the GPU
 # against the torch path (on a machine without one they run under Triton's interpreter).
 # Writes $OUT/gpu_tests.txt, gpu_compress.txt/.json, gpu_profile.txt, gpu_step.txt/.json (+ gpu_step_log.txt, the

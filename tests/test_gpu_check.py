@@ -51,6 +51,38 @@ def test_step_table_runs_on_cpu(tmp_path, capsys):
     assert text.startswith("device: cpu") and "x dense" in text and "phases add up" in text
 
 
+@pytest.mark.slow  # every row twice, the fast path's kernels in Triton's interpreter (about 45 s)
+def test_step_table_fast_path_rows_train_as_the_torch_path_under_the_interpreter(tmp_path):
+    """``--fast-path on`` on the CPU under ``TRITON_INTERPRET=1``: every compressed row again as
+    ``<scheme>+F`` through the trainer's step, and its second step's loss (after one update) equals
+    the torch path's: bit for bit where the kernels compute what the CPU's torch path does; to
+    float rounding for PowerSGD (batched matmuls sum in another order) and signSGD (its kernel's
+    scale, a mean, sums as the GPU's torch path does, not as the CPU's). Without the interpreter
+    the option is refused in one line."""
+    pytest.importorskip("triton", reason="triton is not installed: the fast path's kernels need it")
+    mod = _script("step_device")
+    args = ["--device", "cpu", "--model", "resnet20", "--batch", "2", "--steps", "1", "--warmup", "1",
+            "--threads", "1", "--fast-path", "on", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-m", "sparsetrain.benchmarks.step_device", *args], capture_output=True,
+                       text=True, env=env, timeout=120, cwd=REPO)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "TRITON_INTERPRET=1" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "sparsetrain.benchmarks.step_device", *args], capture_output=True,
+                       text=True, env={**env, "TRITON_INTERPRET": "1"}, timeout=600, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads((tmp_path / "cpu_step.json").read_text())["rows"]
+    torch_path = {(r["scheme"], r["scope"]): r for r in rows if not r["fast_path"]}
+    fast = {(r["scheme"], r["scope"]): r for r in rows if r["fast_path"]}
+    assert list(fast) == [(s, sc) for s, sc, _ in mod.FAST_ROWS] and len(fast) == len(torch_path) - 1
+    for key, row in fast.items():
+        assert row["bytes_sent_per_step"] == torch_path[key]["bytes_sent_per_step"]
+        if key[0] in ("powersgd", "signsgd"):
+            assert row["loss"] == pytest.approx(torch_path[key]["loss"], rel=1e-5)
+        else:
+            assert row["loss"] == torch_path[key]["loss"], key
+    assert "\npowersgd+F layerwise " in (tmp_path / "cpu_step.txt").read_text()
+
+
 def test_compress_goals_per_device():
     mod = _script("compress")
     rows = [{"scheme": s, "scope": sc, "compress_ef_copies": c, "decompress_copies": 1.0}

@@ -11,10 +11,12 @@ only). Rows: dense (``scheme=none``) and top-k (AllGather), random-k and block-k
 rank matched to those bytes), error feedback on; signSGD and QSGD (AllGather; error feedback as
 their yaml files set it), each layer-wise and global. Per row:
 median step over the timed steps, mean ms per phase, the phases' sum over the step, and peak
-memory (CUDA: ``max_memory_allocated`` reset per row; CPU: not measured). On CUDA the rows of
-top-k, random-k and block-k are timed again with ``train.fast_path=true`` (fused kernels,
-``compress.fused``; shown as ``<scheme>+F``); on the CPU the fast path changes nothing, so those
-rows are left out.
+memory (CUDA: ``max_memory_allocated`` reset per row; CPU: not measured). On CUDA every
+compressed row is timed again with ``train.fast_path=true`` (``compress.fused``: the fused kernels
+of top-k, random-k, block-k, signSGD and QSGD, PowerSGD batched by shape; shown as
+``<scheme>+F``). On the CPU the fast path changes nothing, so those rows are left out unless
+``--fast-path on`` under Triton's interpreter (``TRITON_INTERPRET=1``: the kernels run in numpy,
+for a check that they train, not for their times).
 
     python -m sparsetrain.benchmarks.step_device --device cuda --out results/bench   # gpu_step.txt/json
     python -m sparsetrain.benchmarks.step_device --device cpu --batch 2 --steps 1 --warmup 1 --out /tmp/x
@@ -37,6 +39,7 @@ import torch
 
 from sparsetrain.benchmarks import harness
 from sparsetrain.benchmarks.harness import REPO
+from sparsetrain.compress import fused
 from sparsetrain.scheme_catalog import DENSE, is_dense
 from sparsetrain.timing import PHASES, PhaseTimer
 from sparsetrain.train.components import exchange_from_config, optimizer_from_config
@@ -49,8 +52,8 @@ ROWS = [(DENSE, "layerwise", "allreduce")] + [
 ] + [("powersgd", "layerwise", "allreduce")] + [  # powersgd: layer-wise only; aggregation does not apply
     (scheme, scope, "allgather") for scheme in ("signsgd", "qsgd") for scope in ("layerwise", "global")
 ]
-# the same rows with train.fast_path=true (CUDA only: the fast path changes nothing on the CPU)
-FAST_ROWS = [row for row in ROWS if row[0] in ("topk", "randk", "blockk")]
+# the same rows with train.fast_path=true: every scheme but dense has a fast path (on CUDA)
+FAST_ROWS = [row for row in ROWS if not is_dense(row[0])]
 PARTS = [p for p in PHASES if p != "step"]
 
 
@@ -105,7 +108,7 @@ def table(doc: dict) -> str:
         f"{m['model']}, batch {m['batch']}, 1 rank, ratio {m['ratio']}, {m['steps']} timed steps after "
         f"{m['warmup']} warm-up, per row; ms per step (median) and per phase (mean)",
         "",
-        f"{'scheme':<9}{'scope':<11}{'step':>8}{'x dense':>8}{'data':>7}{'fwd':>7}{'bwd':>7}"
+        f"{'scheme':<11}{'scope':<11}{'step':>8}{'x dense':>8}{'data':>7}{'fwd':>7}{'bwd':>7}"
         f"{'compr':>7}{'exch':>7}{'decomp':>7}{'optim':>7}{'sum/step':>9}{'peak MB':>9}",
     ]
     dense = doc["rows"][0]["step_ms"]
@@ -115,7 +118,7 @@ def table(doc: dict) -> str:
         scope = r["scope"] if not is_dense(r["scheme"]) else "-"
         name = (r["scheme"] + ("+F" if r.get("fast_path") else "")) if not is_dense(r["scheme"]) else "dense"
         lines.append(
-            f"{name:<9}{scope:<11}{r['step_ms']:>8.2f}{r['step_ms'] / dense:>8.2f}"
+            f"{name:<11}{scope:<11}{r['step_ms']:>8.2f}{r['step_ms'] / dense:>8.2f}"
             + "".join(f"{ph[p]:>7.2f}" for p in PARTS)
             + f"{r['phase_sum_over_step']:>9.3f}{peak}"
         )
@@ -137,10 +140,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
     ap.add_argument("--out", default=str(REPO / "results" / "bench"))
     ap.add_argument("--prefix", default=None, help="file name prefix (default gpu on CUDA, cpu on CPU)")
+    ap.add_argument("--fast-path", choices=("auto", "on", "off"), default="auto",
+                    help="the <scheme>+F rows (train.fast_path=true): auto = on CUDA only; on the CPU "
+                         "they need TRITON_INTERPRET=1")
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("sparsetrain.benchmarks.step_device: --device cuda: no CUDA GPU here (torch.cuda.is_available() is False)",
               file=sys.stderr)
+        return 2
+    fast = a.fast_path == "on" or (a.fast_path == "auto" and a.device == "cuda")
+    if fast and a.device == "cpu" and not fused.interpreting():
+        print("sparsetrain.benchmarks.step_device: --fast-path on --device cpu: the kernels run on CPU "
+              "tensors under Triton's interpreter only (set TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
         torch.backends.cudnn.benchmark = True
     t0 = time.time()
     rows = [time_row(s, sc, ag, device, a) for s, sc, ag in ROWS]
-    if device.type == "cuda":
+    if fast:
         rows += [time_row(s, sc, ag, device, a, fast_path=True) for s, sc, ag in FAST_ROWS]
     doc = {
         "meta": {"device": str(device), "device_name": device_name(device), "torch": torch.__version__,
