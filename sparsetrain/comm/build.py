@@ -53,8 +53,7 @@ def build_reducer(
     before compression starts. ``shapes``: one per segment, the tensors' shapes (for a
     compressor with ``needs_shapes``: PowerSGD compresses each as a matrix; the sparse schemes
     need only sizes). ``fast_path``: error feedback + compression in fused kernels where there
-    are some (``train.fast_path``: top-k, random-k, block-k on CUDA; ``compress.fused``), the
-    same messages and memory.
+    are some (``train.fast_path``, ``compress.fused``: on CUDA), the same messages and memory.
     Raises ``ValueError`` with a one-line message for invalid combinations.
     """
     check_combination(scheme, scope, aggregation, ratio, compressor)

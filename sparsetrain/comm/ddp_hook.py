@@ -127,7 +127,8 @@ class SparseHookState:
     iterations first; ``seed``; ``compressor``: the scheme's class, or what ``scheme.compressor``
     in its conf/scheme/<scheme>.yaml instantiates to (a ``functools.partial`` of the class with
     its options, e.g. ``partial(BlockRandomK, block_size=64)``); required unless ``scheme='none'``;
-    ``process_group``: default WORLD.
+    ``process_group``: default WORLD; ``fast_path``: each bucket's reducer takes the fused kernels
+    (``train.fast_path``, ``compress.fused``) where they run: the same messages and memory.
     Invalid values raise ``ValueError`` with the config check's one-line message.
     """
 
@@ -146,6 +147,7 @@ class SparseHookState:
         compressor=None,
         memory=None,
         process_group=None,
+        fast_path: bool = False,
     ):
         check_combination(scheme, scope, aggregation, ratio, compressor)
         if int(warmup_steps) != warmup_steps or warmup_steps < 0:
@@ -158,6 +160,7 @@ class SparseHookState:
         self.compressor = compressor
         self.memory = memory  # the memory's class (or partial): error feedback when None
         self.process_group = process_group
+        self.fast_path = bool(fast_path)
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         params = list(module.parameters())
@@ -284,6 +287,7 @@ class SparseHookState:
             error_feedback=self.error_feedback, memory=self.memory,
             uncompressed=[flags[i] for i in order], group=self.process_group,
             device=buf.device, dtype=buf.dtype, compressor=compressor, shapes=[tuple(shapes[i]) for i in order],
+            fast_path=self.fast_path,
         )
         plan = _Bucket(keys, shapes, flags, reducer)
         if plan.reducer is not None:

@@ -223,7 +223,8 @@ class DDPExchange(ReducerBase):
                 self.net, scheme.name, cfg.scope.name, cfg.aggregation.name, cfg.ratio,
                 error_feedback=scheme.error_feedback, uncompressed=scheme.uncompressed,
                 warmup_steps=scheme.warmup_steps, seed=cfg.seed,
-                compressor=compressor, memory=instantiate(scheme.memory) if scheme.get("memory") else None)
+                compressor=compressor, memory=instantiate(scheme.memory) if scheme.get("memory") else None,
+                fast_path=bool(cfg.train.get("fast_path", False)))
             hook = sparse_hook
             on_bypass = self.state.plan
             self.bytes_sent_per_step = self.dense_bytes_per_step  # until settle() plans the buckets
