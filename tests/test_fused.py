@@ -40,6 +40,9 @@ CUDA = pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skip
     not HAS_CUDA, reason="no CUDA device here (torch.cuda.is_available() is False)")])
 DEVICES = [CPU, CUDA]
 DTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64")]
+# the quantizers' matrices in the fast tier in float32; float64 too in the full tier (and on a GPU:
+# `make gpu-check` selects `-m cuda`, whatever else is marked)
+QDTYPES = [pytest.param(torch.float32, id="f32"), pytest.param(torch.float64, id="f64", marks=pytest.mark.slow)]
 SCOPES = ("layerwise", "global")
 # large segments (sampled thresholds, several blocks each), small ones (every entry a candidate),
 # one of a single entry
@@ -391,7 +394,7 @@ def device_ops(monkeypatch):
     monkeypatch.setattr(quantize, "_batched", lambda t: True)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", QDTYPES)
 @pytest.mark.parametrize("scope", SCOPES)
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_signsgd_encodes_decodes_and_forgets_as_the_torch_path(device, scope, dtype, device_ops):
@@ -450,8 +453,9 @@ def test_torchs_hook_row_is_left_out_in_one_line_where_no_group_can_be_set_up(mo
     assert "torch_powersgd_hook: no row" in capsys.readouterr().err and not dist.is_initialized()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("levels,generator", [(1, "counter"), (7, "pcg64"), (127, "counter")],
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("levels,generator", [(1, "counter"), (7, "pcg64"),
+                                              pytest.param(127, "counter", marks=pytest.mark.slow)],
                          ids=["s1_2bits", "s7_4bits_pcg64", "s127_8bits"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_qsgd_encodes_and_decodes_as_the_torch_path(device, levels, generator, dtype, device_ops):
@@ -475,7 +479,7 @@ def test_fused_qsgd_encodes_and_decodes_as_the_torch_path(device, levels, genera
         assert torch.equal(out, ref_out)
 
 
-@pytest.mark.parametrize("ef", [False, True], ids=["no_ef", "ef"])
+@pytest.mark.parametrize("ef", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["no_ef", "ef"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_reducer_with_the_fast_path_runs_qsgds_kernels_with_the_same_update(device, ef, device_ops):
     """``train.fast_path`` for QSGD (its default: no error feedback; and with it): the reducer
