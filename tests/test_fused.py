@@ -539,9 +539,10 @@ def _hook_with_and_without_fast_path(rank: int, world: int) -> dict:
     for scheme in HOOK_SCHEMES:
         for fast in (False, True):
             torch.manual_seed(0)
-            net = torch.nn.Sequential(torch.nn.Linear(24, 32, bias=False), torch.nn.Tanh(),
-                                      torch.nn.Linear(32, 32, bias=False), torch.nn.Tanh(),
-                                      torch.nn.Linear(32, 4, bias=False))
+            # biases travel whole (uncompressed="1d"): a bucket's compressed tensors lie in
+            # several runs, gathered into one for the fused step
+            net = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                      torch.nn.Tanh(), torch.nn.Linear(32, 4))
             ddp = DDP(net, bucket_cap_mb=0.003)  # a few buckets
             state = SparseHookState(ddp, scheme, "layerwise", "allgather", 0.1, seed=3,
                                     compressor=compressor_for(scheme), fast_path=fast)

@@ -268,6 +268,7 @@ class SparseReducer(ReducerBase):
         # they exist; the same message and memory as the torch path. Why not, where asked but not.
         self.fast_path_reason = None
         self._fused = None
+        self._gathered = None  # the fast path's gradient where a bucket's tensors lie in several runs
         if fast_path:
             from sparsetrain.compress import fused
 
@@ -330,13 +331,20 @@ class SparseReducer(ReducerBase):
             with timer.untimed():
                 self._kept = [snapshot(self.compressor), snapshot(self.memory), False]
         pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
-        # the fused kernels take the gradient as one tensor, and measure no compression error
-        fused = self._fused if len(pieces) == 1 and not want_stats else None
+        # the fused kernels measure no compression error; they take the gradient as one tensor
+        # (a DDP bucket's compressed tensors, where they lie in several runs, copied into one)
+        fused = self._fused if not want_stats else None
         if fused is None:
             with timer.phase("compress"):
                 acc = self.memory.accumulate(pieces[0][1] if len(pieces) == 1 else pieces)
         else:
             acc = self.memory.memory  # accumulated, compressed and forgotten in one go below
+            grad = pieces[0][1]
+            if len(pieces) > 1:
+                with timer.phase("compress"):
+                    if self._gathered is None:
+                        self._gathered = torch.empty_like(acc)
+                    grad = torch.cat([t for _, t in pieces], out=self._gathered)
         state = StepState(acc, self.positions_seed(step), self.seed, self.world_size, self.rank, self.aggregation)
         pending = SparseStep(buf, placement, state, None, None, want_stats)
         if want_stats and len(self.rounds) > 1:  # the update may overwrite acc before it is measured
@@ -347,7 +355,7 @@ class SparseReducer(ReducerBase):
             with timer.phase("compress"):
                 if fused is not None and i >= self._own:  # one message: accumulate + send + forget
                     wire = rb.mine.ints if rb.mine.ints.numel() else None
-                    state.payload = fused.step(self.compressor, acc, pieces[0][1], state.seed,
+                    state.payload = fused.step(self.compressor, acc, grad, state.seed,
                                                out=rb.mine.floats, wire=wire)
                     pending.forgotten = True
                 elif i >= self._own:
