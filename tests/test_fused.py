@@ -502,7 +502,7 @@ def test_reducer_with_the_fast_path_runs_qsgds_kernels_with_the_same_update(devi
 HOOK_SCHEMES = ("topk", "randk", "blockk", "qsgd", "signsgd", "powersgd")
 
 
-def _hook_with_and_without_fast_path(rank: int, world: int) -> dict:
+def _hook_with_and_without_fast_path(device: str, rank: int, world: int) -> dict:
     """Each of HOOK_SCHEMES trained 3 steps through DDP's hook (``sparse_hook``, layer-wise, small
     buckets), once with ``fast_path`` and once without: the weights, how often the fused step
     ran (top-k, random-k, block-k, signSGD) beside how often the hook ran, and whether the
@@ -511,20 +511,23 @@ def _hook_with_and_without_fast_path(rank: int, world: int) -> dict:
 
     from conftest import compressor_for
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from triton.runtime import interpreter
 
     from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
     from sparsetrain.compress import quantize
 
-    # Triton's interpreter keeps one launch grid per process: kernels launched at once from a
-    # collective's callback thread (decodes) and this one (encodes) would mix it up
-    launch, one_at_a_time = interpreter.InterpretedFunction.run, threading.Lock()
+    if device == "cpu":
+        from triton.runtime import interpreter
 
-    def serialised(self, *args, **kwargs):
-        with one_at_a_time:
-            return launch(self, *args, **kwargs)
+        # Triton's interpreter keeps one launch grid per process: kernels launched at once from
+        # a collective's callback thread (decodes) and this one (encodes) would mix it up
+        launch, one_at_a_time = interpreter.InterpretedFunction.run, threading.Lock()
 
-    interpreter.InterpretedFunction.run = serialised
+        def serialised(self, *args, **kwargs):
+            with one_at_a_time:
+                return launch(self, *args, **kwargs)
+
+        interpreter.InterpretedFunction.run = serialised
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     # the quantizers' torch path as on a GPU (``device_ops``): what signSGD's kernels match
     quantize._numpy_ok, quantize._kernel_ok, quantize._batched = (lambda t: False), (lambda *t: False), (lambda t: True)
     calls = []
@@ -542,7 +545,7 @@ def _hook_with_and_without_fast_path(rank: int, world: int) -> dict:
             # biases travel whole (uncompressed="1d"): a bucket's compressed tensors lie in
             # several runs, gathered into one for the fused step
             net = torch.nn.Sequential(torch.nn.Linear(24, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                                      torch.nn.Tanh(), torch.nn.Linear(32, 4))
+                                      torch.nn.Tanh(), torch.nn.Linear(32, 4)).to(dev)
             ddp = DDP(net, bucket_cap_mb=0.003)  # a few buckets
             state = SparseHookState(ddp, scheme, "layerwise", "allgather", 0.1, seed=3,
                                     compressor=compressor_for(scheme), fast_path=fast)
@@ -551,29 +554,31 @@ def _hook_with_and_without_fast_path(rank: int, world: int) -> dict:
             gen = torch.Generator().manual_seed(10 + rank)
             del calls[:]
             for _ in range(3):
-                x, y = torch.randn(16, 24, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+                x, y = torch.randn(16, 24, generator=gen).to(dev), torch.randint(0, 4, (16,), generator=gen).to(dev)
                 opt.zero_grad()
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
                 opt.step()
             reducers = [plan.reducer for plan in state._buckets.values()]
             readied = all(getattr(r.compressor, "batched", False) or getattr(r.compressor, "fast_encode", None)
                           is not None for r in reducers)
-            out[scheme, fast] = ([p.detach().clone() for p in net.parameters()], (calls.count(1), calls.count(0)), len(reducers),
+            out[scheme, fast] = ([p.detach().cpu() for p in net.parameters()], (calls.count(1), calls.count(0)), len(reducers),
                                  [r.fast_path_reason for r in reducers], readied)
     fused.step = plain_step
     return out
 
 
-def test_ddp_hook_takes_the_fast_path_and_trains_as_without_it(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_ddp_hook_takes_the_fast_path_and_trains_as_without_it(device, tmp_path):
     """``dist.ddp=true`` with ``train.fast_path=true``: every bucket's reducer takes the fast path
     (no reason why not; the fused step runs for each bucket and step, or the compressor runs its
-    own fast rounds) and trains as without it, on 2 gloo ranks under the interpreter, the
-    quantizers' torch path as on a GPU: bit for bit, PowerSGD (batched matmuls) to float rounding."""
+    own fast rounds) and trains as without it, on 2 gloo ranks (on CUDA: sharing one GPU; on the
+    CPU under the interpreter, the quantizers' torch path as on a GPU): bit for bit, PowerSGD
+    (batched matmuls) to float rounding."""
+    from functools import partial
+
     from conftest import on_gloo_ranks
 
-    if not fused.interpreting():
-        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
-    for out in on_gloo_ranks(_hook_with_and_without_fast_path, tmp_path):
+    for out in on_gloo_ranks(partial(_hook_with_and_without_fast_path, device), tmp_path):
         for scheme in HOOK_SCHEMES:
             (slow, slow_calls, n, _, _), (fast, fast_calls, n_fast, reasons, readied) = out[scheme, False], out[scheme, True]
             assert n == n_fast >= 2 and reasons == [None] * n and slow_calls[0] == 0, scheme
