@@ -91,6 +91,18 @@ def test_time_to_accuracy_arithmetic(tmp_path):
     assert "alpha 50 us" in table.notes[-3] and "defaults" in table.notes[-3]
 
 
+def test_shared_compute_keeps_runs_whose_batch_size_is_not_recorded(tmp_path):
+    """A run that recorded no batch size (NaN in its column) is its own group, not dropped: with
+    pandas 3, whose ``astype(str)`` keeps NaN missing, the groupby left it out and its shared
+    compute came out NaN."""
+    runs = sa.load_runs(_sweep(tmp_path / "r"))
+    runs["batch_size"] = [32.0, 32.0, None, None]
+    shared = tta.shared_compute_ms(runs)
+    assert shared.notna().all()
+    local = [tta.compute_ms(row) for _, row in runs.iterrows()]
+    assert list(shared.iloc[2:]) == pytest.approx([(local[2] + local[3]) / 2] * 2)
+
+
 def test_shared_compute_is_the_median_of_the_same_work_and_break_even_names_the_winner(tmp_path):
     """Compute is the same work for every scheme: each prediction uses the median over the runs of
     the same model, data and batch; the break-even map then compares dense SGD with the best

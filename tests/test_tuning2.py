@@ -283,3 +283,25 @@ def test_the_command_exits_3_while_trials_are_due_and_0_once_complete(tmp_path, 
     assert tuning.main(["--declared", str(VERDICTS2), "--results", str(tmp_path / "results"),
                         "--write-tuned", str(tmp_path / "tuned")]) == 0
     assert sorted(p.stem for p in (tmp_path / "tuned").iterdir()) == sorted(done.choices)
+
+
+def test_points_whose_schemes_record_other_config_keys_are_each_read():
+    """local2 reads local SGD beside top-k: a config key one scheme records (the sync's period) is
+    absent from the other's runs. pandas 3's ``astype(str)`` kept that absence missing, and the
+    trial labels' join stopped on it (found on the committed topk_low sweep): every trial is read,
+    each point's runs in their own trials."""
+    runs = _runs({("low", 0.05): {200: 0.93, 201: 0.94}, ("top", 0.05): {200: 0.91, 201: 0.92}})
+    runs["scheme.sync.period"] = [66.0, 66.0, None, None]
+    found = seed_trials(runs, SEEDS)
+    assert sorted(found["point"]) == ["low", "top"] and list(found["n"]) == [2, 2]
+    assert list(found["state"]) == ["scored", "scored"]
+
+
+def test_the_committed_local2_sweeps_read_as_two_seed_trials():
+    """The local2 tuning sweeps committed whole (local SGD every 66 steps, top-k at 0.504%) read
+    side by side, each trial with both seeds."""
+    plan = declared_tuning(LOCAL2)
+    reading = read_tuning(plan, tuning_runs(plan, ROOT / "results"))
+    for point in ("localsgd_low", "topk_low"):
+        trials = reading.trials[(reading.trials["point"] == point) & reading.trials["due"]]
+        assert len(trials) == 4 and set(trials["n"]) == {2}, point

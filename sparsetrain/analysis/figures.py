@@ -26,7 +26,16 @@ from matplotlib.ticker import MaxNLocator
 from sparsetrain import scheme_catalog as schemes
 
 from .group import expand_dense, mark_repeats, sort_rows, summarize, varying_axes
-from .loader import DEFAULT_SYNC, DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
+from .loader import (
+    DEFAULT_SYNC,
+    DENSE,
+    DID_NOT_TRAIN,
+    NOT_APPLICABLE,
+    PHASES,
+    REPLICATE,
+    as_text,
+    completed,
+)
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
 # One colour per scheme, the same in every figure (conf/schemes.yaml's ``color``): Okabe-Ito first
@@ -217,7 +226,7 @@ def _with_lines(frame: pd.DataFrame) -> pd.DataFrame:
 
     set_lines(full=False)
     if axes:  # two settings with one short name (outer steps at one period): say each in full
-        keys = frame[["scheme", *axes]].astype(str).agg("|".join, axis=1)
+        keys = as_text(frame[["scheme", *axes]]).agg("|".join, axis=1)
         if (keys.groupby(frame["line"]).nunique() > 1).any():
             set_lines(full=True)
     return frame
@@ -354,7 +363,7 @@ def plot_time_per_phase(runs: pd.DataFrame) -> Figure:
 
 
 def _style_keys(frame: pd.DataFrame, axes: list[str]) -> dict:
-    values = sorted({tuple(row) for row in frame[axes].astype(str).itertuples(index=False)}) if axes else [()]
+    values = sorted({tuple(row) for row in as_text(frame[axes]).itertuples(index=False)}) if axes else [()]
     return {v: i for i, v in enumerate(values)}
 
 

@@ -71,6 +71,7 @@ from .loader import (
     COMPUTE_PHASES,
     REPLICATE,
     _read_metrics,
+    as_text,
     collective_of,
     completed,
     not_completed,
@@ -190,7 +191,7 @@ def shared_compute_ms(runs: pd.DataFrame) -> pd.Series:
     values = runs.apply(compute_ms, axis=1)
     if not keys:
         return pd.Series(values.median(), index=runs.index)
-    return values.groupby([runs[k].astype(str) for k in keys]).transform("median")
+    return values.groupby([as_text(runs[k]) for k in keys]).transform("median")
 
 
 def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeModel,
