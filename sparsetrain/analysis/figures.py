@@ -25,17 +25,8 @@ from matplotlib.ticker import MaxNLocator
 
 from sparsetrain import scheme_catalog as schemes
 
-from .group import expand_dense, mark_repeats, sort_rows, summarize, varying_axes
-from .loader import (
-    DEFAULT_SYNC,
-    DENSE,
-    DID_NOT_TRAIN,
-    NOT_APPLICABLE,
-    PHASES,
-    REPLICATE,
-    as_text,
-    completed,
-)
+from .group import as_key, expand_dense, mark_repeats, sort_rows, summarize, varying_axes
+from .loader import DEFAULT_SYNC, DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
 # One colour per scheme, the same in every figure (conf/schemes.yaml's ``color``): Okabe-Ito first
@@ -226,7 +217,7 @@ def _with_lines(frame: pd.DataFrame) -> pd.DataFrame:
 
     set_lines(full=False)
     if axes:  # two settings with one short name (outer steps at one period): say each in full
-        keys = as_text(frame[["scheme", *axes]]).agg("|".join, axis=1)
+        keys = pd.DataFrame({c: as_key(frame[c]) for c in ["scheme", *axes]}).agg("|".join, axis=1)
         if (keys.groupby(frame["line"]).nunique() > 1).any():
             set_lines(full=True)
     return frame
@@ -363,7 +354,10 @@ def plot_time_per_phase(runs: pd.DataFrame) -> Figure:
 
 
 def _style_keys(frame: pd.DataFrame, axes: list[str]) -> dict:
-    values = sorted({tuple(row) for row in as_text(frame[axes]).itertuples(index=False)}) if axes else [()]
+    # each value as str gives it, NaN as "nan" (astype(str) keeps it missing in pandas 3), so that
+    # the styles' order stays that of the values' text
+    text = frame[axes].apply(lambda column: column.map(str))
+    values = sorted({tuple(row) for row in text.itertuples(index=False)}) if axes else [()]
     return {v: i for i, v in enumerate(values)}
 
 

@@ -47,8 +47,10 @@ def config_columns(runs: pd.DataFrame) -> list[str]:
     return [c for c in runs.columns if "." in str(c) or c in SETTINGS_BEYOND_AXES]
 
 
-def _as_key(column: pd.Series) -> pd.Series:
-    """A column as comparable text: None and NaN alike (``-``), 0 and 0.0 alike."""
+def as_key(column: pd.Series) -> pd.Series:
+    """A column as comparable text: None and NaN alike (``-``), 0 and 0.0 alike. (Not
+    ``astype(str)``: pandas 3's keeps NaN missing, which breaks a join of keys and drops the row
+    from a groupby.)"""
     def text(value):
         if value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value)):
             return NOT_APPLICABLE
@@ -62,7 +64,7 @@ def _splitting(runs: pd.DataFrame, base: list[str], candidates: list[str]) -> li
     """``candidates`` that take more than one value within some group of ``base``."""
     if runs.empty:
         return []
-    keys = pd.DataFrame({c: _as_key(runs[c]) for c in [*base, *candidates]}, index=runs.index)
+    keys = pd.DataFrame({c: as_key(runs[c]) for c in [*base, *candidates]}, index=runs.index)
     out = []
     for column in candidates:
         counts = keys.groupby(base, sort=False)[column].nunique() if base else [keys[column].nunique()]
@@ -112,7 +114,7 @@ def _same_seed_sets(runs: pd.DataFrame) -> list[pd.DataFrame]:
         return []
     per_run = runs.assign(_run=_run_keys(runs)).drop_duplicates("_run")
     identity = [a for a in AXES if a in per_run] + config_columns(per_run) + [REPLICATE]
-    table = pd.DataFrame({c: _as_key(per_run[c]) for c in identity}, index=per_run.index)
+    table = pd.DataFrame({c: as_key(per_run[c]) for c in identity}, index=per_run.index)
     sizes = table.groupby(identity, sort=False)[REPLICATE].transform("size")
     repeated = per_run[sizes > 1]
     if repeated.empty:
@@ -164,7 +166,7 @@ def mark_repeats(runs: pd.DataFrame) -> pd.DataFrame:
     if "run_dir" in per_run:
         per_run = per_run[per_run["run_dir"].notna()]
     identity = [a for a in AXES if a in per_run] + config_columns(per_run)
-    table = pd.DataFrame({c: _as_key(per_run[c]) for c in [*identity, REPLICATE]}, index=per_run.index)
+    table = pd.DataFrame({c: as_key(per_run[c]) for c in [*identity, REPLICATE]}, index=per_run.index)
     table["_run"] = per_run["_run"]
     table = table.sort_values("_run")
     table[REPEAT] = table.groupby([*identity, REPLICATE], sort=False).cumcount() + 1

@@ -98,16 +98,6 @@ MATCHED_TO_RATIO = "matched"
 STATUSES_DONE = ("completed",)
 
 
-def as_text(values):
-    """Every value as ``str`` gives it (a missing one as ``nan`` or ``None``), for a Series or a
-    DataFrame: what pandas 2's ``astype(str)`` gave. pandas 3's keeps a missing value missing,
-    so a key absent from some runs (a config key of another scheme) broke a join of keys and
-    dropped those runs from a groupby without a word."""
-    if isinstance(values, pd.DataFrame):
-        return values.apply(lambda column: column.map(str))
-    return values.map(str)
-
-
 def is_dense(scheme) -> bool:
     """Dense SGD: the analysis's own row name for it, or a scheme conf/schemes.yaml calls dense."""
     return scheme == DENSE or bool(schemes.info(scheme).get("dense"))

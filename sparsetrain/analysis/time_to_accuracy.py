@@ -62,6 +62,7 @@ from .figures import LINESTYLES, MARKERS, _empty, _label, _new_figure, scheme_co
 from .group import (
     _constant_note,
     _display_axis,
+    as_key,
     mark_repeats,
     repeat_notes,
     sort_rows,
@@ -71,7 +72,6 @@ from .loader import (
     COMPUTE_PHASES,
     REPLICATE,
     _read_metrics,
-    as_text,
     collective_of,
     completed,
     not_completed,
@@ -191,7 +191,7 @@ def shared_compute_ms(runs: pd.DataFrame) -> pd.Series:
     values = runs.apply(compute_ms, axis=1)
     if not keys:
         return pd.Series(values.median(), index=runs.index)
-    return values.groupby([as_text(runs[k]) for k in keys]).transform("median")
+    return values.groupby([as_key(runs[k]) for k in keys]).transform("median")
 
 
 def predict_step_ms(row: dict, workers: int, rate_bits: float, model: ExchangeModel,

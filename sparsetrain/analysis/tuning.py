@@ -30,7 +30,8 @@ import yaml
 
 from sparsetrain.results import DID_NOT_TRAIN
 
-from .loader import AXES, DENSE, NOT_APPLICABLE, as_text, load_runs
+from .group import as_key
+from .loader import AXES, DENSE, NOT_APPLICABLE, load_runs
 
 TUNED = ("lr", "warmup_epochs")  # what a trial varies and a choice fixes
 SCOPES = ("layerwise", "global")
@@ -350,7 +351,7 @@ def seed_trials(runs: pd.DataFrame, seeds: tuple[int, ...]) -> pd.DataFrame:
         return pd.DataFrame(columns=["point", "lr", "warmup_epochs", "epochs_planned", "n", "val_by_seed",
                                      "state", "score", "code", "overrides"])
     keys = _trial_keys(runs)
-    labels = as_text(runs[keys]).agg("|".join, axis=1)
+    labels = pd.DataFrame({k: as_key(runs[k]) for k in keys}, index=runs.index).agg("|".join, axis=1)
     for _, trial in runs.groupby(labels, sort=False):
         first = trial.iloc[0]
         twice = trial["seed"][trial["seed"].duplicated()].tolist()
@@ -460,7 +461,7 @@ def read_tuning(plan: DeclaredTuning, runs: pd.DataFrame) -> TuningReading:
 
 def _differing(runs: pd.DataFrame, point: str, lr: float) -> list[str]:
     rows = runs[(runs["point"] == point) & runs["lr"].map(lambda v: _same_rate(v, lr))]
-    return [k for k in _trial_keys(rows) if as_text(rows[k]).nunique() > 1] or ["?"]
+    return [k for k in _trial_keys(rows) if as_key(rows[k]).nunique() > 1] or ["?"]
 
 
 def _carried(overrides: str) -> str:
