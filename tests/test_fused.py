@@ -387,11 +387,17 @@ def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_
 def device_ops(monkeypatch):
     """The quantizers' torch path as it runs on a GPU (its batched device ops), here on CPU
     tensors: what the fast path's signSGD kernels are checked against."""
+    quantizers_as_on_a_gpu(monkeypatch.setattr)
+
+
+def quantizers_as_on_a_gpu(set_attr) -> None:
+    """Point the quantizers' torch path at its batched device ops (``set_attr``: monkeypatch's,
+    or ``setattr`` in a rank's own process)."""
     from sparsetrain.compress import quantize
 
-    monkeypatch.setattr(quantize, "_numpy_ok", lambda t: False)
-    monkeypatch.setattr(quantize, "_kernel_ok", lambda *t: False)
-    monkeypatch.setattr(quantize, "_batched", lambda t: True)
+    set_attr(quantize, "_numpy_ok", lambda t: False)
+    set_attr(quantize, "_kernel_ok", lambda *t: False)
+    set_attr(quantize, "_batched", lambda t: True)
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
@@ -513,7 +519,6 @@ def _hook_with_and_without_fast_path(device: str, rank: int, world: int) -> dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
-    from sparsetrain.compress import quantize
 
     if device == "cpu":
         from triton.runtime import interpreter
@@ -528,8 +533,7 @@ def _hook_with_and_without_fast_path(device: str, rank: int, world: int) -> dict
 
         interpreter.InterpretedFunction.run = serialised
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-    # the quantizers' torch path as on a GPU (``device_ops``): what signSGD's kernels match
-    quantize._numpy_ok, quantize._kernel_ok, quantize._batched = (lambda t: False), (lambda *t: False), (lambda t: True)
+    quantizers_as_on_a_gpu(setattr)  # as ``device_ops``: what signSGD's kernels match
     calls = []
     plain_step = fused.step
 
