@@ -64,12 +64,19 @@ for preset in "${STUDIES[@]}"; do
       echo "== $study: $name completed in $DEST: not run again"
     done
   fi
+  before=$(completed_jobs "results/$study" | wc -l)
   # shellcheck disable=SC2086  # EXTRA holds several overrides
   $PY -m sparsetrain.run -m "experiment=$preset" wandb.mode=disabled ${EXTRA:-} \
     "hydra.sweep.dir=results/$study" > "results/$study.log" 2>&1
   code=$?
   took=$(( $(date +%s) - start ))
-  line="$study exit=$code seconds=$took finished=$(date -u +%FT%TZ)"
+  ran=$(( $(completed_jobs "results/$study" | wc -l) - before ))
+  if [ "$code" = 0 ] && [ "$ran" = 0 ] && [ "${RESUME:-0}" = 1 ]; then
+    # every job had completed: no cost to record (timings.txt sums what the studies took)
+    echo "== $study: every job had completed; nothing ran"
+    continue
+  fi
+  line="$study exit=$code seconds=$took jobs=$ran finished=$(date -u +%FT%TZ)"
   echo "$line" >> results/timings.txt
   echo "== $study: exit $code after ${took}s"
   repo=.
