@@ -231,8 +231,8 @@ def test_reducer_with_the_fast_path_gives_the_same_update_and_memory(device, nam
 def test_fast_path_says_why_not_and_changes_nothing_where_it_has_no_kernels(device):
     """A quantizer, error feedback switched off, or the CPU without the interpreter: the reducer
     says why and runs the torch path."""
-    qsgd = reducer(QSGD(1.0, SIZES, levels=3, device=device), "allgather", True, device, torch.float32)
-    assert qsgd._fused is None and "QSGD" in qsgd.fast_path_reason and "(here 3)" in qsgd.fast_path_reason
+    qsgd = reducer(QSGD(1.0, SIZES, levels=3, device=device), "allgather", True, device, torch.float16)
+    assert qsgd._fused is None and qsgd.fast_path_reason == "dtype torch.float16 (float32 and float64 only)"
     off = SparseReducer(TopK(0.03, SIZES, device=device), aggregation="allgather", world_size=1, rank=0, seed=0,
                         error_feedback=False, device=device, fast_path=True)
     assert off._fused is None and "error feedback" in off.fast_path_reason
@@ -460,17 +460,24 @@ def test_torchs_hook_row_is_left_out_in_one_line_where_no_group_can_be_set_up(mo
 
 
 @pytest.mark.parametrize("dtype", QDTYPES)
-@pytest.mark.parametrize("levels,generator", [(1, "counter"), (7, "pcg64"),
-                                              pytest.param(127, "counter", marks=pytest.mark.slow)],
-                         ids=["s1_2bits", "s7_4bits_pcg64", "s127_8bits"])
+@pytest.mark.parametrize("levels,generator", [(1, "counter"), (7, "pcg64"), (3, "counter"),
+                                              pytest.param(127, "counter", marks=pytest.mark.slow),
+                                              pytest.param(31, "pcg64", marks=pytest.mark.slow),
+                                              pytest.param(63, "counter", marks=pytest.mark.slow),
+                                              pytest.param(255, "counter", marks=pytest.mark.slow),
+                                              pytest.param(65535, "pcg64", marks=pytest.mark.slow)],
+                         ids=["s1_2bits", "s7_4bits_pcg64", "s3_3bits", "s127_8bits", "s31_6bits_pcg64",
+                              "s63_7bits", "s255_9bits", "s65535_17bits_pcg64"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_qsgd_encodes_and_decodes_as_the_torch_path(device, levels, generator, dtype, device_ops):
     """QSGD's kernels (the norms, factors and uniforms by the torch path's ops, its generator's
     numbers as an input; one kernel for the levels and packed codes, one for the decode) against
-    the torch path, bit for bit: norms, codes (an odd count, buckets cut short, zeros) and the
-    decoded update, over a few seeds."""
+    the torch path, bit for bit: norms, codes (an odd count, buckets cut short, zeros; whole codes
+    in a byte at 2, 4 and 8 bits, codes crossing bytes at the other widths) and the decoded
+    update, over a few seeds."""
     n = sum(SIZES)
     comp = QSGD(1.0, SIZES, levels=levels, bucket_size=64, generator=generator, device=device)
+    assert fused.reason(comp, ErrorFeedback(n), device, dtype) is None
     ref = QSGD(1.0, SIZES, levels=levels, bucket_size=64, generator=generator, device=device)
     comp.fast_encode, comp.fast_decode = fused.qsgd_encode, fused.qsgd_decode_add
     for seed in range(2):

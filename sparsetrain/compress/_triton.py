@@ -235,3 +235,46 @@ def qsgd_unpack_add(wire, bucket, units, out, N, TOP, MASK, BITS: tl.constexpr, 
     signed = ((c ^ TOP) - TOP).to(o.dtype)
     unit = tl.load(units + tl.load(bucket + i, mask=mask, other=0), mask=mask, other=0.0)
     tl.store(out + i, o + signed * unit, mask=mask)
+
+
+@triton.jit
+def qsgd_pack_stream(acc, bucket, factors, u, wire, N, NBYTES, S, MASK, BITS: tl.constexpr, SPAN: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """``qsgd_pack`` for codes that cross byte boundaries (3, 5, 6, 7 or 9-17 bits): each byte
+    of the stream (entry i's code at bits ``[i * BITS, (i + 1) * BITS)``, lowest bit first) from
+    the ``SPAN`` codes that can touch it, each code's level computed as ``qsgd_pack`` does and
+    shifted to its place (a code two bytes share is computed in both, the same ops each time)."""
+    pid = tl.program_id(0)
+    b = pid * BLOCK + tl.arange(0, BLOCK)
+    j = tl.arange(0, SPAN)
+    i = (b[:, None].to(tl.int64) * 8) // BITS + j[None, :]
+    mask = (i < N) & (b[:, None] < NBYTES)
+    a = tl.load(acc + i, mask=mask, other=0.0)
+    f = tl.load(factors + tl.load(bucket + i, mask=mask, other=0), mask=mask, other=0.0)
+    t = tl.abs(a) * f + tl.load(u + i, mask=mask, other=0.0)
+    level = tl.minimum(tl.floor(t), S)
+    code = tl.where(mask, tl.where(a < 0, -level, level).to(tl.int32) & MASK, 0)
+    at = i * BITS - b[:, None] * 8  # the code's first bit, relative to the byte's: -(BITS-1) .. 7+
+    piece = tl.where(at >= 0, code << tl.maximum(at, 0), code >> tl.maximum(-at, 0)) & 255
+    piece = tl.where(at < 8, piece, 0)
+    tl.store(wire + b, tl.sum(piece, axis=1).to(tl.uint8), mask=b < NBYTES)  # disjoint bits: sum = or
+
+
+@triton.jit
+def qsgd_unpack_add_stream(wire, bucket, units, out, N, NBYTES, TOP, MASK, BITS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    """``qsgd_unpack_add`` for codes that cross byte boundaries: entry i's code from the (up to
+    three) bytes that hold its bits."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = i < N
+    first = i.to(tl.int64) * BITS  # 17-bit codes of 2**27 entries pass 2**31
+    byte = first // 8
+    word = tl.load(wire + byte, mask=mask, other=0).to(tl.int32)
+    word |= tl.load(wire + byte + 1, mask=mask & (byte + 1 < NBYTES), other=0).to(tl.int32) << 8
+    word |= tl.load(wire + byte + 2, mask=mask & (byte + 2 < NBYTES), other=0).to(tl.int32) << 16
+    c = (word >> (first % 8)) & MASK
+    o = tl.load(out + i, mask=mask, other=0.0)
+    signed = ((c ^ TOP) - TOP).to(o.dtype)
+    unit = tl.load(units + tl.load(bucket + i, mask=mask, other=0), mask=mask, other=0.0)
+    tl.store(out + i, o + signed * unit, mask=mask)

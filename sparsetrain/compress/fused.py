@@ -27,9 +27,11 @@ error feedback + compression is a handful of kernels (``compress._triton``):
 
 - signSGD (with error feedback): the scales by the torch path's device ops, then one kernel
   packs the signs and does the forget; one kernel decodes (``sign_step``, ``sign_decode_add``).
-- QSGD (2, 4 or 8 bits a code): its encode and decode swapped (``prepare``): the norms and the
-  generator's uniforms by the torch path's ops, one kernel for the levels and codes, one to
-  decode, without fused multiply-adds (``qsgd_encode``, ``qsgd_decode_add``).
+- QSGD (any width, 2 to 17 bits a code): its encode and decode swapped (``prepare``): the norms
+  and the generator's uniforms by the torch path's ops, one kernel for the levels and codes, one
+  to decode, without fused multiply-adds (``qsgd_encode``, ``qsgd_decode_add``). Codes of 2, 4 or 8
+  bits are whole in each byte; wider or odd ones cross bytes: each byte is built from the codes
+  that touch it, each code read from the bytes that hold it.
 - PowerSGD: no kernel; its matmuls batched by shape (``PowerSGD.batched``, ``prepare``).
 
 Nothing else changes: the other schemes, another memory than plain error feedback, a DDP
@@ -54,6 +56,7 @@ from sparsetrain.compress.schemes import BlockRandomK, RandomK, TopK
 
 BLOCK = 1024  # entries per program of the full-buffer passes
 TAKE_BLOCK = 1024  # slots per program of the gather
+WHOLE_CODES = (2, 4, 8)  # QSGD code widths with whole codes in each byte; the others cross bytes
 MAX_BLOCKS = 4096  # block-k global: drawn blocks up to which one kernel expands them (block_size 256: 438)
 
 
@@ -87,8 +90,6 @@ def reason(compressor: Compressor, memory: Memory, device, dtype) -> str | None:
     if batched:
         return None
     if type(compressor) is QSGD:  # encode and decode in kernels, with or without error feedback
-        if compressor.bits_per_entry not in (2, 4, 8):
-            return f"QSGD's kernels take whole codes in a byte: 2, 4 or 8 bits (here {compressor.bits_per_entry})"
         return None if dtype in (torch.float32, torch.float64) else f"dtype {dtype} (float32 and float64 only)"
     if type(compressor) not in (TopK, RandomK, BlockRandomK, SignSGD):
         return f"no fused kernels for {type(compressor).__name__}"
@@ -300,20 +301,36 @@ def qsgd_encode(comp: QSGD, acc: torch.Tensor, seed: int, values: torch.Tensor, 
     norms = values.to(acc.dtype)
     factors = torch.where(norms > 0, s / norms.double(), norms.new_zeros((), dtype=torch.float64)).to(acc.dtype)
     u = comp.uniforms(seed, acc, numpy=False)
-    bits = comp.bits_per_entry
-    kernels().qsgd_pack[_grid(wire.numel(), TAKE_BLOCK // 8)](
-        acc, comp.entry_table("bucket", acc.device), factors, u, wire, comp.numel, wire.numel(), float(s),
-        comp._mask, BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK // 8, enable_fp_fusion=False)
+    bits, bucket = comp.bits_per_entry, comp.entry_table("bucket", acc.device)
+    if bits in WHOLE_CODES:
+        kernels().qsgd_pack[_grid(wire.numel(), TAKE_BLOCK // 8)](
+            acc, bucket, factors, u, wire, comp.numel, wire.numel(), float(s),
+            comp._mask, BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK // 8, enable_fp_fusion=False)
+    else:
+        kernels().qsgd_pack_stream[_grid(wire.numel(), TAKE_BLOCK // 8)](
+            acc, bucket, factors, u, wire, comp.numel, wire.numel(), float(s),
+            comp._mask, BITS=bits, SPAN=_codes_per_byte(bits), BLOCK=TAKE_BLOCK // 8, enable_fp_fusion=False)
 
 
 def qsgd_decode_add(comp: QSGD, values: torch.Tensor, wire: torch.Tensor, out: torch.Tensor) -> None:
     """QSGD's decode in one kernel: ``out += signed level x norm / levels`` (the torch path's
     floats: the units divided by a tensor, the product rounded before the sum)."""
     units = values.div(values.new_tensor(comp.levels)).to(out.dtype)
-    bits = comp.bits_per_entry
-    kernels().qsgd_unpack_add[_grid(comp.numel, TAKE_BLOCK)](
-        wire, comp.entry_table("bucket", out.device), units, out, comp.numel, comp._top, comp._mask,
-        BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK, enable_fp_fusion=False)
+    bits, bucket = comp.bits_per_entry, comp.entry_table("bucket", out.device)
+    if bits in WHOLE_CODES:
+        kernels().qsgd_unpack_add[_grid(comp.numel, TAKE_BLOCK)](
+            wire, bucket, units, out, comp.numel, comp._top, comp._mask,
+            BITS=bits, PER=8 // bits, BLOCK=TAKE_BLOCK, enable_fp_fusion=False)
+    else:
+        kernels().qsgd_unpack_add_stream[_grid(comp.numel, TAKE_BLOCK)](
+            wire, bucket, units, out, comp.numel, wire.numel(), comp._top, comp._mask,
+            BITS=bits, BLOCK=TAKE_BLOCK, enable_fp_fusion=False)
+
+
+def _codes_per_byte(bits: int) -> int:
+    """How many codes of ``bits`` bits one byte of the stream can touch (at most ``7 // bits + 2``),
+    rounded up to a power of two (Triton's ranges): 4 for 3 to 7 bits, 2 for 9 to 17."""
+    return 1 << (7 // bits + 1).bit_length()
 
 
 def step(comp: Compressor, mem: torch.Tensor, grad: torch.Tensor, seed: int = 0, out=None, wire=None) -> Payload:
