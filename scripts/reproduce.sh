@@ -16,8 +16,12 @@
 #                                                   # goes on where the last one stopped)
 #   PARTIAL=1 DEST=... bash scripts/reproduce.sh rq1_scope  # copy the completed jobs of a study
 #                                                   # still running to DEST and commit them there
+#   WORKDIR=/work/wt/x DEST=$PWD EXPERIMENT=local2_tune SUFFIX=/dense bash scripts/reproduce.sh local2
+#                                                   # run in another checkout (its code: PYTHONPATH
+#                                                   # must name it) the preset EXPERIMENT into
+#                                                   # results/<study><SUFFIX> (scripts/verdict2_runs.sh)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "${WORKDIR:-$(dirname "$0")/..}" || exit 1
 PY=${PY:-.venv/bin/python}
 STUDIES=("$@")
 # the second pass, then the third (the headline protocol, its equal-bytes points, the fair DDP
@@ -66,7 +70,7 @@ for preset in "${STUDIES[@]}"; do
   fi
   before=$(completed_jobs "results/$study" | wc -l)
   # shellcheck disable=SC2086  # EXTRA holds several overrides
-  $PY -m sparsetrain.run -m "experiment=$preset" wandb.mode=disabled ${EXTRA:-} \
+  $PY -m sparsetrain.run -m "experiment=${EXPERIMENT:-$preset}" wandb.mode=disabled ${EXTRA:-} \
     "hydra.sweep.dir=results/$study" > "results/$study.log" 2>&1
   code=$?
   took=$(( $(date +%s) - start ))

@@ -198,6 +198,7 @@ def test_verdict_runs_refuse_before_every_point_is_tuned(tmp_path):
 @pytest.mark.parametrize("path", [VERDICTS2, LOCAL2], ids=["verdicts2", "local2"])
 def test_each_verdict_point_composes_to_the_declared_point_at_its_tuned_rate(tmp_path, path):
     from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from sparsetrain import config
 
@@ -225,6 +226,10 @@ def test_each_verdict_point_composes_to_the_declared_point_at_its_tuned_rate(tmp
             if "sync" in want:
                 assert cfg.scheme.sync.period == int(re.search(r"period=(\d+)", want["sync"]).group(1)), point
             assert lines[point].split()[-1] == f"seed={','.join(map(str, seeds))}"
+            # the tuning's own preset with the same overrides: the same run (scripts/verdict2_runs.sh
+            # with TUNING_CHECKOUT runs it, on the tuning's commit)
+            tune = compose("config", overrides=[f"experiment={plan.preset}", *lines[point].split()[:-1]])
+            assert OmegaConf.to_container(tune, resolve=True) == OmegaConf.to_container(cfg, resolve=True), point
 
 
 def test_a_verdict_run_without_its_tuned_rate_stops():
@@ -305,3 +310,78 @@ def test_the_committed_local2_sweeps_read_as_two_seed_trials():
     for point in ("localsgd_low", "topk_low"):
         trials = reading.trials[(reading.trials["point"] == point) & reading.trials["due"]]
         assert len(trials) == 4 and set(trials["n"]) == {2}, point
+
+
+# Stands in for the venv's python in scripts/verdict2_runs.sh: a sweep records where it ran, on which
+# code and with what; everything else (the analysis, yaml) goes to the real interpreter.
+FAKE_RUN = """#!/usr/bin/env bash
+if [ "$1" = -m ] && [ "$2" = sparsetrain.run ]; then
+  echo "$PWD|$PYTHONPATH|$*" >> "$SEEN"; exit 0
+fi
+exec "$REAL_PY" "$@"
+"""
+
+
+def _verdict_script(tmp_path: Path, dirty: bool = False, other_commit: bool = False):
+    """scripts/verdict2_runs.sh conf/declared/local2.yaml with TUNING_CHECKOUT, from a copy of this
+    checkout's scripts, declaration and tuned files; returns (the process, the sweeps it ran)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    here, tuned_at = tmp_path / "main", tmp_path / "wt"
+    (here / "scripts").mkdir(parents=True)
+    for name in ("verdict2_runs.sh", "reproduce.sh"):
+        shutil.copy(ROOT / "scripts" / name, here / "scripts")
+    (here / "conf" / "declared").mkdir(parents=True)
+    decl = here / "conf" / "declared" / "local2.yaml"
+    shutil.copy(LOCAL2, decl)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tuned_at)]
+    (tuned_at / "conf").mkdir(parents=True)
+    (tuned_at / "conf" / "a.yaml").write_text("a: 1\n")
+    subprocess.run(["git", "init", "-q", str(tuned_at)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "tuning"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    plan = declared_tuning(decl)
+    for f in tuning.write_tuned2(_complete(plan), here / "conf" / "tuned2" / "local2"):
+        f.write_text(f.read_text().replace("code: abc123", f"code: {commit[:12]}").replace(str(decl), "conf/declared/local2.yaml"))
+    if other_commit:
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "later"], check=True)
+    if dirty:
+        (tuned_at / "conf" / "a.yaml").write_text("a: 2\n")
+    fake, seen = tmp_path / "python", tmp_path / "seen"
+    fake.write_text(FAKE_RUN)
+    fake.chmod(0o755)
+    env = {**os.environ, "PY": str(fake), "REAL_PY": sys.executable, "SEEN": str(seen), "COMMIT": "0",
+           "TUNING_CHECKOUT": str(tuned_at)}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(["bash", "scripts/verdict2_runs.sh", "conf/declared/local2.yaml"], cwd=here, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return done, (seen.read_text().splitlines() if seen.exists() else []), plan, tuned_at
+
+
+def test_verdict_runs_go_on_the_tunings_commit_as_its_preset(tmp_path):
+    done, sweeps, plan, tuned_at = _verdict_script(tmp_path)
+    assert done.returncode == 0, done.stderr
+    ran = {}
+    for line in sweeps:
+        cwd, pythonpath, args = line.split("|")
+        assert cwd == str(tuned_at) and pythonpath.split(":")[0] == str(tuned_at)
+        point = re.search(r"hydra.sweep.dir=results/local2/(\w+)", args).group(1)
+        ran.setdefault(point, args)
+    assert set(ran) == set(plan.grid)
+    for point, args in ran.items():
+        assert "experiment=local2_tune " in args and f"point={_point_file(plan, point)} " in args
+        assert "seed=0,1,2,3,4,5" in args and "optim.lr=" in args and "train.epochs=4" in args
+
+
+@pytest.mark.parametrize("dirty,other_commit", [(False, True), (True, False)], ids=["other_commit", "dirty"])
+def test_verdict_runs_refuse_a_checkout_off_the_tunings_commit(tmp_path, dirty, other_commit):
+    done, sweeps, _, tuned_at = _verdict_script(tmp_path, dirty=dirty, other_commit=other_commit)
+    assert done.returncode == 2 and sweeps == []
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith(f"error: TUNING_CHECKOUT={tuned_at} is at ")
+    assert "allowed: a clean checkout on the tuning's commit" in error[0]
+    assert ("with uncommitted code" in error[0]) == dirty
