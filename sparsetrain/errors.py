@@ -4,6 +4,8 @@
 - ``CheckpointError``: a checkpoint that cannot be written, read or resumed.
 - ``Preempted``: a stop signal arrived; the loop saved a checkpoint and stopped.
 - ``Diverged``: the training loss became inf or NaN on some rank; every rank stopped.
+- ``ReplicasDiffer``: the ranks' models differ where every rank must hold the same one; every
+  rank stopped.
 
 ``one_line_error`` turns any exception into the line that ``summary.json`` and the console show;
 ``print_error`` prints such a line on stderr.
@@ -34,6 +36,12 @@ class Preempted(Exception):
 
 class Diverged(RuntimeError):
     """The training loss became inf or NaN on some rank; every rank stops at the same check."""
+
+
+class ReplicasDiffer(RuntimeError):
+    """The ranks' models differ beyond rounding where every rank must hold the same one (an
+    epoch's end): each rank applied another update, so an evaluation sharded over them would
+    score a mixture of models. Every rank stops at the same check."""
 
 
 # "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] " and the like: the

@@ -28,6 +28,7 @@ from sparsetrain.timing import process_age_s
 from sparsetrain.train.build import build
 from sparsetrain.train.evaluate import Evaluator
 from sparsetrain.train.record import RunRecord
+from sparsetrain.train.replicas import check_replicas
 from sparsetrain.train.signals import StopSignals
 from sparsetrain.train.stop import StopAgreement
 from sparsetrain.train.tally import Tally
@@ -189,6 +190,9 @@ class Trainer:
             self.batch_in_epoch = 0
         train_loss, train_accuracy = self.tally.close_epoch()
         final = self._finished()
+        with self._synchronised():  # before anything is scored or saved from the ranks' models
+            check_replicas(list(self.model.named_parameters()), self.info.world_size,
+                           f"step {self.step} (epoch {self.step / len(self.loader):.3g})", self._replica_hint())
         if final or (full and self.epoch % self.cfg.train.eval_every == 0):
             with self._synchronised():
                 # the final evaluation keeps each test image's prediction (after training: no
@@ -199,6 +203,13 @@ class Trainer:
                                                   self.data.num_classes)
         self.record.log_epoch(self.epoch if full else self.step / len(self.loader), self.step,
                               train_loss, train_accuracy, self.elapsed_s)
+
+    def _replica_hint(self) -> str:
+        cfg = self.cfg
+        return (f"Look at the exchange (scheme={cfg.scheme.name}, aggregation={cfg.aggregation.name}): with "
+                f"AllReduce a compressor must draw the same positions on every rank (shared_positions=True "
+                f"promises it; one that picks them from the rank's own gradient sets it to False), and a memory "
+                f"or sync must apply what every rank decoded (docs/own_compressor.md)")
 
     def _curve_point(self) -> float:
         """Score the validation subset now (a ``curve`` record); returns the seconds it took."""
