@@ -1,7 +1,8 @@
 """Every rank holds the same model, checked at each epoch's end (sparsetrain.train.replicas): a
 researcher's compressor that says it draws shared positions but picks them from its own rank's
 gradient, under AllReduce, used to train one model per rank while the sharded evaluation scored
-a mixture of them, without a word. Now the run stops, in one line, and is recorded failed."""
+a mixture of them, without a word. Now the run stops after its first compressed step (and the
+check runs again at every epoch's end), in one line, and is recorded failed."""
 
 from __future__ import annotations
 
@@ -91,8 +92,8 @@ def test_a_compressor_whose_ranks_part_stops_the_run_in_one_line(tmp_path):
                    env={"PYTHONPATH": f"{ROOT}:{tmp_path}"})
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "ReplicasDiffer: the ranks' models differ at step 4 (epoch 1)" in errors[0], proc.stderr[-2000:]
+    assert len(errors) == 1 and "ReplicasDiffer: the ranks' models differ at step 1 (epoch 0.25)" in errors[0], proc.stderr[-2000:]
     assert "scheme=shared_topk, aggregation=allreduce" in errors[0] and "shared_positions=True" in errors[0]
     summary = read_json(run / "summary.json")
-    assert summary["status"] == "failed" and summary["error"].startswith("ReplicasDiffer: the ranks' models differ at step 4")
+    assert summary["status"] == "failed" and summary["error"].startswith("ReplicasDiffer: the ranks' models differ at step 1 ")
     assert summary.get("test_accuracy") is None  # nothing scored from the mixture

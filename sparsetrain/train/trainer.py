@@ -64,6 +64,9 @@ class Trainer:
         self.tally = Tally(info.world_size, device, math.ceil(cfg.optim.warmup_epochs * len(self.loader)),
                            window=math.ceil(FINAL_WINDOW * len(self.loader)))
         self.stop = StopAgreement(info.world_size, device)
+        # the 0-based step whose exchange compresses first (-2: none does); the ranks' models are
+        # compared once after it (``_check_replicas``)
+        self.first_compressed_step = self.reducer.warmup_steps if self.reducer.compresses else -2
         self.evaluator = Evaluator(self.model, self.data, self.loader, rank=info.rank,
                                    world_size=info.world_size, device=device,
                                    bn_recalibrate=cfg.train.bn_recalibrate)
@@ -152,6 +155,8 @@ class Trainer:
             for _ in range(self.batch_in_epoch, len(self.loader)):
                 result = self.train_step(batches)
                 self.batch_in_epoch += 1
+                if self.step == self.first_compressed_step + 1:
+                    t0 += self._check_replicas()  # its time is not training time
                 if bar is not None:
                     bar.update(1)
                 if self.batch_in_epoch in self.curve_at:
@@ -190,9 +195,7 @@ class Trainer:
             self.batch_in_epoch = 0
         train_loss, train_accuracy = self.tally.close_epoch()
         final = self._finished()
-        with self._synchronised():  # before anything is scored or saved from the ranks' models
-            check_replicas(list(self.model.named_parameters()), self.info.world_size,
-                           f"step {self.step} (epoch {self.step / len(self.loader):.3g})", self._replica_hint())
+        self._check_replicas()  # before anything is scored or saved from the ranks' models
         if final or (full and self.epoch % self.cfg.train.eval_every == 0):
             with self._synchronised():
                 # the final evaluation keeps each test image's prediction (after training: no
@@ -204,12 +207,21 @@ class Trainer:
         self.record.log_epoch(self.epoch if full else self.step / len(self.loader), self.step,
                               train_loss, train_accuracy, self.elapsed_s)
 
-    def _replica_hint(self) -> str:
+    def _check_replicas(self) -> float:
+        """``ReplicasDiffer`` on every rank where the ranks' models (as they agree on them) part:
+        at every epoch's end, and once after the first compressed step (an exchange that parts
+        them does so at once: no need to wait an epoch to stop it). Returns the seconds it took."""
         cfg = self.cfg
-        return (f"Look at the exchange (scheme={cfg.scheme.name}, aggregation={cfg.aggregation.name}): with "
-                f"AllReduce a compressor must draw the same positions on every rank (shared_positions=True "
-                f"promises it; one that picks them from the rank's own gradient sets it to False), and a memory "
-                f"or sync must apply what every rank decoded (docs/own_compressor.md)")
+        start = time.perf_counter()
+        with self._synchronised():
+            check_replicas(list(self.model.named_parameters()), self.info.world_size,
+                           f"step {self.step} (epoch {self.step / len(self.loader):.3g})",
+                           f"Look at the exchange (scheme={cfg.scheme.name}, aggregation={cfg.aggregation.name}): "
+                           f"with AllReduce a compressor must draw the same positions on every rank "
+                           f"(shared_positions=True promises it; one that picks them from the rank's own "
+                           f"gradient sets it to False), and a memory or sync must apply what every rank "
+                           f"decoded (docs/own_compressor.md)")
+        return time.perf_counter() - start
 
     def _curve_point(self) -> float:
         """Score the validation subset now (a ``curve`` record); returns the seconds it took."""
