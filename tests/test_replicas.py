@@ -29,36 +29,42 @@ def test_fingerprints_tell_a_reordered_tensor_from_the_same_one():
     assert abs(float(shuffled[1] - same[1])) / math.sqrt(float(same[0])) > 100 * TOLERANCE  # ...other entries
 
 
-def _worker(rank, world, port, case, out):
+CASES = ("equal", "rounding", "update")
+
+
+def _worker(rank, world, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        torch.manual_seed(0)
-        params = [("conv.weight", torch.randn(8, 3, 3, 3)), ("conv.bias", torch.randn(8)), ("fc.weight", torch.randn(10, 8))]
-        if rank == 1 and case == "update":  # another update on one rank: a step of 1e-3 of each entry's size
-            params[2][1].add_(1e-3 * torch.randn(10, 8, generator=torch.Generator().manual_seed(1)))
-        if rank == 1 and case == "rounding":  # one ulp here and there: what another device's rounding does
-            w = params[0][1].view(-1)
-            w[::7] = torch.nextafter(w[::7], torch.full_like(w[::7], math.inf))
-        try:
-            check_replicas(params, world, "step 5 (epoch 1)", "hint.")
-            result = "same"
-        except ReplicasDiffer as exc:
-            result = str(exc)
-        torch.save(result, f"{out}/{rank}.pt")
+        results = {}
+        for case in CASES:
+            torch.manual_seed(0)
+            params = [("conv.weight", torch.randn(8, 3, 3, 3)), ("conv.bias", torch.randn(8)),
+                      ("fc.weight", torch.randn(10, 8))]
+            if rank == 1 and case == "update":  # another update on one rank: a step of 1e-3 of each entry's size
+                params[2][1].add_(1e-3 * torch.randn(10, 8, generator=torch.Generator().manual_seed(1)))
+            if rank == 1 and case == "rounding":  # one ulp here and there: what another device's rounding does
+                w = params[0][1].view(-1)
+                w[::7] = torch.nextafter(w[::7], torch.full_like(w[::7], math.inf))
+            try:
+                check_replicas(params, world, "step 5 (epoch 1)", "hint.")
+                results[case] = "same"
+            except ReplicasDiffer as exc:
+                results[case] = str(exc)
+        torch.save(results, f"{out}/{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("case", ["equal", "rounding", "update"])
-def test_ranks_that_applied_another_update_stop_together(case, tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), case, str(tmp_path)), nprocs=2, join=True)
+def test_ranks_that_applied_another_update_stop_together(tmp_path):
+    """Two gloo ranks: the same model passes, so does one ulp of rounding; another update on one
+    rank raises on both (no rank left waiting), naming the tensor."""
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"{r}.pt") for r in range(2)]
-    assert results[0] == results[1]  # every rank the same outcome: no rank left waiting
-    if case != "update":
-        assert results[0] == "same"
-    else:
-        assert results[0].startswith("the ranks' models differ at step 5 (epoch 1): 1 of 3 parameter tensors, "
-                                     "fc.weight by ") and results[0].endswith("every rank must apply the same update. hint.")
+    assert results[0] == results[1]
+    assert results[0]["equal"] == results[0]["rounding"] == "same"
+    assert results[0]["update"].startswith("the ranks' models differ at step 5 (epoch 1): 1 of 3 parameter tensors, "
+                                           "fc.weight by ")
+    assert results[0]["update"].endswith("every rank must apply the same update. hint.")
 
 
 SHARED_TOPK = '''
