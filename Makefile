@@ -31,7 +31,7 @@ run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 
 # The two test tiers (docs/testing.md); each prints its 15 slowest tests, so a slow one shows.
 PYTEST = $(PY) -m pytest -q --durations=15
 
-test: venv data  ## the fast test tier: every part of the package once (8.5 minutes on 2 quiet cores)
+test: venv data  ## the fast test tier: every part of the package once (9 minutes on 2 quiet cores)
 	$(PYTEST) -m "not slow"
 
 test-full: venv data  ## every test: the fast tier and the full matrices, notebooks, install, netns, SLURM
