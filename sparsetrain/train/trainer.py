@@ -64,9 +64,9 @@ class Trainer:
         self.tally = Tally(info.world_size, device, math.ceil(cfg.optim.warmup_epochs * len(self.loader)),
                            window=math.ceil(FINAL_WINDOW * len(self.loader)))
         self.stop = StopAgreement(info.world_size, device)
-        # the 0-based step whose exchange compresses first (-2: none does); the ranks' models are
-        # compared once after it (``_check_replicas``)
-        self.first_compressed_step = self.reducer.warmup_steps if self.reducer.compresses else -2
+        # the step count after the first compressed step (None: nothing is compressed), where the
+        # ranks' models are compared once (``_check_replicas``)
+        self.check_replicas_at = self.reducer.warmup_steps + 1 if self.reducer.compresses else None
         self.evaluator = Evaluator(self.model, self.data, self.loader, rank=info.rank,
                                    world_size=info.world_size, device=device,
                                    bn_recalibrate=cfg.train.bn_recalibrate)
@@ -155,7 +155,7 @@ class Trainer:
             for _ in range(self.batch_in_epoch, len(self.loader)):
                 result = self.train_step(batches)
                 self.batch_in_epoch += 1
-                if self.step == self.first_compressed_step + 1:
+                if self.step == self.check_replicas_at:
                     t0 += self._check_replicas()  # its time is not training time
                 if bar is not None:
                     bar.update(1)
