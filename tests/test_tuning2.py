@@ -385,3 +385,41 @@ def test_verdict_runs_refuse_a_checkout_off_the_tunings_commit(tmp_path, dirty, 
     assert len(error) == 1 and error[0].startswith(f"error: TUNING_CHECKOUT={tuned_at} is at ")
     assert "allowed: a clean checkout on the tuning's commit" in error[0]
     assert ("with uncommitted code" in error[0]) == dirty
+
+
+def _local2_verdict_runs(results: Path, experiment: str) -> None:
+    """Seeds 0-5 of local2's localsgd_low and topk_low in results/local2/<point>/, made from the
+    committed tuning runs (seeds 200/201 relabelled; accuracies as they are: no result), each
+    recording ``experiment`` as a verdict run on the tuning's commit does (``local2_tune``)."""
+    import shutil
+
+    tuned = {"localsgd_low": "local2_tune_localsgd_low/localsgd-layerwise-r0.01-lr0.05-wu0.3-s20{}",
+             "topk_low": "local2_tune_topk_low/topk-layerwise-r0.00504-lr0.1-wu0.3-s20{}"}
+    for point, pattern in tuned.items():
+        for seed in range(6):
+            source = ROOT / "results" / pattern.format(seed % 2)
+            folder = results / "local2" / point / f"s{seed}"
+            shutil.copytree(source, folder)
+            summary = json.loads((folder / "summary.json").read_text())
+            summary["config"]["seed"] = seed
+            (folder / "summary.json").write_text(json.dumps(summary))
+            hydra = folder / ".hydra" / "hydra.yaml"  # where the run records its preset
+            hydra.write_text(re.sub(r"(?m)^(\s+experiment: )local2_tune$", rf"\g<1>{experiment}", hydra.read_text()))
+
+
+@pytest.mark.parametrize("experiment,read", [("local2_tune", True), ("local2", True), ("frontier", False)])
+def test_verdict_runs_made_as_the_tuning_preset_are_the_studys_own(tmp_path, experiment, read):
+    """A verdict run on the tuning's commit records the tuning's preset (local2_tune): in the
+    study's folder it is read as the study's (another preset's run is not), and the provenance
+    line does not take it for a reference run."""
+    from sparsetrain.analysis import declared
+
+    _local2_verdict_runs(tmp_path, experiment)
+    decl = declared.load(LOCAL2)
+    assert decl.own_experiments == ["local2", "local2_tune"]
+    runs = declared.runs_of(decl, tmp_path)
+    assert sorted(set(runs["experiment"])) == [experiment] and len(runs) == 12
+    verdicts, comparisons, *_ = declared.tables(decl, runs)
+    row = comparisons.display[comparisons.display["comparison (A vs B)"] == "localsgd_low vs topk_low"].iloc[0]
+    assert (row["outcome"] != "pending") == read
+    assert ("before every run (12 runs on 1af263d5fe01)" in declared.provenance(decl, runs)) or not read

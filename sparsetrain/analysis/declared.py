@@ -76,11 +76,20 @@ class Declaration:
     version: int = 1
     # each one-sided test of an "=" claim's TOST (``equivalence_alpha``; default alpha, 0.05)
     equivalence_alpha: float = ALPHA
+    # a declaration with ``tuning:``: its tuning's presets (``<sweep>_tune``), which a verdict run
+    # made on the tuning's own commit records as its experiment (scripts/verdict2_runs.sh with
+    # TUNING_CHECKOUT); such a run counts only where it lies, in the study's own folder
+    tuning_presets: tuple[str, ...] = ()
+
+    @property
+    def own_experiments(self) -> list[str]:
+        """What the study's own runs record as ``experiment``: its sweeps (and tuning presets)."""
+        return [*self.sweeps, *self.tuning_presets]
 
     @property
     def experiments(self) -> list[str]:
-        """What a run's ``experiment`` may be: the study's sweeps and its references."""
-        return [*self.sweeps, *self.references]
+        """What a run's ``experiment`` may be: the study's own and its references'."""
+        return [*self.own_experiments, *self.references]
 
 
 # The declaration formats: 1, the first (verdicts.yaml, local.yaml); 2 adds one rule, that a pair
@@ -143,7 +152,8 @@ def load(path: str | Path) -> Declaration:
     return Declaration(path, doc["study"], tuple(doc["sweeps"]), tuple(int(b) for b in doc["budgets"]),
                        tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
                        dict(doc.get("setting") or {}), points, tuple(findings),
-                       tuple(doc.get("reference_sweeps") or ()), notes, version, eq_alpha)
+                       tuple(doc.get("reference_sweeps") or ()), notes, version, eq_alpha,
+                       tuple(f"{sweep}_tune" for sweep in doc["sweeps"]) if doc.get("tuning") else ())
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -166,7 +176,8 @@ def provenance(decl: Declaration, runs: pd.DataFrame) -> str:
     text = f"Declared in {first[:12]} ({first_date[:10]})"
     if "status" in runs:  # a job of the grid not run yet has no commit to check
         runs = runs[runs["status"] != "absent"]
-    references = runs[~runs["experiment"].isin(decl.sweeps)] if decl.references and "experiment" in runs else runs.iloc[:0]
+    references = (runs[~runs["experiment"].isin(decl.own_experiments)] if decl.references and "experiment" in runs
+                  else runs.iloc[:0])
     runs = runs.drop(index=references.index)
     commits = _commits(runs)
     if commits:
