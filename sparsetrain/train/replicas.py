@@ -53,7 +53,8 @@ def check_replicas(named_params, world_size: int, where: str, hint: str = "") ->
     rank. Every rank must call it at the same point (one all-reduce)."""
     if world_size <= 1 or not dist.is_initialized():
         return
-    names, params = zip(*named_params) if named_params else ((), ())
+    named = list(named_params)
+    names, params = zip(*named) if named else ((), ())
     mine = fingerprints(params)
     both = torch.cat([mine, -mine])
     dist.all_reduce(both, op=dist.ReduceOp.MAX)

@@ -214,7 +214,7 @@ class Trainer:
         cfg = self.cfg
         start = time.perf_counter()
         with self._synchronised():
-            check_replicas(list(self.model.named_parameters()), self.info.world_size,
+            check_replicas(self.model.named_parameters(), self.info.world_size,
                            f"step {self.step} (epoch {self.step / len(self.loader):.3g})",
                            f"Look at the exchange (scheme={cfg.scheme.name}, aggregation={cfg.aggregation.name}): "
                            f"with AllReduce a compressor must draw the same positions on every rank "
