@@ -423,3 +423,92 @@ def test_verdict_runs_made_as_the_tuning_preset_are_the_studys_own(tmp_path, exp
     row = comparisons.display[comparisons.display["comparison (A vs B)"] == "localsgd_low vs topk_low"].iloc[0]
     assert (row["outcome"] != "pending") == read
     assert ("before every run (12 runs on 1af263d5fe01)" in declared.provenance(decl, runs)) or not read
+
+
+# Stands in for the venv's python in scripts/study.sh: `--commands` answers from a script of
+# "<exit code>|<line>" (one answer a call), `--write-tuned DIR` writes one file; the rest is python.
+FAKE_TUNING = """#!/usr/bin/env bash
+if [ "$1" = -m ] && [ "$2" = sparsetrain.analysis.tuning ]; then
+  case " $* " in
+    *" --commands "*)
+      n=$(cat "$STATE" 2>/dev/null || echo 0); echo $((n + 1)) > "$STATE"
+      answer=$(sed -n "$((n + 1))p" "$ANSWERS"); out=${answer#*|}
+      [ -z "$out" ] || echo "$out"
+      exit "${answer%%|*}";;
+    *" --write-tuned "*)
+      for a; do last=$a; done; mkdir -p "$last"; echo "lr: 0.1" > "$last/dense.yaml"; exit 0;;
+  esac
+fi
+exec "$REAL_PY" "$@"
+"""
+
+
+def _study_script(tmp_path: Path, answers: list[str], verdicts: str = ""):
+    """scripts/study.sh conf/declared/local2.yaml from a copy of this checkout's script (a git
+    repository), the tuning's answers scripted; returns (the process, what ran, the checkout)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    here, tuned_at = tmp_path / "main", tmp_path / "wt"
+    (here / "scripts").mkdir(parents=True)
+    tuned_at.mkdir()
+    shutil.copy(ROOT / "scripts" / "study.sh", here / "scripts")
+    (here / "scripts" / "verdict2_runs.sh").write_text('echo "verdicts $1 on $TUNING_CHECKOUT" >> "$LOG"\n')
+    (here / "conf" / "declared").mkdir(parents=True)
+    shutil.copy(LOCAL2, here / "conf" / "declared" / "local2.yaml")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(here)]
+    subprocess.run(["git", "init", "-q", str(here)], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "start"], check=True)
+    fake, log, script = tmp_path / "python", tmp_path / "log", tmp_path / "answers"
+    fake.write_text(FAKE_TUNING)
+    fake.chmod(0o755)
+    script.write_text("\n".join(answers) + "\n")
+    env = {**os.environ, "PY": str(fake), "REAL_PY": sys.executable, "LOG": str(log), "ANSWERS": str(script),
+           "STATE": str(tmp_path / "state"), "TUNING_CHECKOUT": str(tuned_at), "VERDICTS": verdicts,
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}
+    done = subprocess.run(["bash", "scripts/study.sh", "conf/declared/local2.yaml"], cwd=here, env=env,
+                          capture_output=True, text=True, timeout=60)
+    return done, (log.read_text().splitlines() if log.exists() else []), here
+
+
+def test_the_study_driver_runs_the_tuning_to_its_end_then_the_verdicts(tmp_path):
+    """Each round the tuning asks for runs in the tuning's checkout (with DEST here), the choices
+    are committed here, and with VERDICTS=tuning-commit the verdict runs follow on that checkout."""
+    done, ran, here = _study_script(tmp_path, ['3|echo "grid in $PWD to $DEST" >> "$LOG"',
+                                               '3|echo "edge round 1 in $PWD" >> "$LOG"', "0|"],
+                                    verdicts="tuning-commit")
+    assert done.returncode == 0, done.stderr
+    wt = tmp_path / "wt"
+    assert ran == [f"grid in {wt} to {here}", f"edge round 1 in {wt}", f"verdicts conf/declared/local2.yaml on {wt}"]
+    import subprocess
+
+    log = subprocess.run(["git", "-C", str(here), "log", "--format=%s", "-1", "--stat"], capture_output=True, text=True)
+    assert "conf/tuned2/local2: the choices of conf/declared/local2.yaml's tuning" in log.stdout
+    assert "conf/tuned2/local2/dense.yaml" in log.stdout
+
+
+def test_the_study_driver_stops_after_the_choices_without_verdicts_on_the_tuning_commit(tmp_path):
+    done, ran, here = _study_script(tmp_path, ["0|"])
+    assert done.returncode == 0 and ran == [] and (here / "conf" / "tuned2" / "local2" / "dense.yaml").exists()
+    assert done.stdout.strip().endswith("next, the verdict runs: bash scripts/verdict2_runs.sh conf/declared/local2.yaml "
+                                        "(docs/protocol.md)")
+
+
+@pytest.mark.parametrize("answers,error", [
+    (['3|echo once >> "$LOG"', '3|echo once >> "$LOG"'], "the tuning asks again for what just ran"),
+    (["2|"], None)], ids=["no_progress", "no_choice"])
+def test_the_study_driver_stops_where_the_tuning_cannot_go_on(tmp_path, answers, error):
+    done, ran, here = _study_script(tmp_path, answers, verdicts="tuning-commit")
+    assert done.returncode == 2 and not (here / "conf" / "tuned2").exists()
+    assert ran == (["once"] if error else [])
+    if error:
+        assert done.stderr.count("\n") == 1 and error in done.stderr
+
+
+def test_commands_prints_only_what_runs_the_due_trials(tmp_path, capsys):
+    (tmp_path / "results").mkdir()  # no run yet: the declared grid is due
+    assert tuning.main(["--declared", str(LOCAL2), "--results", str(tmp_path / "results"), "--commands"]) == 3
+    assert capsys.readouterr().out == "RESUME=1 bash scripts/local2.sh   # the declared grid (PY and DEST as in its header)\n"

@@ -671,6 +671,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="print one line per point, 'POINT OVERRIDES', for experiment=<sweep> at the tuned "
                              "choice in DIR (default conf/tuned2/<sweep>) and the seeds due now; exit 2 before "
                              "every point's choice is written")
+    parser.add_argument("--commands", action="store_true",
+                        help="print only the command lines that run what is due, one a line (scripts/study.sh "
+                             "runs them); exit 0 when complete, 3 while due, 2 where the declaration says "
+                             "nothing can follow (a point none of whose trials trained)")
     args = parser.parse_args(argv)
     if not args.declared.is_file():
         parser.error(f"no such declaration: {args.declared}")
@@ -686,6 +690,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.results.is_dir():
             parser.error(f"no such results folder: {args.results}")
         reading = read_tuning(plan, tuning_runs(plan, args.results))
+        if args.commands:
+            if reading.state == NO_CHOICE:
+                raise ValueError(f"no trial of {', '.join(p for p, c in reading.choices.items() if c is None)} "
+                                 f"trained; the declaration does not say what follows")
+            print("\n".join(commands(reading)), end="\n" if reading.state != COMPLETE else "")
+            return 0 if reading.state == COMPLETE else 3
         print(tuning_text(reading), end="")
         if args.write_tuned is not None:
             out = tuned2_dir(plan) if args.write_tuned is True else args.write_tuned
