@@ -92,6 +92,11 @@ class Declaration:
         return [*self.own_experiments, *self.references]
 
 
+def tuning_preset(sweep: str) -> str:
+    """A declared tuning's experiment preset (conf/experiment/<sweep>_tune.yaml)."""
+    return f"{sweep}_tune"
+
+
 # The declaration formats: 1, the first (verdicts.yaml, local.yaml); 2 adds one rule, that a pair
 # of points (in either order) is compared in one finding, once: a pair in two families is counted
 # in two Holm corrections and can carry two claims (block-k vs random-k layer-wise: ">" and "=").
@@ -153,7 +158,7 @@ def load(path: str | Path) -> Declaration:
                        tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
                        dict(doc.get("setting") or {}), points, tuple(findings),
                        tuple(doc.get("reference_sweeps") or ()), notes, version, eq_alpha,
-                       tuple(f"{sweep}_tune" for sweep in doc["sweeps"]) if doc.get("tuning") else ())
+                       tuple(map(tuning_preset, doc["sweeps"])) if doc.get("tuning") else ())
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

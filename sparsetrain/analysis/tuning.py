@@ -289,7 +289,9 @@ class DeclaredTuning:
     @property
     def preset(self) -> str:
         """The tuning's experiment preset (conf/experiment/<sweep>_tune.yaml)."""
-        return f"{self.sweep}_tune"
+        from .declared import tuning_preset
+
+        return tuning_preset(self.sweep)
 
     def folder(self, point: str, round_: int = 0) -> str:
         """The sweep folder (under results/) of ``point``'s trials added in ``round_`` of the edge rule."""

@@ -6,9 +6,9 @@ positions from the rank's own gradient, under ``aggregation=allreduce``; a memor
 applies something other than what every rank decoded), nothing fails: each rank trains its own
 model, the evaluation (sharded over the ranks) scores a mixture of them, and the tables carry
 a wrong number without a word. ``check_replicas`` runs once after the first compressed step and
-at every epoch's end (``Trainer._check_replicas``), on the model the ranks agree on (``Reducer.synchronised``): two numbers per parameter tensor, compared over the
-ranks in one small all-reduce, and ``ReplicasDiffer`` on every rank when they part by more than
-rounding. It reads the parameters only (no random number, no change): a run that passes it
+at every epoch's end (``Trainer._check_replicas``), on the model the ranks agree on
+(``Reducer.synchronised``): two numbers per parameter tensor, compared over the ranks in one
+small all-reduce, and ``ReplicasDiffer`` on every rank when they part by more than rounding. It reads the parameters only (no random number, no change): a run that passes it
 computes what it computed before.
 
 The two numbers, in float64: ``sum(p * p)`` and ``sum(p * h)``, ``h`` a fixed pattern of +-1
