@@ -25,7 +25,7 @@ from matplotlib.ticker import MaxNLocator
 
 from sparsetrain import scheme_catalog as schemes
 
-from .group import as_key, expand_dense, mark_repeats, sort_rows, summarize, varying_axes
+from .group import as_keys, expand_dense, mark_repeats, sort_rows, summarize, varying_axes
 from .loader import DEFAULT_SYNC, DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
@@ -217,7 +217,7 @@ def _with_lines(frame: pd.DataFrame) -> pd.DataFrame:
 
     set_lines(full=False)
     if axes:  # two settings with one short name (outer steps at one period): say each in full
-        keys = pd.DataFrame({c: as_key(frame[c]) for c in ["scheme", *axes]}).agg("|".join, axis=1)
+        keys = as_keys(frame, ["scheme", *axes]).agg("|".join, axis=1)
         if (keys.groupby(frame["line"]).nunique() > 1).any():
             set_lines(full=True)
     return frame

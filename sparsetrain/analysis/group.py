@@ -60,11 +60,16 @@ def as_key(column: pd.Series) -> pd.Series:
     return column.map(text)
 
 
+def as_keys(frame: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """``frame``'s ``columns``, each ``as_key``: a table of comparable text to group or join on."""
+    return pd.DataFrame({c: as_key(frame[c]) for c in columns}, index=frame.index)
+
+
 def _splitting(runs: pd.DataFrame, base: list[str], candidates: list[str]) -> list[str]:
     """``candidates`` that take more than one value within some group of ``base``."""
     if runs.empty:
         return []
-    keys = pd.DataFrame({c: as_key(runs[c]) for c in [*base, *candidates]}, index=runs.index)
+    keys = as_keys(runs, [*base, *candidates])
     out = []
     for column in candidates:
         counts = keys.groupby(base, sort=False)[column].nunique() if base else [keys[column].nunique()]
@@ -114,7 +119,7 @@ def _same_seed_sets(runs: pd.DataFrame) -> list[pd.DataFrame]:
         return []
     per_run = runs.assign(_run=_run_keys(runs)).drop_duplicates("_run")
     identity = [a for a in AXES if a in per_run] + config_columns(per_run) + [REPLICATE]
-    table = pd.DataFrame({c: as_key(per_run[c]) for c in identity}, index=per_run.index)
+    table = as_keys(per_run, identity)
     sizes = table.groupby(identity, sort=False)[REPLICATE].transform("size")
     repeated = per_run[sizes > 1]
     if repeated.empty:
@@ -166,7 +171,7 @@ def mark_repeats(runs: pd.DataFrame) -> pd.DataFrame:
     if "run_dir" in per_run:
         per_run = per_run[per_run["run_dir"].notna()]
     identity = [a for a in AXES if a in per_run] + config_columns(per_run)
-    table = pd.DataFrame({c: as_key(per_run[c]) for c in [*identity, REPLICATE]}, index=per_run.index)
+    table = as_keys(per_run, [*identity, REPLICATE])
     table["_run"] = per_run["_run"]
     table = table.sort_values("_run")
     table[REPEAT] = table.groupby([*identity, REPLICATE], sort=False).cumcount() + 1

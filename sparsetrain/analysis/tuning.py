@@ -30,7 +30,7 @@ import yaml
 
 from sparsetrain.results import DID_NOT_TRAIN
 
-from .group import as_key
+from .group import as_key, as_keys
 from .loader import AXES, DENSE, NOT_APPLICABLE, load_runs
 
 TUNED = ("lr", "warmup_epochs")  # what a trial varies and a choice fixes
@@ -353,7 +353,7 @@ def seed_trials(runs: pd.DataFrame, seeds: tuple[int, ...]) -> pd.DataFrame:
         return pd.DataFrame(columns=["point", "lr", "warmup_epochs", "epochs_planned", "n", "val_by_seed",
                                      "state", "score", "code", "overrides"])
     keys = _trial_keys(runs)
-    labels = pd.DataFrame({k: as_key(runs[k]) for k in keys}, index=runs.index).agg("|".join, axis=1)
+    labels = as_keys(runs, keys).agg("|".join, axis=1)
     for _, trial in runs.groupby(labels, sort=False):
         first = trial.iloc[0]
         twice = trial["seed"][trial["seed"].duplicated()].tolist()
