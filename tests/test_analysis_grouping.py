@@ -196,3 +196,34 @@ def test_a_verdict_side_with_two_runs_of_one_seed_stops_in_one_line():
     message = str(refused.value)
     assert "\n" not in message and "seed 0 has 2 runs" in message and "sweep/a, sweep/b" in message
     assert side_accuracy(side.iloc[1:]).to_dict() == {0: 65.5, 1: 66.0}
+
+
+def test_a_verdict_side_that_mixes_two_configurations_stops_in_one_line(tmp_path):
+    """A side was picked by the axes its point names only: a top-k seed at another rate and
+    momentum joined the other seeds, and the verdict moved without a word."""
+    from sparsetrain.analysis.findings import _side, side_accuracy
+
+    for seed in (0, 1):
+        write_run(tmp_path / f"s{seed}", make_config(seed=seed))
+    write_run(tmp_path / "s2", make_config(seed=2, **{"optim.lr": 0.025, "optim.momentum": 0.0}))
+    runs = sa.load_runs(tmp_path)
+    side = _side(runs, {"scheme": "topk"}, {})
+    with pytest.raises(ValueError) as refused:
+        side_accuracy(side)
+    message = str(refused.value)
+    assert "\n" not in message and "differ in lr: lr = 0.1 (" in message and "s2" in message
+    assert "allowed: one configuration per side" in message
+    assert list(side_accuracy(_side(runs, {"scheme": "topk", "lr": 0.1}, {})).index) == [0, 1]
+
+
+def test_the_second_pass_reads_its_own_sweeps_only(tmp_path):
+    """Its setting named no experiment: a run of the same setting in another folder joined its
+    seeds (n 3 -> 4, paired -> Welch)."""
+    from sparsetrain.analysis.findings import SECOND_PASS, _side
+
+    config = make_config(seed=0)
+    theirs = write_run(tmp_path / "rq1_scope" / "0", config, experiment="rq1_scope")
+    write_run(tmp_path / "mine" / "0", make_config(seed=1), experiment="smoke")
+    runs = sa.load_runs(tmp_path)
+    picked = _side(runs, {"scheme": "topk"}, {k: v for k, v in SECOND_PASS.items() if k == "experiment"})
+    assert list(picked["run_dir"]) == [str(theirs.resolve())]

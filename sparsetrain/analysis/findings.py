@@ -34,7 +34,7 @@ import pandas as pd
 
 from sparsetrain.results import BLEW_UP_RECOVERED, read_test_predictions
 
-from .group import without_copies
+from .group import one_configuration, without_copies
 from .loader import completed, select
 from .stats import (
     ALPHA,
@@ -51,9 +51,13 @@ from .table import SCHEME_NAMES, Table
 
 # The second pass's setting (experiment=cpu_scale): every side starts from it. Dense SGD rows
 # carry "-" for the sparse-only axes and pass them.
+# Its sweeps only: a run of one's own at the same setting elsewhere in the results tree (a smoke
+# run, another commit's rerun) is not one of its seeds.
+SECOND_PASS_SWEEPS = ["baseline", "rq1_scope", "rq2_low", "rq2_scheme", "rq3_aggregation", "rq4_global",
+                      "rq4_workers"]
 SECOND_PASS = {"model": "resnet20", "data": "fashion_mnist", "train_size": "all", "epochs_planned": 2,
                "batch_size": 64, "lr": 0.05, "exchange": "trainer", "uncompressed": "1d",
-               "warmup_steps": 0, "error_feedback": True, "bn_recalibrate": 0}
+               "warmup_steps": 0, "error_feedback": True, "bn_recalibrate": 0, "experiment": SECOND_PASS_SWEEPS}
 # The headline protocol (experiment=headline*): the same, at 4 epochs (near the plateau), 5 seeds,
 # from its own sweeps (and those run at its budget beside it) only: the second pass's `budget`
 # study also ran some of its configurations for 4 epochs (seed 0, earlier code), and is not one.
@@ -255,6 +259,7 @@ def side_accuracy(side: pd.DataFrame) -> pd.Series:
     # dense SGD run once per scope by a grid: one computation, counted once; any other two runs
     # of one seed stop in per_seed
     done = without_copies(completed(side))
+    one_configuration(done, "one side of a comparison")
     return per_seed(done["test_accuracy"] * 100, done["seed"], done["run_dir"] if "run_dir" in done else None)
 
 

@@ -154,6 +154,26 @@ def without_copies(runs: pd.DataFrame) -> pd.DataFrame:
     return runs[~_run_keys(runs).isin(dropped)] if dropped else runs
 
 
+def one_configuration(runs: pd.DataFrame, what: str) -> None:
+    """Refuse ``runs`` (seeds of ``what``) that differ in any axis or recorded setting: their mean
+    would be one number made of two configurations (a stray smoke run, another rate). ValueError
+    in one line, naming the settings, their values and a run of each."""
+    split = varying_axes(runs, exclude=(REPEAT,))
+    if not split:
+        return
+    key = split[0]
+    values = as_key(runs[key])
+    where = [f"{_display_value(runs.loc[i, key])} ({_shown_path(runs.loc[i, 'run_dir']) if 'run_dir' in runs else '?'})"
+             for i in values.drop_duplicates().index[:3]]
+    raise ValueError(f"{what} holds runs that differ in {', '.join(split)}: {key} = {'; '.join(where)}; "
+                     "allowed: one configuration per side (move the other runs out of the results folder, "
+                     "or name the setting in the comparison)")
+
+
+def _display_value(value) -> str:
+    return NOT_APPLICABLE if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
+
+
 def mark_repeats(runs: pd.DataFrame) -> pd.DataFrame:
     """``runs`` in which no seed is counted twice in one configuration.
 
