@@ -138,14 +138,16 @@ def equivalence(a: pd.Series, b: pd.Series, margin: float = EQUIVALENCE_MARGIN,
 
 
 def holm(pvalues: list[float]) -> list[float]:
-    """Holm's step-down adjusted p-values (NaN stays NaN and does not count as a test): the i-th
-    smallest of m p-values is multiplied by (m - i), kept monotone, capped at 1.
+    """Holm's step-down adjusted p-values over a family of m planned comparisons: the i-th
+    smallest p-value is multiplied by (m - i), kept monotone, capped at 1. A comparison that could
+    not be tested (NaN: a side had too few runs) stays NaN but still counts in m: a family does not
+    shrink, and its other comparisons grow stronger, because runs failed or are still missing.
 
     >>> [round(p, 3) for p in holm([0.01, 0.04, 0.03, float("nan")])]
-    [0.03, 0.06, 0.06, nan]
+    [0.04, 0.09, 0.09, nan]
     """
     order = sorted((p, i) for i, p in enumerate(pvalues) if not math.isnan(p))
-    m = len(order)
+    m = len(pvalues)
     adjusted = [math.nan] * len(pvalues)
     running = 0.0
     for rank, (p, i) in enumerate(order):
