@@ -512,3 +512,21 @@ def test_commands_prints_only_what_runs_the_due_trials(tmp_path, capsys):
     (tmp_path / "results").mkdir()  # no run yet: the declared grid is due
     assert tuning.main(["--declared", str(LOCAL2), "--results", str(tmp_path / "results"), "--commands"]) == 3
     assert capsys.readouterr().out == "RESUME=1 bash scripts/local2.sh   # the declared grid (PY and DEST as in its header)\n"
+
+
+def test_a_points_folder_holding_another_points_runs_stops_in_one_line(tmp_path):
+    """A point's trials were whatever its folder held: top-k at 1.567% copied into top-k at 0.504%'s
+    folder were ranked as its trials, and would have been written as its choice."""
+    import shutil
+
+    plan = declared_tuning(LOCAL2)
+    committed = ROOT / "results" / "local2_tune_topk_high"
+    shutil.copytree(committed, tmp_path / "local2_tune_topk_low")
+    with pytest.raises(ValueError) as refused:
+        tuning_runs(plan, tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message and "ratio=0.01567 in the folder of tuning point 'topk_low'" in message
+    assert "allowed: ratio=0.00504" in message
+    shutil.copytree(committed, tmp_path / "local2_tune_topk_high")  # in its own folder: read
+    shutil.rmtree(tmp_path / "local2_tune_topk_low")
+    assert set(tuning_runs(plan, tmp_path)["point"]) == {"topk_high"}

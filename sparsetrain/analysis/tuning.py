@@ -31,7 +31,8 @@ import yaml
 from sparsetrain.results import DID_NOT_TRAIN
 
 from .group import as_key, as_keys
-from .loader import AXES, DENSE, NOT_APPLICABLE, load_runs
+from .loader import AXES, DENSE, NOT_APPLICABLE, load_runs, select
+from .table import _shown_path
 
 TUNED = ("lr", "warmup_epochs")  # what a trial varies and a choice fixes
 SCOPES = ("layerwise", "global")
@@ -330,7 +331,26 @@ def tuning_runs(plan: DeclaredTuning, results: str | Path) -> pd.DataFrame:
     runs = load_runs(*(Path(results) / name for name in sorted(folders)))
     runs = runs[runs["status"] != "absent"].copy()
     runs["point"] = [folders[Path(d).parent.name] for d in runs["run_dir"]]
+    _check_points(plan, runs)
     return runs.reset_index(drop=True)
+
+
+def _check_points(plan: DeclaredTuning, runs: pd.DataFrame) -> None:
+    """Every run a point's folder holds is that point at the declared setting: the folder's name
+    alone decided, so another point's runs placed there were ranked as its trials. ValueError in
+    one line naming the run and the setting it differs in."""
+    from .declared import _every_axis, load
+
+    decl = load(plan.path)
+    runs = _every_axis(runs)
+    for point, rows in runs.groupby("point", sort=False):
+        want = {**decl.setting, **decl.points[point]}
+        for axis, value in want.items():
+            wrong = rows.index.difference(select(rows, {axis: [value]}).index)
+            if len(wrong):
+                run = rows.loc[wrong[0]]
+                raise ValueError(f"{_shown_path(run['run_dir'])}: {axis}={run[axis]} in the folder of tuning point "
+                                 f"{point!r}; allowed: {axis}={value} ({plan.path}'s point and setting)")
 
 
 def _trial_keys(runs: pd.DataFrame) -> list[str]:
