@@ -141,6 +141,17 @@ def test_the_choice_is_the_best_trained_trial_on_validation(tmp_path):
     assert (tmp_path / "fig" / "val_vs_lr.png").stat().st_size > 0
 
 
+def test_a_second_seed_or_another_budget_is_not_a_trial_of_its_own():
+    """The first pass grouped trials by scheme and scope only: a second seed at one rate, or a run at
+    another budget, competed as a grid point of its own and could be chosen."""
+    rows = _trials()
+    topk = rows[(rows["scheme"] == "topk") & (rows["lr"] == 0.05)]
+    with pytest.raises(ValueError, match=r"2 runs of topk \(global\) share one trial \(lr=0.05, warmup_epochs=0.3\)"):
+        tuning.trials(pd.concat([rows, topk.assign(seed=101, val_accuracy=0.99, run_dir="y")]))
+    with pytest.raises(ValueError, match=r"trials of topk \(global\) differ in epochs_planned \(epochs_planned: 4, 8\)"):
+        tuning.trials(pd.concat([rows, topk.assign(lr=0.2, epochs_planned=8, run_dir="y")]))
+
+
 def test_a_search_returns_validation_accuracy_never_test_accuracy():
     assert objective({"status": "completed", "val_accuracy": 0.8, "test_accuracy": 0.9}) == 0.8
     assert objective({"status": "completed", "test_accuracy": 0.9}) is None  # no split: nothing to pick by

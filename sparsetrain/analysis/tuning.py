@@ -30,7 +30,7 @@ import yaml
 
 from sparsetrain.results import DID_NOT_TRAIN
 
-from .group import as_key, as_keys
+from .group import REPEAT, as_key, as_keys, varying_axes
 from .loader import AXES, DENSE, NOT_APPLICABLE, load_runs, select
 from .table import _shown_path
 
@@ -56,12 +56,32 @@ def trials(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per trial (``load_runs`` rows), sorted by scheme, scope and point."""
     if runs.empty:
         return pd.DataFrame(columns=TRIAL_COLUMNS)
+    _one_run_per_trial(runs)
     frame = runs[[c for c in TRIAL_COLUMNS if c in runs]].copy()
     if "experiment" in runs:  # a trial not run yet ("absent") names only the keys its sweep varies
         for column in ("scheme", "scope"):
             known = runs.groupby("experiment")[column].agg(lambda v: v.dropna().iloc[0] if v.notna().any() else None)
             frame[column] = frame[column].fillna(runs["experiment"].map(known))
     return frame.sort_values(["scheme", "scope", "lr", "warmup_epochs"], key=_order).reset_index(drop=True)
+
+
+def _one_run_per_trial(runs: pd.DataFrame) -> None:
+    """The first pass's trials are one run each, one configuration per scheme and scope but for
+    the rate and warm-up: a second seed, or a run at another budget, competed as a grid point of
+    its own (and could win). ValueError in one line naming the runs."""
+    ran = runs[runs["status"] != "absent"] if "status" in runs else runs
+    for (scheme, scope), group in ran.groupby(["scheme", "scope"], sort=True, dropna=False):
+        split = varying_axes(group, exclude=(*TUNED, REPEAT))
+        if split:
+            raise ValueError(f"the trials of {scheme} ({scope}) differ in {', '.join(split)} ({split[0]}: "
+                             f"{', '.join(map(str, group[split[0]].astype(str).unique()))}); allowed: one "
+                             "configuration but for the learning rate and warm-up (move the other runs out)")
+        twice = group[as_keys(group, list(TUNED)).duplicated(keep=False)]
+        if len(twice):
+            raise ValueError(f"{len(twice)} runs of {scheme} ({scope}) share one trial (lr={twice['lr'].iloc[0]}, "
+                             f"warmup_epochs={twice['warmup_epochs'].iloc[0]}): "
+                             f"{', '.join(_shown_path(d) for d in twice.get('run_dir', []))}; allowed: one run "
+                             "per trial (the first pass tunes on one seed)")
 
 
 def _order(column: pd.Series) -> pd.Series:
