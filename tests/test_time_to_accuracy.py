@@ -46,6 +46,24 @@ def test_accuracy_curve_skips_epochs_without_evaluation(tmp_path):
     assert tta.steps_to_target(curve, 0.5) == pytest.approx(20.0)  # between the real evaluations
 
 
+def test_a_table_of_validation_and_test_curves_stops_in_one_line(tmp_path):
+    """Each run's curve reads validation where it has it, else test; the title read one split for
+    all: validation runs (about a point higher) won a "test accuracy" ranking beside test runs."""
+    runs_dir = _sweep(tmp_path / "runs")
+    run = tmp_path / "runs" / "topk1"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for record in records:
+        if record["kind"] == "epoch":
+            record["val_accuracy"] = record["test_accuracy"] + 0.01
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError) as refused:
+        tta.time_to_accuracy_table(sa.load_runs(runs_dir), 0.5, [1], [2])
+    message = str(refused.value)
+    assert "\n" not in message and "curves score different data: test (" in message and "validation (" in message
+    run.rename(tmp_path / "topk1")  # one split again: its title says which
+    assert tta.time_to_accuracy_table(sa.load_runs(runs_dir), 0.5, [1], [2]).title.startswith("Time to 50% test")
+
+
 def _sweep(root: Path, **fixed) -> Path:
     for scheme in ("none", "topk"):
         for seed in (0, 1):
@@ -216,8 +234,10 @@ def test_not_reached_and_untrained_runs(tmp_path):
     assert "Missing (1 runs" in table.to_markdown()
 
 
-def test_the_title_names_the_split_the_completed_runs_read(tmp_path):
-    """A sweep still running (a job that left no accuracy) times validation targets all the same."""
+def test_the_title_names_the_data_the_completed_runs_curves_score(tmp_path):
+    """A sweep still running (a job that left no accuracy) times validation targets all the same;
+    the title follows the curves read (a summary's val_accuracy beside test-only curves said
+    "validation" for a test ranking)."""
     root = _sweep(tmp_path / "r")
     for run in root.iterdir():
         summary = json.loads((run / "summary.json").read_text())
@@ -226,11 +246,16 @@ def test_the_title_names_the_split_the_completed_runs_read(tmp_path):
             summary["status"] = "running"
         (run / "summary.json").write_text(json.dumps(summary))
     table = tta.time_to_accuracy_table(sa.load_runs(root), 0.5, [1], [8], tta.default_model())
-    assert table.title.startswith("Time to 50% validation accuracy")
-    (root / "topk0" / "summary.json").write_text(
-        json.dumps({**json.loads((root / "topk0" / "summary.json").read_text()), "val_accuracy": None}))
+    assert table.title.startswith("Time to 50% test accuracy")  # the curves score the test set
+    for run in root.iterdir():
+        if run.name != "topk1":
+            records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+            for record in records:
+                if record["kind"] == "epoch":
+                    record["val_accuracy"] = record["test_accuracy"]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     table = tta.time_to_accuracy_table(sa.load_runs(root), 0.5, [1], [8], tta.default_model())
-    assert table.title.startswith("Time to 50% test accuracy")  # a completed run without the split
+    assert table.title.startswith("Time to 50% validation accuracy")
 
 
 def test_fitted_model_from_costmodel_json(tmp_path):

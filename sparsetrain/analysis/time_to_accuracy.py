@@ -76,7 +76,7 @@ from .loader import (
     completed,
     not_completed,
 )
-from .table import LABELS, Table
+from .table import LABELS, Table, _shown_path
 
 #: assumed per-message latency of the default model (s): a small message between two hosts over
 #: datacenter Ethernet with TCP; pass ``alpha_s`` or a fitted ``costmodel.json`` to change it
@@ -129,14 +129,23 @@ def accuracy_curve(run_dir: str | Path) -> list[tuple[float, float]]:
     validation), else the test accuracy (runs before the split existed). Epoch records of epochs
     without an evaluation repeat the last one (same accuracy and loss): they are skipped so that
     interpolation runs between real evaluations."""
+    return _curve(run_dir)[0]
+
+
+# which data a run's curve scores (``_curve``): one table reads one of them
+VAL_SUBSET, VAL, TEST = "validation subset", "validation", "test"
+
+
+def _curve(run_dir: str | Path) -> tuple[list[tuple[float, float]], str | None]:
+    """``accuracy_curve`` and the data it scores (``VAL_SUBSET``, ``VAL``, ``TEST``; None: no curve)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        return []
+        return [], None
     records = list(_read_metrics(path))
     points = [(float(r["step"]), float(r["accuracy"])) for r in records
               if r.get("kind") == "curve" and r.get("accuracy") is not None]
     if points:  # train.curve_points: the validation subset several times an epoch
-        return points
+        return points, VAL_SUBSET
     records = [r for r in records if r.get("kind") == "epoch" and r.get("step") is not None]
     split = "val" if any(r.get("val_accuracy") is not None for r in records) else "test"
     curve, last = [], None
@@ -148,7 +157,24 @@ def accuracy_curve(run_dir: str | Path) -> list[tuple[float, float]]:
             continue
         last = key
         curve.append((float(record["step"]), float(record[f"{split}_accuracy"])))
-    return curve
+    return curve, (VAL if split == "val" else TEST) if curve else None
+
+
+def curve_split(runs: pd.DataFrame) -> str:
+    """The one data set the completed runs' curves score (``_curve``); ValueError in one line
+    where they score several: a validation curve beside a test curve is not the same target
+    (validation runs about a point higher), and a table of both would rank them as one."""
+    found: dict[str, str] = {}
+    for run_dir in runs.get("run_dir", pd.Series(dtype=object)):
+        if isinstance(run_dir, str):
+            split = _curve(run_dir)[1]
+            if split is not None:
+                found.setdefault(split, run_dir)
+    if len(found) > 1:
+        shown = "; ".join(f"{split} ({_shown_path(d)})" for split, d in found.items())
+        raise ValueError(f"time to accuracy: the runs' curves score different data: {shown}; allowed: runs "
+                         "whose curves score one (pass their sweeps apart, or narrow them with --where)")
+    return next(iter(found), TEST)
 
 
 def steps_to_target(curve: list[tuple[float, float]], target: float) -> float:
@@ -376,9 +402,8 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     done = mark_repeats(completed(runs))
     seed_notes = repeat_notes(completed(runs))
     missing = not_completed(runs).reset_index(drop=True)
-    # the split the completed runs' curves read (a run that never completed has no accuracy at all)
-    split = "validation" if not done.empty and "val_accuracy" in done and done["val_accuracy"].notna().all() \
-        else "test"
+    # the one data set the completed runs' curves score (a run that never completed has none)
+    split = TEST if curve_split(done) == TEST else VAL
     title = f"Time to {target * 100:g}% {split} accuracy: measured compute + predicted exchange"
     notes = [
         f"Exchange: {model.source}.",
