@@ -227,3 +227,17 @@ def test_the_second_pass_reads_its_own_sweeps_only(tmp_path):
     runs = sa.load_runs(tmp_path)
     picked = _side(runs, {"scheme": "topk"}, {k: v for k, v in SECOND_PASS.items() if k == "experiment"})
     assert list(picked["run_dir"]) == [str(theirs.resolve())]
+
+
+def test_step_times_from_two_devices_are_not_averaged(tmp_path):
+    """train.device is bookkeeping (it changes no number but the time): a GPU run's step time was
+    averaged with a CPU run's into one cell, without a note."""
+    for seed in (0, 1):
+        write_run(tmp_path / f"s{seed}", make_config(seed=seed))
+    table = runs_table(sa.load_runs(tmp_path))
+    assert _row(table, scheme="top-k")["time/step (ms)"].endswith("(n=2)")
+    _edit_summary(tmp_path / "s1", device="cuda:0")
+    table = runs_table(sa.load_runs(tmp_path))
+    row = _row(table, scheme="top-k")
+    assert "(n=2)" in row[ACCURACY] and "(n=" not in row["time/step (ms)"], row
+    assert any("Time left out for 1 configuration(s)" in n and "cpu; cuda" in n for n in table.notes), table.notes

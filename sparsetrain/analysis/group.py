@@ -348,6 +348,8 @@ def pivot_table(
     # column of such an axis so that every column has its baseline.
     expanded = expand_dense(with_blew_up(done), [column] if column else [])
     metrics = [m for m in metrics if m in expanded]
+    expanded, machines = one_machine_times(expanded, [*by_rows, *([column] if column else [])], metrics)
+    notes += machines
     data = summarize(expanded, [*by_rows, *([column] if column else [])], metrics)
     display_rows = []
     row_keys = data[by_rows].drop_duplicates()
@@ -367,6 +369,38 @@ def pivot_table(
                 entry[LABELS.get(extra, extra)] = _cell(data[mask].head(1), extra)
         display_rows.append(entry)
     return Table(name, title, pd.DataFrame(display_rows), data, missing.reset_index(drop=True), notes)
+
+
+def _machine(runs: pd.DataFrame) -> pd.DataFrame:
+    """Each run's recorded machine (``host``; NaN where unrecorded) and device type (``cpu``,
+    ``cuda``; from ``cuda:0``)."""
+    host = runs["host"].where(runs["host"] != "unrecorded") if "host" in runs else pd.Series(None, index=runs.index)
+    device = runs["device"].map(lambda d: str(d).split(":")[0] if isinstance(d, str) else None) \
+        if "device" in runs else pd.Series(None, index=runs.index)
+    return pd.DataFrame({"host": host, "device": device}, index=runs.index)
+
+
+def one_machine_times(runs: pd.DataFrame, by: list[str], metrics: list[str]) -> tuple[pd.DataFrame, list[str]]:
+    """``runs`` with the timings (``time_*`` metrics) of each ``by`` group whose runs ran on more
+    than one machine or device left out (NaN), and a note naming those groups: a mean of a CPU's
+    and a GPU's step time is neither machine's time. Accuracy and bytes stay."""
+    timed = [m for m in metrics if m.startswith("time_")]
+    if runs.empty or not timed:
+        return runs, []
+    machine = _machine(runs)
+    keys = as_keys(runs, by)
+    spans = pd.Series(False, index=runs.index)
+    for _, group in machine.groupby([keys[c] for c in by], sort=False, dropna=False) if by else [(None, machine)]:
+        if group["host"].nunique() > 1 or group["device"].nunique() > 1:
+            spans[group.index] = True
+    if not spans.any():
+        return runs, []
+    seen = machine[spans]
+    where = sorted({str(v) for v in seen["host"].dropna()} | {str(v) for v in seen["device"].dropna()})
+    rows = keys[spans].drop_duplicates()
+    return runs.assign(**{m: runs[m].where(~spans) for m in timed}), [
+        f"Time left out for {len(rows)} configuration(s) whose runs ran on different machines or devices "
+        f"({'; '.join(where)}): a time is one machine's: analyse each machine's runs apart."]
 
 
 def with_blew_up(runs: pd.DataFrame) -> pd.DataFrame:

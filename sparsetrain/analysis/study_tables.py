@@ -21,6 +21,7 @@ from .group import (
     expand_dense,
     fmt,
     mark_repeats,
+    one_machine_times,
     pivot_table,
     repeat_notes,
     summarize,
@@ -128,7 +129,7 @@ def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     if done.empty:
         return Table("rq5_speed", title, pd.DataFrame(), pd.DataFrame(), missing.reset_index(drop=True))
     by = ["scheme", *[a for a in varying_axes(done) if a != "scheme"]]
-    expanded = expand_dense(done, by)
+    expanded, machines = one_machine_times(expand_dense(done, by), by, metrics)
     data = summarize(expanded, by, metrics)
     # Speed-up is relative to dense runs that share every axis but the scheme's own knobs.
     context = [a for a in by if a not in ("scheme", "ratio", "scope", "aggregation", "error_feedback", "block_size",
@@ -157,7 +158,7 @@ def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
         entry[LABELS["speedup"]] = "n/a" if math.isnan(row["speedup"]) else f"{row['speedup']:.2f}x"
         entry[LABELS["test_accuracy"]] = _cell(pd.DataFrame([row]), "test_accuracy")
         display_rows.append(entry)
-    notes = _constant_note(done, by) + repeat_notes(counted) + [
+    notes = _constant_note(done, by) + repeat_notes(counted) + machines + [
         "Phases are mean ms per step after warm-up; speed-up = dense step time / step time."]
     return Table("rq5_speed", title, pd.DataFrame(display_rows), data, missing.reset_index(drop=True), notes)
 
