@@ -81,6 +81,28 @@ def test_a_trial_with_a_seed_that_did_not_train_loses():
     assert reading.state == COMPLETE and reading.choices["a"]["lr"] == 0.1  # not 0.2, whose one seed scored 0.99
 
 
+def test_a_run_stopped_by_a_signal_has_not_ended_and_its_trial_waits(tmp_path):
+    """A run SIGTERM stopped at a checkpoint (a session's end, SLURM's preemption) records status
+    'failed': read as ended, its trial lost for good, and the tuning moved on without it."""
+    import json
+
+    from test_analysis import make_config, write_run
+
+    from sparsetrain import analysis as sa
+
+    run = write_run(tmp_path / "r", make_config(), status="failed")
+    summary = json.loads((run / "summary.json").read_text())
+    summary["error"] = "Preempted: SIGTERM at step 20: checkpoint saved; rerun into this folder to resume"
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert list(sa.load_runs(tmp_path)["status"]) == ["stopped"]
+    plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3)})
+    runs = _runs({("a", 0.1): {200: 0.90, 201: 0.90}, ("a", 0.2): {200: 0.99, 201: "stopped"},
+                  ("a", 0.4): {200: 0.80, 201: 0.80}})
+    reading = read_tuning(plan, runs)
+    assert reading.trials[reading.trials["lr"] == 0.2].iloc[0]["state"] == INCOMPLETE
+    assert reading.state == RUNNING and reading.asks == {0: {"a": [0.2]}}
+
+
 def test_ties_go_to_the_smaller_rate():
     plan = _plan({"a": ((0.1, 0.2, 0.4), 0.3)})
     runs = _runs({("a", 0.1): {200: 0.80, 201: 0.80}, ("a", 0.2): {200: 0.90, 201: 0.92},

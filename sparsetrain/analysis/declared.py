@@ -50,7 +50,7 @@ from .findings import (
     side_accuracy,
     verdict,
 )
-from .loader import AXES, COLUMNS_FIRST, load_runs
+from .loader import AXES, COLUMNS_FIRST, STOPPED, load_runs
 from .stats import ALPHA, Difference, compare, holm, outside_noise
 from .table import Table, write_table
 
@@ -499,7 +499,7 @@ def _effect_rule(decl: Declaration) -> str:
 
 # A run the study still holds open: resuming it (RESUME=1) ends it. Failed runs and runs that did
 # not train have ended (the comparison counts them in brackets).
-OPEN = ("running", "absent", "no summary", "unfinished")
+OPEN = ("running", "absent", "no summary", "unfinished", STOPPED)
 
 
 def _ended(runs: pd.DataFrame, sides: list[dict], base: dict) -> tuple[int, int]:

@@ -30,6 +30,7 @@ import pandas as pd
 import yaml
 
 from sparsetrain import scheme_catalog as schemes  # plain yaml, no torch
+from sparsetrain.errors import Preempted  # stdlib only, no torch
 from sparsetrain.provenance import UNKNOWN, describe  # stdlib only, no torch
 from sparsetrain.results import (  # stdlib only, no torch
     BLEW_UP_RECOVERED,  # noqa: F401  (re-exported for the tables)
@@ -81,6 +82,9 @@ AXES = (
     "warmup_epochs",
 )
 REPLICATE = "seed"
+# A run a stop signal (SIGTERM, SLURM's preemption) ended at a checkpoint: summary.json says
+# failed with a ``Preempted`` error, but it has not ended: rerun into its folder and it resumes.
+STOPPED = "stopped"
 # Axes that do not apply to dense SGD: its rows carry this marker instead of a value.
 DENSE_IRRELEVANT = ("scope", "aggregation", "error_feedback", "block_size", "uncompressed", "warmup_steps")
 NOT_APPLICABLE = "-"
@@ -635,6 +639,8 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     silent = unfinished_reason(run, summary, stale_after_s)
     if silent:  # says running, but rank 0 stopped beating long ago: it died without a word
         row.update(status="unfinished", error=silent)
+    elif row["status"] == "failed" and str(row.get("error") or "").startswith(f"{Preempted.__name__}:"):
+        row["status"] = STOPPED  # a signal stopped it at a checkpoint: it has not ended, it resumes
     choices = _hydra_choices(run)
     sweep = run.parent if is_sweep_dir(run.parent) else None
     row.update(

@@ -36,7 +36,8 @@ from .table import _shown_path
 
 TUNED = ("lr", "warmup_epochs")  # what a trial varies and a choice fixes
 SCOPES = ("layerwise", "global")
-# A trial that has run to its end (trained or not); "absent", "running", "unfinished" have not.
+# A trial that has run to its end (trained or not); "absent", "running", "unfinished" and "stopped"
+# (a stop signal: it resumes) have not.
 FINISHED = ("completed", DID_NOT_TRAIN, "failed")
 TRIAL_COLUMNS = ["scheme", "scope", "lr", "warmup_epochs", "status", "stability", "val_accuracy",
                  "test_accuracy", "seed", "epochs_planned", "code", "run_dir"]
