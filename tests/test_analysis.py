@@ -958,8 +958,9 @@ def test_findings_tables_judge_sides_of_completed_runs(results):
     other = write_run(results / "rq1_scope" / "99", make_config(seed=0, **{"train.bn_recalibrate": 20}))
     summary = json.loads((other / "summary.json").read_text())
     (other / "summary.json").write_text(json.dumps({**summary, "test_accuracy": 0.5}))
-    # no filter: two runs of seed 0 on one side, which were once averaged into one "seed", stop in one line
-    with pytest.raises(ValueError, match="seed 0 has 2 runs on one side of a comparison: .*rq1_scope/99"):
+    # no filter: two configurations on one side (two runs of seed 0, once averaged into one
+    # "seed"), stop in one line naming the setting and a run of each
+    with pytest.raises(ValueError, match="differ in bn_recalibrate: bn_recalibrate = 0 .*; 20 .*rq1_scope/99"):
         sa.findings_tables(sa.load_runs(results / "rq1_scope"), (finding,), base=base)
     _, again = sa.findings_tables(sa.load_runs(results / "rq1_scope"), (finding,), base={**base, "bn_recalibrate": 0})
     assert again.display["A: test accuracy (%)"].iloc[0] == rows["A: test accuracy (%)"].iloc[0]
