@@ -378,3 +378,43 @@ def test_a_quantizer_missing_a_method_says_which_in_one_line(quantizers):
     with pytest.raises(ValueError, match=r"^NoBits.bits_per_entry=0 is not allowed; it must be an integer >= 1"):
         quantizers.NoBits(1.0, layout)
     scheme_compressor(OmegaConf.create({"name": "mine", "compressor": {"_target_": "myq.Bytes", "_partial_": True}}))
+
+
+def test_a_subclass_that_changes_the_codes_does_not_inherit_decode_many():
+    """A SignSGD or QSGD subclass that overrides ``encode`` or ``decode_add`` decodes through its
+    own ``decode_add``, not the base's ``decode_many`` (which would decode the base's codes, on
+    the CPU with numba only, while error feedback subtracts ``decode_add``'s): the update is what
+    the memory forgets. One that defines ``decode_many`` itself keeps the fused pass."""
+    import torch
+
+    from sparsetrain.comm.sparse import SparseReducer
+    from sparsetrain.compress import QSGD, SignSGD
+    from sparsetrain.timing import NULL_TIMER
+
+    class DoubledScaleSign(SignSGD):  # sends 2x the scale, decodes half of it: consistent alone
+        def encode(self, acc, seed, values, wire):
+            super().encode(acc, seed, values, wire)
+            values.mul_(2.0)
+
+        def decode_add(self, values, wire, out):
+            super().decode_add(values * 0.5, wire, out)
+
+    class OwnEncodeQSGD(QSGD):
+        def encode(self, acc, seed, values, wire):
+            super().encode(acc, seed, values, wire)
+
+    class OwnFusedSign(DoubledScaleSign):  # says its decode_many is right for its codes
+        decode_many = SignSGD.decode_many
+
+    layout = [4096, 1000]
+    assert SignSGD(1.0, layout).fused_decode and QSGD(1.0, layout).fused_decode  # the built-ins keep it
+    assert DoubledScaleSign(1.0, layout).fused_decode is False
+    assert OwnEncodeQSGD(1.0, layout).fused_decode is False
+    assert OwnFusedSign(1.0, layout).fused_decode is True
+    for cls in (DoubledScaleSign, OwnEncodeQSGD):
+        red = SparseReducer(cls(1.0, layout), aggregation="allgather", world_size=1, rank=0, seed=0,
+                            dtype=torch.float64)
+        grad = torch.randn(5096, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        update = grad.clone()
+        red.reduce(update, 0, NULL_TIMER)
+        torch.testing.assert_close(update, grad - red.memory.memory, rtol=1e-12, atol=1e-12)

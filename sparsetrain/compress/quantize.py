@@ -258,6 +258,8 @@ class Quantizer(Compressor):
                              "integer >= 1 (the bits of one entry's code)")
         if self.fused_decode is None:  # the fused pass where the class has one
             self.fused_decode = _implements(type(self), "decode_many")
+        if self.fused_decode and _stale_decode_many(type(self)):
+            self.fused_decode = False  # decode_many decodes a base's codes, not this class's
         problem = type(self).unimplemented(self.fused_decode)
         if problem:
             raise TypeError(problem)
@@ -392,7 +394,9 @@ class Quantizer(Compressor):
     #: whether ``decode_many`` decodes the gathered messages in one pass (on the CPU, float32 or
     #: float64, where the compiled kernels are in use: ``_kernel_ok``); False: ``decode_add``
     #: of each in turn. None (the default): True exactly where the class implements
-    #: ``decode_many``. A class or constructor may set it (QSGD: for 2, 4 or 8 bits only).
+    #: ``decode_many``. A class or constructor may set it (QSGD: for 2, 4 or 8 bits only). False,
+    #: whatever is set, where ``encode`` or ``decode_add`` is defined below the class that defines
+    #: ``decode_many`` (``_stale_decode_many``).
     fused_decode: ClassVar[bool | None] = None
 
     def decode_many(self, values: torch.Tensor, wires: torch.Tensor, out: torch.Tensor) -> None:
@@ -434,6 +438,19 @@ _MUST = {
 def _implements(cls: type, method: str) -> bool:
     """Whether ``cls`` (or a base below ``Quantizer``) defines ``method``."""
     return getattr(cls, method) is not getattr(Quantizer, method)
+
+
+def _stale_decode_many(cls: type) -> bool:
+    """Whether ``cls`` inherits its ``decode_many`` from a class above one that changes ``encode``
+    or ``decode_add`` (a subclass of ``SignSGD`` or ``QSGD`` with codes of its own): that
+    ``decode_many`` decodes the base's codes, while error feedback and the statistics decode
+    through ``decode_add``. Such a class decodes through ``decode_add`` (``fused_decode`` False)
+    unless it defines ``decode_many`` itself."""
+    if not _implements(cls, "decode_many"):
+        return False
+    mro = cls.__mro__
+    owner = next(i for i, klass in enumerate(mro) if "decode_many" in vars(klass))
+    return any(m in vars(klass) for klass in mro[:owner] for m in ("encode", "decode_add"))
 
 
 class SignSGD(Quantizer):
