@@ -118,3 +118,97 @@ def test_trainer_computes_statistics_on_logged_steps_only(tmp_path):
     summary = json.loads((tmp_path / "run" / SUMMARY).read_text())
     assert summary["memory_norm_max"] == max(r["memory_norm"] for r in steps) > 0
     assert summary["wire_bytes_per_step"] == 0 and summary["wire_bytes_total"] == 0
+
+
+def _union_topk():
+    """A compressor of two rounds of two collectives (gTop-k style): every rank's top-k
+    positions gathered, then the values at their union summed."""
+    from sparsetrain.compress import Payload, TopK
+    from sparsetrain.compress.base import Round
+
+    class UnionTopK(TopK):
+        shared_positions = False
+
+        def rounds(self, aggregation):
+            return (Round("gather", ints=self.k, int_dtype=torch.int32), Round("sum", floats=4 * self.k))
+
+        def send(self, r, step, mine):
+            if r == 0:
+                mine.ints.copy_(self.compress(step.acc).indices)
+                return
+            union = step.scratch["union"]
+            mine.floats.zero_()
+            mine.floats[: union.numel()] = step.acc[union]
+            step.payload = Payload(step.acc[union].clone(), union, union)
+
+        def receive(self, r, step, got, out):
+            if r == 0:
+                step.scratch["union"] = torch.cat([m.ints.long() for m in got]).unique()
+                return
+            union = step.scratch["union"]
+            out.index_add_(0, union, got.floats[: union.numel()] / step.world)
+
+    return UnionTopK
+
+
+def test_wire_bytes_of_rounds_of_two_collectives_take_each_ones_ring_factor():
+    """Positions gathered (4,000 bytes), then values summed (16,000), at 4 ranks: the ring moves
+    3 x 4,000 + 1.5 x 16,000 = 36,000 bytes per rank, not 3 x 20,000 (one collective's factor
+    for all the rounds, as the record counted them before)."""
+    from sparsetrain.comm.sparse import SparseReducer
+    from sparsetrain.train.tally import Tally
+
+    cls = _union_topk()
+    red = SparseReducer(cls(0.01, [100_000], "layerwise"), aggregation="allgather", world_size=4, rank=0, seed=0)
+    assert red.bytes_by_collective == {"allgather": 4000, "allreduce": 16000}
+    assert red.bytes_sent_per_step == 20000 and red.collective == "allgather"
+    tally = Tally(4, torch.device("cpu"), 0)
+    assert tally.wire_bytes(red.collective, red.bytes_sent_per_step, red.bytes_by_collective) == 36000
+    # a step's statistics carry the split, as summary.json and metrics.jsonl read them
+    one = SparseReducer(cls(0.01, [1000], "layerwise"), aggregation="allgather", world_size=1, rank=0, seed=0)
+    stats = one.reduce(torch.randn(1000), 0, PhaseTimer("cpu", warmup_steps=0))
+    assert stats.bytes_by_collective == {"allgather": 40, "allreduce": 160} == one.bytes_by_collective
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 12])
+def test_the_built_ins_wire_bytes_are_those_of_their_one_collective(world):
+    """Every built-in scheme's rounds use one collective: its wire bytes with the split are the
+    bytes of one collective's ring factor, as recorded before the split existed."""
+    from conftest import SCHEME_TARGETS
+
+    from sparsetrain.train.tally import Tally
+
+    tally = Tally(world, torch.device("cpu"), 0)
+    shapes = [(20, 15), (12001,), (64,), (7,)]
+    for scheme in (s for s, target in SCHEME_TARGETS.items() if target):
+        for aggregation in ("allreduce", "allgather"):
+            try:
+                red = _reducer(scheme, aggregation, world, shapes=shapes)
+            except ValueError:  # an aggregation the scheme refuses
+                continue
+            assert len(red.bytes_by_collective) == 1, (scheme, aggregation)
+            assert tally.wire_bytes(red.collective, red.bytes_sent_per_step, red.bytes_by_collective) == \
+                tally.wire_bytes(red.collective, red.bytes_sent_per_step), (scheme, aggregation)
+
+
+def _ddp_mixed_rounds(rank, world):
+    """One DDP step through the sparse hook with the two-collective compressor (a layer of 20 x 50
+    and its bias, which travels whole): the hook's bytes, split by collective."""
+    from sparsetrain.comm.ddp_hook import SparseHookState, sparse_hook
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(50, 20), gradient_as_bucket_view=True)
+    state = SparseHookState(model, "uniontopk", aggregation="allgather", ratio=0.1, compressor=_union_topk())
+    model.register_comm_hook(state, sparse_hook)
+    model(torch.randn(4, 50)).sum().backward()
+    return state.bytes_by_collective, state.sizes()["bytes_by_collective"], state.bytes_sent_per_step
+
+
+@pytest.mark.slow  # two spawned gloo ranks
+def test_the_ddp_hook_splits_its_bytes_by_collective(tmp_path):
+    from conftest import on_gloo_ranks
+
+    for split, planned, sent in on_gloo_ranks(_ddp_mixed_rounds, tmp_path):
+        # k = 100 int32 positions gathered; 400 floats and the 20 whole bias entries summed
+        assert split == planned == {"allgather": 400, "allreduce": 4 * 420}
+        assert sent == 400 + 4 * 420

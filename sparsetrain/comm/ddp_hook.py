@@ -178,6 +178,7 @@ class SparseHookState:
         self._buckets: dict[int, _Bucket] = {}
         self._pending: dict[int, torch.Tensor] = {}  # memory of parameters waiting for their bucket
         self.bytes_sent: dict[int, int] = {}  # per bucket, as sent at its latest call
+        self.bytes_split: dict[int, dict[str, int]] = {}  # the same, by collective
         self.dense_bytes: dict[int, int] = {}
         self.decompress_ms: list[float] = []  # this iteration's unpack times (collective callbacks)
         self.exchange_ms: list[float] = []  # this iteration's waits for earlier rounds, inside the hook
@@ -209,6 +210,11 @@ class SparseHookState:
     def bytes_sent_per_step(self) -> int:
         """Bytes one rank sent in the latest iteration (values, whole tensors, positions)."""
         return sum(self.bytes_sent.values())
+
+    @property
+    def bytes_by_collective(self) -> dict[str, int]:
+        """``bytes_sent_per_step`` split by the collective that carried each part."""
+        return _by_collective(self.bytes_split.values())
 
     @property
     def dense_bytes_per_step(self) -> int:
@@ -357,6 +363,7 @@ class SparseHookState:
         if index == 0:  # DDP reduces buckets in index order: a new iteration's accounting
             self.check_kept_state()
             self.bytes_sent.clear()
+            self.bytes_split.clear()
             self.dense_bytes.clear()
             self.decompress_ms.clear()
             self.exchange_ms.clear()
@@ -368,9 +375,11 @@ class SparseHookState:
             plan = self._plan(bucket, buf)
         if plan is None or plan.reducer is None:  # dense: DDP's own AllReduce
             self.bytes_sent[index] = self.dense_bytes[index]
+            self.bytes_split[index] = {"allreduce": self.dense_bytes[index]}
             return allreduce_hook(self.process_group, bucket)
         red = plan.reducer
         self.bytes_sent[index] = red.bytes_sent_per_step
+        self.bytes_split[index] = red.bytes_by_collective
         clock = _ExchangeClock()
         pending = red.start(buf, step, placement=plan.placement, timer=clock)  # the last round in flight
         self.exchange_ms.append(clock.ms)
@@ -407,10 +416,13 @@ class SparseHookState:
             self._plan(bucket, bucket.buffer())
 
     def sizes(self) -> dict:
-        """Per step once compression runs, over the buckets planned so far: ``bytes_sent``,
-        ``uncompressed_bytes`` (tensors that travel whole) and ``density`` (entries sent /
-        entries)."""
+        """Per step once compression runs, over the buckets planned so far: ``bytes_sent``
+        (and ``bytes_by_collective``, split by collective), ``uncompressed_bytes`` (tensors that
+        travel whole) and ``density`` (entries sent / entries)."""
         out = {"bytes_sent": 0, "uncompressed_bytes": 0, "sent_entries": 0.0, "numel": 0}
+        out["bytes_by_collective"] = _by_collective(
+            plan.sizes.bytes_by_collective or {plan.sizes.collective: plan.sizes.bytes_sent_per_step}
+            for plan in self._buckets.values())
         for plan in self._buckets.values():
             red = plan.sizes  # the bucket's reducer, sparse or (whole tensors only) dense
             out["bytes_sent"] += red.bytes_sent_per_step
@@ -467,6 +479,15 @@ class SparseHookState:
                 if used != t.numel():
                     raise ValueError(f"a saved bucket's {name} has {t.numel()} entries, its parameters {used}")
         self.step = int(state["step"])
+
+
+def _by_collective(splits) -> dict[str, int]:
+    """Bytes by collective, summed over ``splits`` (one ``{collective: bytes}`` per bucket)."""
+    out: dict[str, int] = {}
+    for split in splits:
+        for kind, n in split.items():
+            out[kind] = out.get(kind, 0) + n
+    return out
 
 
 def _alone(compressor, acc: torch.Tensor, state: SparseHookState, red: SparseReducer) -> torch.Tensor:

@@ -25,7 +25,8 @@ from sparsetrain.timing import PhaseTimer
 @dataclass
 class ExchangeStats:
     """What one step sent. Byte counts are per worker: the payload handed to the collective
-    (``costmodel.wire_bytes(collective, bytes_sent, world)`` is what crosses the link).
+    (``costmodel.wire_bytes(collective, bytes_sent, world)`` is what crosses the link; where
+    ``bytes_by_collective`` is given, the sum of that over its collectives).
     ``compression_error`` and ``memory_norm`` are None on steps without statistics (the trainer
     asks for them on logged steps only: ``Reducer.reduce(..., want_stats=True)``)."""
 
@@ -35,6 +36,9 @@ class ExchangeStats:
     compression_error: float | None = None  # ||acc - sent|| / ||acc||
     memory_norm: float | None = None  # ||error-feedback memory|| after the step
     collective: str | None = "allreduce"  # what carried it: allreduce | allgather | None (nothing)
+    #: ``bytes_sent`` split by the collective that carried each part (a compressor's rounds may
+    #: gather some and sum others); None: all of it by ``collective``
+    bytes_by_collective: dict[str, int] | None = None
 
 
 @runtime_checkable
@@ -45,7 +49,9 @@ class Reducer(Protocol):
     first): ``bytes_sent_per_step`` on the wire, ``dense_bytes_per_step`` for the same buffer
     sent whole, ``uncompressed_bytes_per_step`` of it for the tensors that travel whole;
     ``density`` = entries sent / entries; ``collective`` the one that carries them
-    (``allreduce`` or ``allgather``; warm-up steps use ``allreduce``).
+    (``allreduce`` or ``allgather``; warm-up steps use ``allreduce``); ``bytes_by_collective``
+    ``bytes_sent_per_step`` split by collective, where rounds of several carry it (None: all by
+    ``collective``; the wire bytes are each part at its own ring factor).
 
     What the run record reads: ``compresses`` (whether anything is compressed once warm-up ends),
     ``ratio_applies`` / ``aggregation_applies`` / ``scope_applies`` (whether that axis of the run
@@ -60,6 +66,7 @@ class Reducer(Protocol):
     density: float
     warmup_steps: int
     bytes_sent_per_step: int
+    bytes_by_collective: dict[str, int] | None
     dense_bytes_per_step: int
     uncompressed_bytes_per_step: int
     compresses: bool
@@ -130,6 +137,7 @@ class ReducerBase:
     scope_applies: bool = True
     ranks_diverge: bool = False
     overlap_buckets: list[tuple[float, float]] | None = None
+    bytes_by_collective: dict[str, int] | None = None  # all by ``collective``
 
     def attach(self, params, flat_grad, **buckets) -> ReducerBase:
         return self  # nothing to start during backward

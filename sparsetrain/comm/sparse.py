@@ -264,6 +264,12 @@ class SparseReducer(ReducerBase):
         self.dense_bytes_per_step = self.numel * esize
         self.uncompressed_bytes_per_step = self.uncompressed_numel * esize
         self.bytes_sent_per_step = sum(b.nbytes for b in self._buffers)
+        # the same split by the collective that carries each round: each crosses the link at its
+        # own ring factor (a compressor may gather positions, then sum values)
+        self.bytes_by_collective: dict[str, int] = {}
+        for r, b in zip(rounds, self._buffers, strict=True):
+            kind = "allgather" if r.op == "gather" else "allreduce"
+            self.bytes_by_collective[kind] = self.bytes_by_collective.get(kind, 0) + b.nbytes
         # train.fast_path: error feedback + compression in fused kernels (compress.fused) where
         # they exist; the same message and memory as the torch path. Why not, where asked but not.
         self.fast_path_reason = None
@@ -316,6 +322,7 @@ class SparseReducer(ReducerBase):
             compression_error=error,
             memory_norm=norm,
             collective=self.collective,
+            bytes_by_collective=self.bytes_by_collective,
         )
 
     # --- the one step: ``reduce`` and the DDP hook (sparsetrain.comm.ddp_hook) both drive it ------------------

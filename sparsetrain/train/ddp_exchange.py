@@ -256,6 +256,7 @@ class DDPExchange(ReducerBase):
         if self.sparse is not None and self.compresses:
             sizes = self.sparse.sizes()
             self.bytes_sent_per_step = sizes["bytes_sent"]
+            self.bytes_by_collective = sizes["bytes_by_collective"]
             self.uncompressed_bytes_per_step = sizes["uncompressed_bytes"]
             self.density = sizes["density"]
             self.collective = self.sparse.collective
@@ -298,7 +299,9 @@ class DDPExchange(ReducerBase):
         return ExchangeStats(sent, self.dense_bytes_per_step,
                              density=self.density if compressing else 1.0,
                              memory_norm=memory_norm,
-                             collective=self.collective if compressing else "allreduce")
+                             collective=self.collective if compressing else "allreduce",
+                             bytes_by_collective=self.sparse.bytes_by_collective
+                             if self.sparse is not None and compressing else None)
 
     @property
     def overlap_buckets(self) -> list[tuple[float, float]] | None:

@@ -35,8 +35,12 @@ class Tally:
         self.wire_bytes_total = 0  # per rank, as the ring collectives move them (costmodel.wire_bytes)
         self.memory_norm_max: float | None = None  # the error-feedback memory norm, largest logged
 
-    def wire_bytes(self, collective: str | None, nbytes: int) -> int:
-        """Bytes this rank puts on its link for ``nbytes`` through ``collective`` (ring model)."""
+    def wire_bytes(self, collective: str | None, nbytes: int, by_collective: dict | None = None) -> int:
+        """Bytes this rank puts on its link for ``nbytes`` through ``collective`` (ring model);
+        ``by_collective``: ``nbytes`` split by collective where several carry it, each part at
+        its own ring factor."""
+        if by_collective:
+            return round(sum(wire_bytes(c, n, self.world_size) for c, n in by_collective.items()))
         return round(wire_bytes(collective, nbytes, self.world_size))
 
     def add(self, result: StepResult, step: int) -> None:
@@ -54,7 +58,7 @@ class Tally:
         if step > self.lr_warmup_steps:
             self._track_peak(2, loss, step)
         self.bytes_sent_total += stats.bytes_sent  # a Python int: no device sync
-        self.wire_bytes_total += self.wire_bytes(stats.collective, stats.bytes_sent)
+        self.wire_bytes_total += self.wire_bytes(stats.collective, stats.bytes_sent, stats.bytes_by_collective)
 
     def note_logged(self, stats: ExchangeStats) -> None:
         """A logged step's statistics: bounded memory is the sign of a stable scheme."""
