@@ -496,6 +496,7 @@ def _alone(compressor, acc: torch.Tensor, state: SparseHookState, red: SparseRed
     alone = SparseReducer(compressor, aggregation=state.aggregation, world_size=1, rank=state.rank,
                           seed=red.seed, error_feedback=False, device=acc.device, dtype=acc.dtype)
     alone._kept = True  # a probe: not a step of the run
+    alone.decode_checked = True
     out = acc.clone()
     with torch.random.fork_rng(devices=[acc.device] if acc.device.type == "cuda" else []):
         alone.finish(alone.start(out, state.warmup_steps, async_op=False))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.flat import packed_runs
+from sparsetrain.comm.probe import check_decode
 from sparsetrain.comm.protocol import ExchangeStats, ReducerBase
 from sparsetrain.comm.rules import check_aggregation
 from sparsetrain.compress import ErrorFeedback, compressed_first, compression_stats, step_seed
@@ -187,7 +188,10 @@ class SparseReducer(ReducerBase):
     memory's ``update`` sees the decoded update and may overwrite it with the one applied (EF21's
     shared estimate); by default it leaves it as it is.
 
-    Over the first compressed step the compressor and the memory are checked for state they keep
+    Before the first compressed step, a copy of the compressor is run through its rounds as if
+    every rank sent the same message, locally (``comm.probe.check_decode``): ``ConfigError`` where
+    the update differs from what its ``forget`` takes out of the memory. Over the first
+    compressed step the compressor and the memory are checked for state they keep
     but do not declare (``compress.kept``): ``reduce`` checks right after it, the DDP hook at the
     start of the next (``check_kept_state``). ``kept_route`` says what must carry that state:
     ``state_dict`` (the trainer's checkpoints) or ``pieces`` (the DDP hook's).
@@ -234,6 +238,7 @@ class SparseReducer(ReducerBase):
         # the kept-state check: None (not started), [compressor, memory snapshots, step done], or
         # True (checked)
         self._kept: list | bool | None = None
+        self.decode_checked = False  # the decode check (comm.probe), before the first compressed step
 
         rounds = list(compressor.rounds(aggregation))
         if not rounds:
@@ -334,6 +339,10 @@ class SparseReducer(ReducerBase):
         (default: the trainer's ``[compressed | whole]``). ``want_stats``: the compression error
         and memory norm (a host sync on CUDA, left out of the step's time)."""
         placement = placement or self.flat_placement
+        if not self.decode_checked:  # the update is what the memory forgets (comm.probe): once, locally
+            self.decode_checked = True
+            with timer.untimed():
+                check_decode(self, step)
         if self._kept is None:  # the first compressed step: what the two hold before it
             with timer.untimed():
                 self._kept = [snapshot(self.compressor), snapshot(self.memory), False]
