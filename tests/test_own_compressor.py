@@ -108,6 +108,45 @@ def test_config_differences_count_the_compressors_options():
     assert config_differences({"scheme": {"name": "blockk", "block_size": 256}}, blockk(block_size=256)) == []
 
 
+def test_another_class_of_the_same_scheme_is_another_run(tmp_path):
+    """scheme.compressor._target_ (and memory's, sync's) defines the run: a rerun into a completed
+    folder and a resume with another class are refused in one line; a checkpoint or summary from
+    before the compressor node existed, or another scheme's name, adds no class difference."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from sparsetrain.config import compose
+    from sparsetrain.errors import ConfigError
+    from sparsetrain.train.checkpoint import check_same_run, completed_run, config_differences
+
+    def config(*overrides):
+        return OmegaConf.to_container(compose(["scheme=topk", "train.max_steps=4", *overrides]), resolve=True)
+
+    topk, randk = config(), config("scheme.compressor._target_=sparsetrain.compress.RandomK")
+    assert config_differences(topk, randk) == [
+        ("scheme.compressor._target_", "sparsetrain.compress.TopK", "sparsetrain.compress.RandomK")]
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "config": topk}))
+    with pytest.raises(ConfigError) as err:
+        completed_run(tmp_path, randk)
+    assert "scheme.compressor._target_='sparsetrain.compress.TopK' there, 'sparsetrain.compress.RandomK' now" \
+        in str(err.value) and "\n" not in str(err.value)
+    assert completed_run(tmp_path, topk)["status"] == "completed"
+    with pytest.raises(ConfigError, match=r"will not resume .*scheme.compressor._target_="):
+        check_same_run(topk, randk, "run/checkpoint.pt")
+    # the memory and the sync node: another class, or one added or taken away
+    node = {"_target_": "mymem.RampEF", "_partial_": True}
+    for key in ("memory", "sync"):
+        own = {**topk, "scheme": {**topk["scheme"], key: node}}
+        assert config_differences(topk, own) == [(f"scheme.{key}._target_", None, "mymem.RampEF")]
+        assert config_differences(own, topk) == [(f"scheme.{key}._target_", "mymem.RampEF", None)]
+    # recorded before the compressor node: the class is the scheme's; another name says it alone
+    old = {**topk, "scheme": {k: v for k, v in topk["scheme"].items() if k != "compressor"}}
+    assert config_differences(old, topk) == [] == config_differences(topk, old)
+    assert [k for k, *_ in config_differences(topk, {**randk, "scheme": {**randk["scheme"], "name": "randk"}})] == [
+        "scheme.name"]
+
+
 @pytest.mark.slow  # three runs
 def test_a_rerun_with_another_compressor_option_is_refused_and_analysed_apart(mine):
     from sparsetrain.analysis.loader import load_runs

@@ -49,12 +49,9 @@ NOT_DEFINING = (
     "data.download",
     "wandb.",
     "dist.",
-    # How the compressor and the model are built: fixed by scheme.name / model.name, which
-    # config.validate keeps consistent; absent from checkpoints written before these nodes
-    # existed. The compressor's options (scheme.compressor.rescale) do define the run: see
+    # How the model is built: fixed by model.name. The scheme's classes (scheme.compressor /
+    # memory / sync ._target_) and the compressor's options do define the run: see
     # config_differences.
-    "scheme.compressor",
-    "scheme.compressor.",
     "model._target_",
     "model._partial_",
 )
@@ -108,6 +105,26 @@ def _scheme_as_now(config: dict) -> dict:
 
 
 COMPRESSOR = "scheme.compressor."
+# The scheme's class nodes: the class each builds (its ``_target_``; None where the node is null)
+# defines the run. Checkpoints written before the compressor node existed have no ``compressor``
+# key (their class is told by scheme.name); before memory and sync, the node was null.
+CLASS_NODES = ("compressor", "memory", "sync")
+
+
+def _classes(flat: dict[str, Any], scheme: Any) -> dict[str, Any]:
+    """``flat`` without its class nodes' ``scheme.<node>``, ``._target_`` and ``._partial_`` keys,
+    and with ``scheme.<node>._target_`` set to the class the node builds (None: no node), left
+    out for a compressor node that the recorded config lacks."""
+    scheme = scheme if isinstance(scheme, dict) else {}
+    out = {k: v for k, v in flat.items()
+           if not any(k == f"{SCHEME}{n}" or k in (f"{SCHEME}{n}._target_", f"{SCHEME}{n}._partial_")
+                      for n in CLASS_NODES)}
+    for node in CLASS_NODES:
+        if node == "compressor" and node not in scheme:
+            continue
+        value = scheme.get(node)
+        out[f"{SCHEME}{node}._target_"] = value.get("_target_") if isinstance(value, dict) else value
+    return out
 
 
 def _compressor_option(key: str) -> bool:
@@ -138,10 +155,19 @@ def _class_default(target: Any, option: str) -> Any:
 def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, current value)`` for every run-defining key that differs. The
     compressor's options count when both runs built the same class (an option left out is the
-    class's default); another class is told by ``scheme.name``."""
-    a, b = _flatten(_scheme_as_now(saved)), _flatten(_scheme_as_now(current))
+    class's default). The class each of the scheme's nodes builds (``scheme.compressor._target_``,
+    ``scheme.memory._target_``, ``scheme.sync._target_``) counts where the scheme's name is the
+    same (another name is a difference of its own)."""
+    saved, current = _scheme_as_now(saved), _scheme_as_now(current)
+    a, b = _flatten(saved), _flatten(current)
     target = a.get(f"{COMPRESSOR}_target_")
     same_class = target is not None and target == b.get(f"{COMPRESSOR}_target_")
+    a, b = _classes(a, saved.get("scheme")), _classes(b, current.get("scheme"))
+    for node in CLASS_NODES:  # another scheme's classes, or a class one side did not record: no difference
+        key = f"{SCHEME}{node}._target_"
+        if a.get(f"{SCHEME}name") != b.get(f"{SCHEME}name") or key not in a or key not in b:
+            a.pop(key, None)
+            b.pop(key, None)
     out = []
     for key in sorted(set(a) | set(b)):
         if _compressor_option(key):
