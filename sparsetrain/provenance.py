@@ -9,6 +9,11 @@ not the working directory. "Code" is what changes what a run computes: ``sparset
 folders) do not make it dirty, so a study run from a worktree keeps a clean record. Outside a git
 checkout (an installed wheel, no git) the commit is ``"unknown"``.
 
+One's own classes outside the checkout (a scheme's compressor, memory or sync): their files'
+digest (``compressor_code``), in ``summary.json`` and the checkpoint; a resume on another
+version of them is refused the same way (``compressor_code_versions``: every one a resumed run
+ran on).
+
 Which machine: ``host()``, the processor, its logical CPUs and the system, which a run's
 timings depend on (``summary.json``'s ``hosts``: every machine a resumed run ran on).
 
@@ -77,26 +82,57 @@ def same_code(a: dict | None, b: dict | None) -> bool:
     return describe(a) == describe(b)
 
 
-def compressor_code(target: str | None) -> dict | None:
-    """The source of an out-of-tree compressor: ``{"target", "files", "digest"}`` for the class
-    ``target`` names (``scheme.compressor._target_``, ``mypkg.codecs.MyCodec``) when it is not
-    sparsetrain's own: the files that define it and its bases outside sparsetrain (never the
+SCHEME_NODES = ("compressor", "memory", "sync")  # the scheme's nodes that name a class
+
+
+def scheme_targets(scheme: dict | None) -> list[str]:
+    """The classes a scheme's nodes name (``scheme.compressor`` / ``memory`` / ``sync``
+    ``._target_``), in that order; nodes that are null are left out."""
+    nodes = [(scheme or {}).get(node) for node in SCHEME_NODES]
+    return [str(n["_target_"]) for n in nodes if isinstance(n, dict) and n.get("_target_")]
+
+
+def compressor_code(targets: str | list[str] | None) -> dict | None:
+    """The source of a scheme's out-of-tree classes: ``{"target", "targets", "files", "digest"}``
+    for the classes ``targets`` names (``scheme_targets``: the compressor's, the memory's, the
+    sync's ``_target_``, ``mypkg.codecs.MyCodec``; one name alone is the compressor's) that are not
+    sparsetrain's own: the files that define them and their bases outside sparsetrain (never the
     standard library or installed packages other than its own; relative to the working directory
-    where under it), and one sha256 over their names and bytes, wherever they lie.
+    where under it), and one sha256 over their names and bytes, wherever they lie (``target``:
+    the first own class; ``targets``: all of them). One own compressor gives the digest it gave
+    before memories and syncs were digested too.
     A commit does not say which version of one's own code ran; this does, so that the analysis
-    never averages two versions. None for sparsetrain's classes, no target, or one that cannot
-    be imported (the run has already failed to build it then)."""
-    if not target or str(target).split(".")[0] == "sparsetrain":
+    never averages two versions. None where every class is sparsetrain's, none is named, or one
+    cannot be imported (the run has already failed to build it then)."""
+    own_targets, files = [], []
+    for target in [targets] if isinstance(targets, str) else (targets or []):
+        found = _own_files(target)
+        if found:
+            own_targets.append(str(target))
+            files.extend(f for f in found if f not in files)
+    if not files:
         return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return {"target": own_targets[0], "targets": own_targets, "files": [_shown(p) for p in files],
+            "digest": digest.hexdigest()[:16]}
+
+
+def _own_files(target: str | None) -> list[Path]:
+    """The files outside sparsetrain that define the class ``target`` and its bases (see
+    ``compressor_code``); [] for sparsetrain's classes, no target, or one that cannot be imported."""
+    if not target or str(target).split(".")[0] == "sparsetrain":
+        return []
     module_name, _, name = str(target).rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError):
-        return None
+        return []
     installed = {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
                  if (p := sysconfig.get_paths().get(key))}
     own = Path(__file__).resolve().parent  # the sparsetrain package
-    files = []
+    files: list[Path] = []
     for i, klass in enumerate(getattr(cls, "__mro__", (cls,))):
         try:
             path = Path(inspect.getsourcefile(klass) or "").resolve()
@@ -109,12 +145,20 @@ def compressor_code(target: str | None) -> dict | None:
             continue
         if path not in files:
             files.append(path)
-    if not files:
-        return None
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return {"target": str(target), "files": [_shown(p) for p in files], "digest": digest.hexdigest()[:16]}
+    return files
+
+
+def same_own_code(a: dict | None, b: dict | None) -> bool:
+    """Whether two ``compressor_code`` records name the same source (None: sparsetrain's own)."""
+    return (a or {}).get("digest") == (b or {}).get("digest")
+
+
+def describe_own(code: dict | None) -> str:
+    """``own code mycomp.MyRandK@8b0bcc85536067c2`` (every own class, then the digest), or
+    ``sparsetrain's own classes``: one version of one's own code."""
+    if not code:
+        return "sparsetrain's own classes"
+    return f"own code {'+'.join(code.get('targets') or [code.get('target')])}@{code.get('digest')}"
 
 
 def _shown(path: Path) -> str:

@@ -147,6 +147,138 @@ def test_another_class_of_the_same_scheme_is_another_run(tmp_path):
         "scheme.name"]
 
 
+OWN_MEMORY = """\
+from sparsetrain.compress import Memory
+
+
+class EF(Memory):
+    BUFFERS = ("memory",)
+
+    def accumulate(self, grad):
+        return self.add_into(self.memory, grad)
+
+    def forget(self, payload, compressor):
+        compressor.forget(self.memory, payload)
+"""
+
+
+@pytest.fixture
+def own_memory(tmp_path, monkeypatch):
+    """``ownmem.py`` (``OWN_MEMORY``) under ``tmp_path``, importable, imported afresh."""
+    import sys
+
+    (tmp_path / "ownmem.py").write_text(OWN_MEMORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("ownmem", None)
+    yield tmp_path / "ownmem.py"
+    sys.modules.pop("ownmem", None)
+
+
+def _own_memory_config(*overrides):
+    from omegaconf import OmegaConf
+
+    from sparsetrain.config import compose, validate
+
+    cfg = compose([*TINY, "scheme=randk", "scheme.memory={_target_:ownmem.EF,_partial_:true}", "world_size=1",
+                   "train.max_steps=2", *overrides])
+    validate(cfg)
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+
+
+def test_own_code_is_kept_in_the_checkpoint_and_another_version_is_refused(tmp_path, own_memory):
+    """The source of the scheme's own classes (here a memory: every out-of-tree _target_ counts) is
+    kept in the run record's checkpoint state; a resume on another version of it is refused in one
+    line, before any rank starts and in the trainer, unless train.allow_code_change=true, which
+    records both versions."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from sparsetrain.errors import ConfigError
+    from sparsetrain.rank import RankInfo
+    from sparsetrain.train import checkpoint as ckpt
+    from sparsetrain.train.record import RunRecord
+
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def record(*overrides):  # the run record alone: what it keeps and checks needs no trainer
+        return RunRecord(_own_memory_config(*overrides), RankInfo(0, 1, 0, 1, "single"), run,
+                         torch.device("cpu"), parts=None, tally=None)
+
+    first = record()
+    v1 = first.own_code
+    assert v1["targets"] == ["ownmem.EF"] and v1["files"][-1].endswith("ownmem.py")
+    config = OmegaConf.to_container(first.cfg, resolve=True)
+    ckpt.save({"step": 1, "per_rank": [{}], "config": config, **first.state_dict()}, first.checkpoint_path)
+    ckpt.check_resume(run, config)  # the same version resumes
+    own_memory.write_text(OWN_MEMORY + "# edited\n")
+    second = record()
+    v2 = second.own_code["digest"]
+    assert v2 != v1["digest"]
+    for refuse in (second.load_checkpoint, lambda: ckpt.check_resume(run, config)):
+        with pytest.raises(ConfigError) as err:
+            refuse()
+        line = str(err.value)
+        assert f"ownmem.EF@{v1['digest']}" in line and f"ownmem.EF@{v2}" in line and "\n" not in line
+        assert "train.allow_code_change=true" in line
+    ckpt.check_resume(run, {**config, "train": {**config["train"], "allow_code_change": True}})
+    allowed = record("train.allow_code_change=true")
+    allowed.load_state_dict(allowed.load_checkpoint())
+    assert allowed.state_dict()["compressor_code_versions"] == [v1["digest"], v2]
+
+
+def test_a_run_resumed_on_another_version_of_own_code_is_its_own_row():
+    from sparsetrain.analysis.loader import row_from_summary
+
+    config = {"scheme": {"name": "randk"}, "scope": {"name": "layerwise"}, "aggregation": {"name": "allgather"}}
+    code = {"target": "own.EF", "files": ["own.py"], "digest": "b" * 16}
+    row = row_from_summary({"status": "completed", "config": config, "compressor_code": code}, None)
+    assert row["compressor_code"] == "b" * 16
+    resumed = {"status": "completed", "config": config, "compressor_code": code,
+               "compressor_code_versions": ["a" * 16, "b" * 16]}
+    assert row_from_summary(resumed, None)["compressor_code"] == f"{'a' * 16};{'b' * 16}"
+
+
+@pytest.mark.slow  # three trainers and a run
+def test_own_code_edited_between_interrupt_and_resume_is_refused_unless_allowed(tmp_path, own_memory):
+    """The same through the trainer: refused, then with train.allow_code_change=true resumed, the
+    summary lists both versions and the analysis keeps the run apart from either."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from sparsetrain.analysis.loader import load_runs
+    from sparsetrain.errors import ConfigError
+    from sparsetrain.rank import RankInfo
+    from sparsetrain.train import Trainer
+    from sparsetrain.train.checkpoint import check_resume
+
+    run = tmp_path / "run"
+
+    def trainer(*overrides):
+        return Trainer(_own_memory_config(*overrides), RankInfo(0, 1, 0, 1, "single"), run, torch.device("cpu"))
+
+    first = trainer()
+    v1 = first.record.own_code
+    assert v1["targets"] == ["ownmem.EF"] and v1["files"][-1].endswith("ownmem.py")
+    first.save_checkpoint()  # as an interruption would
+    own_memory.write_text(OWN_MEMORY + "# edited\n")
+    second = trainer()
+    v2 = second.record.own_code["digest"]
+    assert v2 != v1["digest"]
+    config = OmegaConf.to_container(second.cfg, resolve=True)
+    for refuse in (second.record.load_checkpoint, lambda: check_resume(run, config)):
+        with pytest.raises(ConfigError) as err:
+            refuse()
+        line = str(err.value)
+        assert f"ownmem.EF@{v1['digest']}" in line and f"ownmem.EF@{v2}" in line and "\n" not in line
+        assert "train.allow_code_change=true" in line
+    check_resume(run, {**config, "train": {**config["train"], "allow_code_change": True}})
+    summary = trainer("train.allow_code_change=true").fit()
+    assert summary["resumed_from_step"] == 0 and summary["compressor_code"]["digest"] == v2
+    assert summary["compressor_code_versions"] == [v1["digest"], v2]
+    assert load_runs(run)["compressor_code"].tolist() == [f"{v1['digest']};{v2}"]
+
+
 @pytest.mark.slow  # three runs
 def test_a_rerun_with_another_compressor_option_is_refused_and_analysed_apart(mine):
     from sparsetrain.analysis.loader import load_runs

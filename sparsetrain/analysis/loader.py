@@ -512,9 +512,12 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
     row.update(_code_fields(summary))
     row["host"] = _host_of(summary)
     row[legacy.VERSION_COLUMN] = version  # summary.json's layout (legacy.version_of)
-    # an out-of-tree compressor's source (summary's compressor_code.digest): two versions of
-    # one's own class are two configurations; None for sparsetrain's own classes
-    row["compressor_code"] = (summary.get("compressor_code") or {}).get("digest")
+    # the source of the scheme's out-of-tree classes (summary's compressor_code.digest): two
+    # versions of one's own class are two configurations, and so is a run resumed on another
+    # version (compressor_code_versions, joined with ';'); None for sparsetrain's own classes
+    versions = summary.get("compressor_code_versions") or []
+    row["compressor_code"] = (";".join(versions) if len(versions) > 1
+                              else (summary.get("compressor_code") or {}).get("digest"))
     reason = untrained_reason(summary)
     if reason:  # finished, but no better than a uniform guess: not a result to rank
         row.update(status=DID_NOT_TRAIN, error=reason)

@@ -23,7 +23,15 @@ from typing import Any
 import torch
 
 from sparsetrain.errors import CheckpointError, ConfigError
-from sparsetrain.provenance import code_version, describe, same_code
+from sparsetrain.provenance import (
+    code_version,
+    compressor_code,
+    describe,
+    describe_own,
+    same_code,
+    same_own_code,
+    scheme_targets,
+)
 from sparsetrain.results import recorded_scheme
 
 CHECKPOINT = "checkpoint.pt"
@@ -218,6 +226,22 @@ def check_same_code(saved_code: dict | None, current: dict | None, allow: bool,
     )
 
 
+def check_same_own_code(saved: dict | None, current: dict | None, allow: bool, path: str | Path) -> None:
+    """Raise ConfigError when the checkpoint was written by another version of the scheme's own
+    classes (``compressor_code``: the digest of their files) than ``current``, unless ``allow``
+    (``train.allow_code_change``, as for sparsetrain's own code)."""
+    if allow or same_own_code(saved, current):
+        return
+    raise ConfigError(
+        f"will not resume {path}: it was written by {describe_own(saved)} and this is "
+        f"{describe_own(current)}; restore that version of {', '.join((current or saved or {}).get('files', []))} "
+        "to resume, or add train.allow_code_change=true to resume on this code (the summary lists both)"
+    )
+
+
+OWN_CODE = "compressor_code"  # the checkpoint's record of the scheme's own classes' source
+
+
 def _show(value: Any) -> str:
     return value if value == _ABSENT else repr(value)
 
@@ -282,8 +306,10 @@ def check_resume(run_dir: str | Path, config: dict) -> None:
         return
     state = load(path, mmap=True)
     check_same_run(state.get("config"), config, path)
-    check_same_code(state.get("code"), code_version(),
-                    bool(config.get("train", {}).get("allow_code_change", False)), path)
+    allow = bool(config.get("train", {}).get("allow_code_change", False))
+    check_same_code(state.get("code"), code_version(), allow, path)
+    if OWN_CODE in state:  # checkpoints written before it was kept: not checked
+        check_same_own_code(state[OWN_CODE], compressor_code(scheme_targets(config.get("scheme"))), allow, path)
 
 
 def completed_run(run_dir: str | Path, config: dict) -> dict | None:

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from sparsetrain.compress import kernels
 from sparsetrain.errors import one_line_error
-from sparsetrain.provenance import code_version, compressor_code, describe, host
+from sparsetrain.provenance import code_version, compressor_code, describe, host, scheme_targets
 from sparsetrain.rank import RankInfo
 from sparsetrain.results import (
     METRICS,
@@ -72,6 +72,11 @@ class RunRecord:
         # Which code this run runs, and every version a resumed run ran on (sparsetrain.provenance)
         self.code = code_version()
         self.code_commits = [describe(self.code, full=True)]
+        # ... the source of the scheme's own classes outside sparsetrain (compressor, memory, sync),
+        # so that two versions of it are never averaged, and every version a resumed run ran on
+        scheme = OmegaConf.to_container(cfg.scheme, resolve=True) if "scheme" in cfg else {}
+        self.own_code = compressor_code(scheme_targets(scheme))
+        self.own_code_versions = [self.own_code["digest"]] if self.own_code else []
         # ... and on which machine (rank 0's): every one a resumed run ran on
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         self.hosts = [{**host(), "torch": str(torch.__version__), "gpu": gpu}]  # str: a checkpoint loads with weights_only
@@ -83,7 +88,8 @@ class RunRecord:
 
     def state_dict(self) -> dict:
         return {"records_logged": self.records_logged, "last_eval": dict(self.last_eval),
-                "code": self.code, "code_commits": list(self.code_commits), "hosts": list(self.hosts)}
+                "code": self.code, "code_commits": list(self.code_commits), "hosts": list(self.hosts),
+                ckpt.OWN_CODE: self.own_code, "compressor_code_versions": list(self.own_code_versions)}
 
     def load_state_dict(self, state: dict) -> None:
         self.records_logged = state["records_logged"]
@@ -92,6 +98,9 @@ class RunRecord:
         here = describe(self.code, full=True)
         self.code_commits = _then(state.get("code_commits", []), here)
         self.hosts = _then(state.get("hosts", []), self.hosts[-1])  # likewise the machines
+        # ... and one's own classes' versions (check_same_own_code has refused a change unless allowed)
+        saved = state.get("compressor_code_versions", [])
+        self.own_code_versions = _then(saved, self.own_code["digest"]) if self.own_code else list(saved)
 
     def save_checkpoint(self, state: dict) -> None:
         """Every rank contributes its own ``PER_RANK_STATE`` of ``state``; rank 0 writes one file."""
@@ -118,6 +127,9 @@ class RunRecord:
                             self.checkpoint_path)
         ckpt.check_same_code(state.pop("code", None), self.code, self.cfg.train.allow_code_change,
                              self.checkpoint_path)
+        if ckpt.OWN_CODE in state:  # checkpoints written before it was kept: not checked
+            ckpt.check_same_own_code(state.pop(ckpt.OWN_CODE), self.own_code,
+                                     self.cfg.train.allow_code_change, self.checkpoint_path)
         state.update(state.pop("per_rank")[self.info.rank])
         return state
 
@@ -144,8 +156,9 @@ class RunRecord:
             resumed_from_step=step if resumed else None,
             code=self.code,
             code_commits=self.code_commits,
-            # an out-of-tree compressor's source, so that two versions of it are never averaged
-            compressor_code=compressor_code((config["scheme"].get("compressor") or {}).get("_target_")),
+            # the scheme's out-of-tree classes' source, so that two versions of it are never averaged
+            compressor_code=self.own_code,
+            compressor_code_versions=list(self.own_code_versions) or None,
             hosts=self.hosts,
             kernels=kernels.backend(),  # the quantizers' CPU kernels: numba's, or the numpy paths
             slurm_job_id=self.info.slurm_job_id,
