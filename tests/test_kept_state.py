@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from conftest import ROOT, SCHEME_TARGETS, TINY, compressor_for, read_json, run_
 from test_ddp_hook import CAP_MB, _free_port, batch, net
 
 from sparsetrain.comm import build_reducer
-from sparsetrain.compress import Layout, Memory, TopK
+from sparsetrain.compress import Layout, Memory, RandomK, TopK
 from sparsetrain.errors import CheckpointError
 from sparsetrain.timing import NULL_TIMER
 
@@ -121,6 +122,91 @@ def test_a_memory_keeping_a_tensor_outside_its_buffers_is_refused():
     msg = _refusal(compressor_for("randk"), Momentum)
     assert msg.startswith("Momentum.u changed in the first compressed step but Momentum's BUFFERS does not "
                           "carry it"), msg
+
+
+class Counting(TopK):
+    """A step counter (DGC's sparsity warm-up): a Python int, not a tensor."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.calls = 0
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        self.calls += 1
+        payload = super().compress(acc, seed, out=out, wire=wire)
+        payload.values.mul_(min(1.0, self.calls / 10))
+        return payload
+
+
+class DeclaredCounting(Counting):
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state):
+        self.calls = state["calls"]
+
+
+class NumpyDrawn(RandomK):
+    """Positions from a numpy Generator made once."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.rng = np.random.default_rng(0)
+
+    def select(self, acc, seed):
+        idx = torch.from_numpy(np.sort(self.rng.choice(self.numel, self.k, replace=False)))
+        return idx, idx
+
+
+class _Ema:
+    def __init__(self):
+        self.v = torch.zeros(1)
+
+
+class EmaScaled(TopK):
+    """A running statistic inside a helper object."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.ema = _Ema()
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        self.ema.v.mul_(0.9).add_(0.1 * acc.abs().mean())
+        payload = super().compress(acc, seed, out=out, wire=wire)
+        payload.values.div_(1 + self.ema.v)
+        return payload
+
+
+class Ramp(Memory):
+    """Error feedback phased in over 40 steps, counted in a Python int."""
+
+    BUFFERS = ("memory",)
+
+    def __init__(self, numel, **kw):
+        super().__init__(numel, **kw)
+        self.t = 0
+
+    def accumulate(self, grad):
+        self.t += 1
+        self.memory.mul_(min(1.0, self.t / 40))
+        return self.add_into(self.memory, grad)
+
+    def forget(self, payload, compressor):
+        compressor.forget(self.memory, payload)
+
+
+def test_numbers_numpy_generators_and_helper_objects_kept_undeclared_are_refused():
+    """Not only tensors: a Python number, a numpy Generator's state and the tensors of a plain
+    helper object are lost on a resume as well; each is named (the helper's by its path)."""
+    assert _refusal(Counting).startswith("Counting.calls changed in the first compressed step")
+    assert _refusal(NumpyDrawn).startswith("NumpyDrawn.rng changed in the first compressed step")
+    assert _refusal(EmaScaled).startswith("EmaScaled.ema.v changed in the first compressed step")
+    assert _refusal(compressor_for("randk"), Ramp).startswith("Ramp.t changed in the first compressed step")
+    assert _steps(DeclaredCounting, steps=3)._kept is True  # declared: it passes
+    # top-k's diagnostic counters and the fused kernels' tables are no state of the exchange
+    from sparsetrain.compress.kept import transient_names
+
+    assert {"fallbacks", "small_ties", "_fused_plan"} <= transient_names(TopK)
 
 
 def test_every_built_in_scheme_passes_the_check():

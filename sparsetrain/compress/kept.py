@@ -7,19 +7,24 @@ changed and did not declare would be lost there, and the run would go on from ot
 without a word. So the exchange checks each compressor and memory once, over its first
 compressed step:
 
-- at the step's start, ``snapshot`` copies the object's tensors (its own attributes, and the
-  tensors in lists, tuples and dicts of them; a ``torch.Generator``'s state counts as a tensor);
+- at the step's start, ``snapshot`` copies the object's state: its own attributes' tensors,
+  numpy arrays, numbers and strings (a step counter), a ``torch.Generator``'s state, a numpy
+  ``Generator``'s (``bit_generator.state``), and the same inside lists, tuples, dicts and plain
+  objects' attributes (a helper holding a running statistic);
 - after the step, ``undeclared`` loads the live object's declared state into that copy (what a
-  resume does) and names every tensor attribute on which the two differ.
+  resume does) and names every value on which the two differ (``calls``, ``rng``, ``ema.v``).
 
 An attribute that is a cache or scratch space, rewritten before it is read (random-k's latest
-draw, top-k's work buffers), is listed in the class's ``transient`` (a subclass lists its own; its
-bases' count too); it is not compared.
+draw, top-k's work buffers, a diagnostic counter no step reads), is listed in the class's
+``transient`` (a subclass lists its own; its bases' count too; a helper object's class likewise);
+it is not compared.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -27,10 +32,28 @@ import torch
 
 from sparsetrain.errors import CheckpointError
 
+# Values compared as they are: numbers, strings, flags (a step counter, a phase's name)
+_SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
-def _clone(value):
-    """``value`` with every tensor, array and generator in it copied (containers rebuilt); other
-    objects kept as they are (shared)."""
+
+def _plain(value) -> bool:
+    """An object of a Python class whose attributes are state (a helper holding a running
+    statistic): not a class, module, function, torch's or numpy's own objects."""
+    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
+                          types.BuiltinFunctionType, functools.partial, torch.nn.Module)):
+        return False
+    module = type(value).__module__ or ""
+    if module.split(".")[0] in ("torch", "numpy", "builtins", "numba"):
+        return False
+    return hasattr(value, "__dict__")
+
+
+def _clone(value, memo: dict | None = None):
+    """``value`` with every tensor, array, generator and plain object in it copied (containers
+    rebuilt); numbers and strings as they are (immutable); other objects kept (shared)."""
+    memo = {} if memo is None else memo
+    if id(value) in memo:
+        return memo[id(value)]
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, np.ndarray):
@@ -39,38 +62,64 @@ def _clone(value):
         gen = torch.Generator(device=value.device)
         gen.set_state(value.get_state())
         return gen
+    if isinstance(value, (np.random.Generator, np.random.RandomState)):
+        return copy.deepcopy(value)
     if isinstance(value, (list, tuple)):
-        items = [_clone(v) for v in value]
+        items = [_clone(v, memo) for v in value]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
+        return {k: _clone(v, memo) for k, v in value.items()}
+    if _plain(value):
+        out = memo[id(value)] = copy.copy(value)
+        for name, attr in vars(value).items():
+            object.__setattr__(out, name, _clone(attr, memo))  # frozen dataclasses too
+        return out
     return value
 
 
-def _tensors(value, path: str = "") -> dict[str, object]:
-    """The tensors in ``value`` by path (``[0]``, ``['name']``): tensors, numpy arrays and a
-    generator's state."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
+def _tensors(value, path: str = "", seen: frozenset = frozenset()) -> dict[str, object]:
+    """The state in ``value`` by path (``[0]``, ``['name']``, ``.attr``): tensors, numpy arrays,
+    a torch generator's state, a numpy generator's (``bit_generator.state``), numbers and
+    strings, and the same inside lists, tuples, dicts and plain objects' attributes."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) or isinstance(value, _SCALARS):
         return {path: value}
     if isinstance(value, torch.Generator):
         return {path: value.get_state()}
+    if isinstance(value, np.random.Generator):
+        return {path: value.bit_generator.state}  # a dict of numbers and names
+    if isinstance(value, np.random.RandomState):
+        return {path: value.get_state(legacy=False)}  # ... and an array
+    if id(value) in seen:  # a cycle (a helper pointing back at its owner)
+        return {}
+    seen = seen | {id(value)}
+    out: dict[str, object] = {}
     if isinstance(value, (list, tuple)):
-        out: dict[str, object] = {}
         for i, v in enumerate(value):
-            out.update(_tensors(v, f"{path}[{i}]"))
-        return out
-    if isinstance(value, dict):
-        out = {}
+            out.update(_tensors(v, f"{path}[{i}]", seen))
+    elif isinstance(value, dict):
         for k, v in value.items():
-            out.update(_tensors(v, f"{path}[{k!r}]"))
-        return out
-    return {}
+            out.update(_tensors(v, f"{path}[{k!r}]", seen))
+    elif _plain(value):  # a helper's caches: its class's ``transient``, as for the owner
+        skip = transient_names(type(value))
+        for k, v in vars(value).items():
+            if k not in skip:
+                out.update(_tensors(v, f"{path}.{k}", seen))
+    return out
 
 
 def _same(a, b) -> bool:
+    if isinstance(a, dict) or isinstance(b, dict):  # a numpy generator's state
+        return isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys() \
+            and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, _SCALARS) or isinstance(b, _SCALARS):
+        if type(a) is not type(b):
+            return False
+        return bool(a == b) or (isinstance(a, (float, complex, np.floating)) and a != a and b != b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape \
             and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     if a.is_floating_point() or a.is_complex():
@@ -80,11 +129,13 @@ def _same(a, b) -> bool:
 
 
 def snapshot(obj):
-    """A copy of ``obj`` as it is now: a shallow copy whose tensors (and containers of them) are
-    copies, so that loading state into it leaves ``obj`` untouched."""
+    """A copy of ``obj`` as it is now: a shallow copy whose state (tensors, generators, plain
+    objects, and containers of them) is copied, so that loading state into it leaves ``obj``
+    untouched."""
     out = copy.copy(obj)
+    memo = {id(obj): out}
     for name, value in vars(obj).items():
-        setattr(out, name, _clone(value))
+        setattr(out, name, _clone(value, memo))
     return out
 
 

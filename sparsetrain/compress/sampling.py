@@ -50,6 +50,10 @@ class DistinctSampler:
     picks at ``[sum(ks[:s]), sum(ks[:s+1]))``, within a segment in draw order.
     """
 
+    # the CPU path's tables (with their scratch keys) and the mark buffer, rewritten or reset by
+    # every draw: left out by the kept-state check (compress.kept) of the compressor holding it
+    transient = ("_np", "_mark")
+
     def __init__(self, sizes, ks, device="cpu"):
         self.sizes = [int(n) for n in sizes]
         self.ks = [int(k) for k in ks]

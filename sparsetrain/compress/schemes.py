@@ -70,8 +70,10 @@ class TopK(Compressor):
 
     shared_positions = False
     SMALL = 8192  # segments up to this size: every entry is a candidate
-    # work buffers and tables built on first use (the kept-state check leaves them out)
-    transient = ("_scratch", "_mask", "_sample_np", "_chunks", "_small", "_small_fast", "_tables")
+    # work buffers and tables built on first use (the fused kernels' too), and counters kept for
+    # diagnostics that no step reads: the kept-state check leaves them out
+    transient = ("_scratch", "_mask", "_sample_np", "_chunks", "_small", "_small_fast", "_tables", "_fused_plan",
+                 "fallbacks", "small_ties")
 
     def __init__(self, ratio, layout, scope="layerwise", **kw):
         super().__init__(ratio, layout, scope, **kw)
