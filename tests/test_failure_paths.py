@@ -242,6 +242,36 @@ def test_write_error_other_than_space_is_named(tmp_path):
         save({"step": 1}, target)
 
 
+def test_a_cuda_runs_checkpoint_keeps_each_ranks_gpu_generator(tmp_path, monkeypatch):
+    """On a GPU the checkpoint keeps the rank's CUDA generator (per rank: each rank has its own
+    GPU) and a resume restores it; a checkpoint without it (CPU runs, older ones) still loads.
+    No GPU here: the device is said to be cuda:0 and torch.cuda's two calls stand in for it."""
+    from omegaconf import OmegaConf
+
+    from sparsetrain.config import compose
+    from sparsetrain.rank import RankInfo
+    from sparsetrain.train import Trainer
+
+    cfg = compose([*TINY, "scheme=topk", "world_size=1", "train.max_steps=2"])
+    trainer = Trainer(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), RankInfo(0, 1, 0, 1, "single"),
+                      tmp_path / "run", torch.device("cpu"))
+    assert "cuda_rng" not in trainer.state_dict()  # a CPU run: nothing to keep
+    gpu = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": gpu.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device)))
+    trainer.device = torch.device("cuda", 0)
+    trainer.save_checkpoint()
+    saved = torch.load(trainer.record.checkpoint_path, weights_only=True)
+    assert torch.equal(saved["per_rank"][0]["cuda_rng"], gpu) and "cuda_rng" not in saved
+    state = {**saved, **saved["per_rank"][0]}
+    trainer.load_state_dict(state)
+    assert len(restored) == 1 and torch.equal(restored[0][0], gpu) and restored[0][1] == torch.device("cuda", 0)
+    del state["cuda_rng"]  # written on the CPU, or before CUDA's generator was kept
+    trainer.load_state_dict(state)
+    assert len(restored) == 1
+
+
 # ---- 5. heartbeat ------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_rank0_killed_under_torchrun_is_unfinished_not_running(tmp_path):

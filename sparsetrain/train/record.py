@@ -44,8 +44,9 @@ from sparsetrain.train import checkpoint as ckpt
 from sparsetrain.train.build import Parts
 from sparsetrain.train.tally import Tally
 
-# What differs between ranks and is saved for each: error-feedback memory, local epoch sums.
-PER_RANK_STATE = ("reducer", "epoch_stats", "recent_losses")
+# What differs between ranks and is saved for each: error-feedback memory, local epoch sums, the
+# rank's GPU generator (CUDA runs)
+PER_RANK_STATE = ("reducer", "epoch_stats", "recent_losses", "cuda_rng")
 # ... and, where the ranks' models part between synchronisations (local SGD, DiLoCo: the
 # reducer's ``ranks_diverge``), each rank's model and optimizer too
 DIVERGING_STATE = ("model", "optimizer")

@@ -87,6 +87,8 @@ class Trainer:
             **self.record.state_dict(),
             "timer": self.timer.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            # this rank's GPU's generator (each rank has its own: saved per rank, record.PER_RANK_STATE)
+            **({"cuda_rng": torch.cuda.get_rng_state(self.device)} if self.device.type == "cuda" else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -101,7 +103,10 @@ class Trainer:
         self.tally.load_state_dict(state)
         self.record.load_state_dict(state)
         self.timer.load_state_dict(state["timer"])
-        torch.set_rng_state(state["torch_rng"])
+        # on the CPU whatever map_location put them on: set_rng_state takes a CPU ByteTensor only
+        torch.set_rng_state(state["torch_rng"].cpu())
+        if self.device.type == "cuda" and state.get("cuda_rng") is not None:  # absent: saved on the CPU or before it was
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), self.device)
 
     def save_checkpoint(self) -> None:
         self.record.save_checkpoint(self.state_dict())
