@@ -52,7 +52,10 @@ RUNS = {
 # (platform, pins): the first pins were taken on 2026-12-01 on a processor whose model was not
 # recorded (it no longer matches any machine, and is kept as the record); the second on an AMD
 # EPYC, 2026-12-02, where the code of commit f31d337 (before that day's changes) and of the
-# change that added this entry gave these same digests.
+# change that added this entry gave these same digests. The third on an Intel Xeon, 2026-12-07, where
+# commit d37db2c (before that day's checks: the decode check, the kept-state and resume checks) and
+# the change that added this entry gave these digests: the first pins' five, so that machine was
+# most likely this one.
 PINNED = [
     ({"torch": "2.14.1+cu130", "cpu_capability": "AVX512", "cpu": "not recorded"}, {
         "dense": "20fff146bf7b975b7418af364c32d20276d8a437632978711145c022b2b11e93",
@@ -74,6 +77,16 @@ PINNED = [
         # repinned on purpose (issue 35): the DDP hook now draws each tensor's block where the
         # trainer does (it drew per bucket: 09d4826b...); the trainer's five runs are unchanged
         "blockk_ddp": "1c9cf5f731a51368a30bb3b9cc6177d544150614fbb674c2c73957d815115964",
+    }),
+    ({"torch": "2.14.1+cu130", "cpu_capability": "AVX512",
+      "cpu": "Intel(R) Xeon(R) Processor [avx512_bitalg avx512_vbmi2 avx512_vnni avx512_vpopcntdq avx512bw "
+             "avx512cd avx512dq avx512f avx512ifma avx512vbmi avx512vl]"}, {
+        "dense": "20fff146bf7b975b7418af364c32d20276d8a437632978711145c022b2b11e93",
+        "topk": "3dff725c8fca7e3c9316d26361bb34062504b0e043e976966c4575eeeeeebb35",
+        "randk": "3825719db898f861ca7ec7e1cd4f3b6c71c4b59cb42d24bb44370b9270dd639e",
+        "blockk": "a32e0f3c06f08dd89b595bee6bf51d4a71e5ac8f97f72caaf36ac80bda750189",
+        "blockk_global_allreduce": "757bffe5c01b13430c561224fe4a2befdf78bc014f3e06d0ef2d2f03aeaaaf01",
+        "blockk_ddp": "4b02047ea41daa70783d6d60d1db70581d63030baa3ff283aa0ea3761ed923a2",
     }),
 ]
 
