@@ -113,6 +113,8 @@ class PowerSGD(Compressor):
     #: the scopes it allows (the constructor and comm.rules refuse the others in one line)
     scopes: ClassVar[tuple[str, ...]] = ("layerwise",)
     scope_reason: ClassVar[str] = "PowerSGD compresses each tensor as a matrix of its own"
+    # the fast path's plan of same-shape matmuls (ShapeBatches), built from the layout on first use
+    transient: ClassVar[tuple[str, ...]] = ("_batches",)
     #: ``train.fast_path``: the matmuls batched by shape (``ShapeBatches``), set by the exchange
     #: (``compress.fused.prepare``); the same factors and update bit for bit on the CPU
     batched: bool = False
