@@ -212,3 +212,25 @@ def test_the_ddp_hook_splits_its_bytes_by_collective(tmp_path):
         # k = 100 int32 positions gathered; 400 floats and the 20 whole bias entries summed
         assert split == planned == {"allgather": 400, "allreduce": 4 * 420}
         assert sent == 400 + 4 * 420
+
+
+def test_a_local_sgd_synchronisation_counts_its_buffers_at_allreduces_factor():
+    """Local SGD / DiLoCo over a gathering exchange: the batch-norm buffers travel in an AllReduce
+    of their own, but were counted at the inner exchange's AllGather factor (4 ranks: 3x, not
+    1.5x). Each part now at its own collective's factor, per synchronisation and per step."""
+    from sparsetrain.comm.periodic import PeriodicSync
+    from sparsetrain.compress import QSGD
+    from sparsetrain.train.tally import Tally
+
+    net = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.BatchNorm1d(20), torch.nn.Linear(20, 3))
+    params = list(net.parameters())
+    numel = sum(p.numel() for p in params)
+    inner = build_reducer("qsgd", "layerwise", "allgather", 0.5, Layout.from_sizes([numel]), world_size=4,
+                          rank=0, seed=0, compressor=QSGD)
+    local = PeriodicSync(params, list(net.buffers()), inner, period=2)
+    buffers = 2 * 20 * 4  # running mean and variance, float32 (num_batches_tracked is no float)
+    assert local.bytes_by_collective_per_sync == {"allgather": inner.bytes_sent_per_step, "allreduce": buffers}
+    tally = Tally(4, torch.device("cpu"), 0)
+    want = wire_bytes("allgather", inner.bytes_sent_per_step, 4) + wire_bytes("allreduce", buffers, 4)
+    assert tally.wire_bytes(local.collective, local.bytes_per_sync, local.bytes_by_collective_per_sync) == round(want)
+    assert tally.wire_bytes(local.collective, local.bytes_sent_per_step, local.bytes_by_collective) == round(want / 2)

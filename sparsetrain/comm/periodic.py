@@ -129,6 +129,12 @@ class PeriodicSync(ReducerBase):
         self.ratio_applies = self.compresses and bool(inner.ratio_applies)
         self.aggregation_applies = self.compresses and bool(inner.aggregation_applies)
         self.scope_applies = self.compresses
+        # a synchronisation's bytes by the collective that carries them: the inner exchange's (its
+        # rounds may gather some and sum others), then the buffers' AllReduce; a step's, a period's mean
+        split = dict(inner.bytes_by_collective or {inner.collective: inner.bytes_sent_per_step})
+        split["allreduce"] = split.get("allreduce", 0) + buffer_bytes
+        self.bytes_by_collective_per_sync = split
+        self.bytes_by_collective = {c: n / self.period for c, n in split.items()}
 
     @staticmethod
     def check_options(*, period: int = 1, outer_lr: float = 1.0, outer_momentum: float = 0.0, **_) -> None:
@@ -161,8 +167,10 @@ class PeriodicSync(ReducerBase):
             with timer.phase("exchange"):
                 average_dense(flat_grad, _world(self.group), self.group)
             return ExchangeStats(self.dense_bytes_per_step, self.dense_bytes_per_step, 1.0, 0.0, 0.0, "allreduce")
-        sent = self.bytes_per_sync if self.syncs_at(step) else 0
-        return ExchangeStats(sent, self.dense_bytes_per_step, density=self.density, collective=self.collective)
+        syncs = self.syncs_at(step)
+        return ExchangeStats(self.bytes_per_sync if syncs else 0, self.dense_bytes_per_step, density=self.density,
+                             collective=self.collective,
+                             bytes_by_collective=self.bytes_by_collective_per_sync if syncs else None)
 
     def after_optimizer(self, step: int, timer: PhaseTimer) -> None:
         """After the optimizer's step: during warm-up the anchor follows the model; on the last
