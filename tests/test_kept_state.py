@@ -120,8 +120,8 @@ def test_declared_state_and_a_declared_cache_pass():
 
 def test_a_memory_keeping_a_tensor_outside_its_buffers_is_refused():
     msg = _refusal(compressor_for("randk"), Momentum)
-    assert msg.startswith("Momentum.u changed in the first compressed step but Momentum's BUFFERS does not "
-                          "carry it"), msg
+    assert msg.startswith("Momentum.u changed in the first compressed step but Momentum's BUFFERS (or "
+                          "state_dict / load_state_dict) does not carry it"), msg
 
 
 class Counting(TopK):

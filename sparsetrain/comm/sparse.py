@@ -434,10 +434,11 @@ class SparseReducer(ReducerBase):
         c, m = self.compressor, self.memory
         if self.kept_route == "pieces":  # the DDP hook moves and saves these
             check_kept(c, comp, lambda r: r.adopt(c.pieces()), "pieces / adopt")
-            check_kept(m, mem, lambda r: [b.copy_(m.buffers()[n]) for n, b in r.buffers().items()], "BUFFERS")
+            check_kept(m, mem, lambda r: [b.copy_(m.buffers()[n]) for n, b in r.buffers().items()],
+                       "BUFFERS (per-entry tensors: all a DDP bucket keeps)")
         else:
             check_kept(c, comp, lambda r: r.load_state_dict(c.state_dict()), "state_dict / load_state_dict")
-            check_kept(m, mem, lambda r: r.load_state_dict(m.state_dict()), "BUFFERS")
+            check_kept(m, mem, lambda r: r.load_state_dict(m.state_dict()), "BUFFERS (or state_dict / load_state_dict)")
 
     def _receive(self, i: int, pending: SparseStep, out) -> None:
         """Round ``i``'s result to the compressor, and the whole tensors (averaged) back into the
