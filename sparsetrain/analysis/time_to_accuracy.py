@@ -160,16 +160,23 @@ def _curve(run_dir: str | Path) -> tuple[list[tuple[float, float]], str | None]:
     return curve, (VAL if split == "val" else TEST) if curve else None
 
 
-def curve_split(runs: pd.DataFrame) -> str:
-    """The one data set the completed runs' curves score (``_curve``); ValueError in one line
-    where they score several: a validation curve beside a test curve is not the same target
-    (validation runs about a point higher), and a table of both would rank them as one."""
+def run_curves(runs: pd.DataFrame) -> dict:
+    """Each run's ``_curve`` by its index (``([], None)`` for a row without a run folder): its
+    metrics.jsonl read once for both ``curve_split`` and ``predict_runs``."""
+    return {index: _curve(run_dir) if isinstance(run_dir, str) else ([], None)
+            for index, run_dir in runs.get("run_dir", pd.Series(dtype=object)).items()}
+
+
+def curve_split(runs: pd.DataFrame, curves: dict | None = None) -> str:
+    """The one data set the completed runs' curves score (``_curve``; ``curves``: ``run_curves``
+    of ``runs``, read here when not given); ValueError in one line where they score several: a
+    validation curve beside a test curve is not the same target (validation runs about a point
+    higher), and a table of both would rank them as one."""
+    curves = run_curves(runs) if curves is None else curves
     found: dict[str, str] = {}
-    for run_dir in runs.get("run_dir", pd.Series(dtype=object)):
-        if isinstance(run_dir, str):
-            split = _curve(run_dir)[1]
-            if split is not None:
-                found.setdefault(split, run_dir)
+    for index, (_, split) in curves.items():
+        if split is not None:
+            found.setdefault(split, runs.at[index, "run_dir"])
     if len(found) > 1:
         shown = "; ".join(f"{split} ({_shown_path(d)})" for split, d in found.items())
         raise ValueError(f"time to accuracy: the runs' curves score different data: {shown}; allowed: runs "
@@ -317,10 +324,12 @@ def borrowed_buckets(runs: pd.DataFrame) -> pd.Series:
 
 
 def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, model: ExchangeModel,
-                 compute: str = "shared", buckets: pd.Series | None = None) -> pd.DataFrame:
+                 compute: str = "shared", buckets: pd.Series | None = None,
+                 curves: dict | None = None) -> pd.DataFrame:
     """One row per (completed run, bandwidth, workers): predicted step ms, steps and seconds to
     ``target`` (NaN: not reached), with the run's axes. ``compute``: ``"shared"`` (the median of
-    the runs of the same work, ``shared_compute_ms``) or ``"own"`` (each run's measurement)."""
+    the runs of the same work, ``shared_compute_ms``) or ``"own"`` (each run's measurement).
+    ``curves``: ``run_curves`` of the completed runs, where already read."""
     if compute not in ("shared", "own"):
         raise ValueError(f"compute={compute!r} is not allowed; allowed: shared, own")
     rows = []
@@ -330,7 +339,8 @@ def predict_runs(runs: pd.DataFrame, target: float, bandwidths_gbit, workers, mo
     for index, run in done.iterrows():
         run = {**run.to_dict(), "overlap_buckets": buckets[index]}
         own = None if shared is None else float(shared[index])
-        curve = accuracy_curve(run["run_dir"]) if isinstance(run.get("run_dir"), str) else []
+        curve = curves[index][0] if curves is not None else \
+            accuracy_curve(run["run_dir"]) if isinstance(run.get("run_dir"), str) else []
         steps = steps_to_target(curve, target)
         # reached at the first evaluation: its step is only an upper bound on the steps to target
         first = float(bool(curve) and steps == curve[0][0])
@@ -403,7 +413,8 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     seed_notes = repeat_notes(completed(runs))
     missing = not_completed(runs).reset_index(drop=True)
     # the one data set the completed runs' curves score (a run that never completed has none)
-    split = TEST if curve_split(done) == TEST else VAL
+    curves = run_curves(done)
+    split = TEST if curve_split(done, curves) == TEST else VAL
     title = f"Time to {target * 100:g}% {split} accuracy: measured compute + predicted exchange"
     notes = [
         f"Exchange: {model.source}.",
@@ -438,7 +449,7 @@ def time_to_accuracy_table(runs: pd.DataFrame, target: float, bandwidths_gbit=BA
     for note in (load_note(done), machines_note(done)):
         if note:
             notes.append(note)
-    data = predict_runs(done, target, bandwidths_gbit, workers, model, compute, buckets)
+    data = predict_runs(done, target, bandwidths_gbit, workers, model, compute, buckets, curves)
     keys = [*by, "bandwidth_gbit", "workers"]
     for column in by:
         data[column] = data[column].astype(object).where(data[column].notna(), "-")
