@@ -66,6 +66,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from sparsetrain.comm.build import build_reducer
+from sparsetrain.comm.protocol import split_by_collective
 from sparsetrain.comm.rules import check_combination
 from sparsetrain.comm.sparse import Placement, SparseReducer
 from sparsetrain.compress import (
@@ -420,9 +421,7 @@ class SparseHookState:
         (and ``bytes_by_collective``, split by collective), ``uncompressed_bytes`` (tensors that
         travel whole) and ``density`` (entries sent / entries)."""
         out = {"bytes_sent": 0, "uncompressed_bytes": 0, "sent_entries": 0.0, "numel": 0}
-        out["bytes_by_collective"] = _by_collective(
-            plan.sizes.bytes_by_collective or {plan.sizes.collective: plan.sizes.bytes_sent_per_step}
-            for plan in self._buckets.values())
+        out["bytes_by_collective"] = _by_collective(split_by_collective(plan.sizes) for plan in self._buckets.values())
         for plan in self._buckets.values():
             red = plan.sizes  # the bucket's reducer, sparse or (whole tensors only) dense
             out["bytes_sent"] += red.bytes_sent_per_step

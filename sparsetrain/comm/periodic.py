@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from sparsetrain.comm.dense import average_dense
-from sparsetrain.comm.protocol import ExchangeStats, ReducerBase
+from sparsetrain.comm.protocol import ExchangeStats, ReducerBase, split_by_collective
 from sparsetrain.compress import Layout
 from sparsetrain.timing import PhaseTimer
 
@@ -131,7 +131,7 @@ class PeriodicSync(ReducerBase):
         self.scope_applies = self.compresses
         # a synchronisation's bytes by the collective that carries them: the inner exchange's (its
         # rounds may gather some and sum others), then the buffers' AllReduce; a step's, a period's mean
-        split = dict(inner.bytes_by_collective or {inner.collective: inner.bytes_sent_per_step})
+        split = split_by_collective(inner)
         split["allreduce"] = split.get("allreduce", 0) + buffer_bytes
         self.bytes_by_collective_per_sync = split
         self.bytes_by_collective = {c: n / self.period for c, n in split.items()}

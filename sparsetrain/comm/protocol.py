@@ -158,6 +158,12 @@ class ReducerBase:
         return None
 
 
+def split_by_collective(reducer) -> dict[str, int]:
+    """``reducer.bytes_sent_per_step`` by the collective that carries each part: its
+    ``bytes_by_collective``, or all of it by its ``collective`` (a fresh dict)."""
+    return dict(reducer.bytes_by_collective or {reducer.collective: reducer.bytes_sent_per_step})
+
+
 def check_reducer(reducer, where: str) -> Reducer:
     """``reducer``, or ``ConfigError`` (one line) naming the ``Reducer`` members it lacks;
     ``where``: what built it (the config key or function)."""
