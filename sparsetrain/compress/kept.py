@@ -77,7 +77,7 @@ def _clone(value, memo: dict | None = None):
     return value
 
 
-def _tensors(value, path: str = "", seen: frozenset = frozenset()) -> dict[str, object]:
+def _leaves(value, path: str = "", seen: frozenset = frozenset()) -> dict[str, object]:
     """The state in ``value`` by path (``[0]``, ``['name']``, ``.attr``): tensors, numpy arrays,
     a torch generator's state, a numpy generator's (``bit_generator.state``), numbers and
     strings, and the same inside lists, tuples, dicts and plain objects' attributes."""
@@ -95,15 +95,15 @@ def _tensors(value, path: str = "", seen: frozenset = frozenset()) -> dict[str, 
     out: dict[str, object] = {}
     if isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            out.update(_tensors(v, f"{path}[{i}]", seen))
+            out.update(_leaves(v, f"{path}[{i}]", seen))
     elif isinstance(value, dict):
         for k, v in value.items():
-            out.update(_tensors(v, f"{path}[{k!r}]", seen))
+            out.update(_leaves(v, f"{path}[{k!r}]", seen))
     elif _plain(value):  # a helper's caches: its class's ``transient``, as for the owner
         skip = transient_names(type(value))
         for k, v in vars(value).items():
             if k not in skip:
-                out.update(_tensors(v, f"{path}.{k}", seen))
+                out.update(_leaves(v, f"{path}.{k}", seen))
     return out
 
 
@@ -140,15 +140,15 @@ def snapshot(obj):
 
 
 def undeclared(live, restored, transient=()) -> list[str]:
-    """The attributes (``name`` or ``name[i]``) whose tensors differ between ``live`` and
+    """The attributes (``name``, ``name[i]`` or ``name.attr``) whose state differs between ``live`` and
     ``restored`` (a ``snapshot`` with the live object's declared state loaded), ``transient``
     names left out."""
     skip = set(transient)
     names = [n for n in dict.fromkeys([*vars(live), *vars(restored)]) if n not in skip]
     out = []
     for name in names:
-        a = _tensors(getattr(live, name, None), name)
-        b = _tensors(getattr(restored, name, None), name)
+        a = _leaves(getattr(live, name, None), name)
+        b = _leaves(getattr(restored, name, None), name)
         out.extend(p for p in dict.fromkeys([*a, *b]) if p not in a or p not in b or not _same(a[p], b[p]))
     return out
 
