@@ -24,6 +24,7 @@ import torch
 
 from sparsetrain.errors import CheckpointError, ConfigError
 from sparsetrain.provenance import (
+    SCHEME_NODES,
     code_version,
     compressor_code,
     describe,
@@ -113,10 +114,10 @@ def _scheme_as_now(config: dict) -> dict:
 
 
 COMPRESSOR = "scheme.compressor."
-# The scheme's class nodes: the class each builds (its ``_target_``; None where the node is null)
-# defines the run. Checkpoints written before the compressor node existed have no ``compressor``
-# key (their class is told by scheme.name); before memory and sync, the node was null.
-CLASS_NODES = ("compressor", "memory", "sync")
+# The scheme's class nodes (provenance.SCHEME_NODES): the class each builds (its ``_target_``;
+# None where the node is null) defines the run. Checkpoints written before the compressor node
+# existed have no ``compressor`` key (their class is told by scheme.name); before memory and
+# sync, the node was null.
 
 
 def _classes(flat: dict[str, Any], scheme: Any) -> dict[str, Any]:
@@ -126,8 +127,8 @@ def _classes(flat: dict[str, Any], scheme: Any) -> dict[str, Any]:
     scheme = scheme if isinstance(scheme, dict) else {}
     out = {k: v for k, v in flat.items()
            if not any(k == f"{SCHEME}{n}" or k in (f"{SCHEME}{n}._target_", f"{SCHEME}{n}._partial_")
-                      for n in CLASS_NODES)}
-    for node in CLASS_NODES:
+                      for n in SCHEME_NODES)}
+    for node in SCHEME_NODES:
         if node == "compressor" and node not in scheme:
             continue
         value = scheme.get(node)
@@ -171,7 +172,7 @@ def config_differences(saved: dict, current: dict) -> list[tuple[str, Any, Any]]
     target = a.get(f"{COMPRESSOR}_target_")
     same_class = target is not None and target == b.get(f"{COMPRESSOR}_target_")
     a, b = _classes(a, saved.get("scheme")), _classes(b, current.get("scheme"))
-    for node in CLASS_NODES:  # another scheme's classes, or a class one side did not record: no difference
+    for node in SCHEME_NODES:  # another scheme's classes, or a class one side did not record: no difference
         key = f"{SCHEME}{node}._target_"
         if a.get(f"{SCHEME}name") != b.get(f"{SCHEME}name") or key not in a or key not in b:
             a.pop(key, None)
