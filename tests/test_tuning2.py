@@ -330,8 +330,12 @@ def test_the_committed_local2_sweeps_read_as_two_seed_trials():
     plan = declared_tuning(LOCAL2)
     reading = read_tuning(plan, tuning_runs(plan, ROOT / "results"))
     for point in ("localsgd_low", "topk_low"):
-        trials = reading.trials[(reading.trials["point"] == point) & reading.trials["due"]]
-        assert len(trials) == 4 and set(trials["n"]) == {2}, point
+        mine = reading.trials[(reading.trials["point"] == point) & reading.trials["due"]]
+        first = mine[mine["round"] == 0]
+        assert len(first) == 4 and set(first["n"]) == {2}, point
+        # localsgd_low's best lr (0.05) is the lowest tried, so by the edge rule every point gets
+        # one halving; its runs are committed as they end, so only the rate is pinned here.
+        assert set(mine[mine["round"] == 1]["lr"]) == {0.025}, point
 
 
 # Stands in for the venv's python in scripts/verdict2_runs.sh: a sweep records where it ran, on which
