@@ -143,7 +143,10 @@ def load_dataset(
     """Load ``name`` into memory. ``val_size`` images of the training split are held out as the
     validation split (``split_validation``); ``train_size``/``test_size`` then keep the first N
     samples of the rest and of the test split (deterministic), for quick runs. ``seed`` only
-    matters for ``synthetic`` (the validation draw never depends on it).
+    matters for ``synthetic`` (the validation draw never depends on it). ``synthetic`` (tests and
+    smoke runs) generates ``train_size`` images and holds the validation split out of those: it
+    trains on ``train_size - val_size``, and its validation images change with ``train_size``;
+    kept so, since the pinned tests' numbers rest on it.
 
     Raises ``DatasetUnavailable`` when the data are missing and cannot be fetched.
     """

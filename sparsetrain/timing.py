@@ -33,7 +33,11 @@ class PhaseTimer:
     def __init__(self, device: torch.device | str = "cpu", warmup_steps: int = 2):
         self.device = torch.device(device)
         self.warmup_steps = warmup_steps
-        self.steps_seen = 0
+        self.steps_seen = 0  # since the run began (a resumed run's earlier processes included)
+        # ... and in this process: the warm-up is each process's own (a resumed run's first steps
+        # allocate, autotune and compile again), so it is skipped again after a resume
+        self.steps_this_process = 0
+        self._left_out = False  # the step under way stays out of the means (``leave_out``)
         self.last: dict[str, float] = {}
         self.last_untimed_ms = 0.0  # time spent in ``untimed`` blocks during the last step
         self._sum: dict[str, float] = defaultdict(float)
@@ -103,11 +107,26 @@ class PhaseTimer:
         with self.phase("step"):
             yield
         self.last["step"] -= self.last_untimed_ms
+        counted = self.counting and not self._left_out
+        self._left_out = False
         self.steps_seen += 1
-        if self.steps_seen > self.warmup_steps:
+        self.steps_this_process += 1
+        if counted:
             self._count += 1
             for name, ms in self.last.items():
                 self._sum[name] += ms
+
+    def leave_out(self) -> None:
+        """The step under way ran another path than the run's other steps (a fast-path run's
+        logged step measures its compression error on the torch path): its time stays in its
+        record (``last``) and out of the means."""
+        self._left_out = True
+
+    @property
+    def counting(self) -> bool:
+        """Whether the step under way (or the next one) counts in the means: past this process's
+        warm-up."""
+        return self.steps_this_process >= self.warmup_steps
 
     @property
     def counted_steps(self) -> int:
@@ -127,7 +146,9 @@ class PhaseTimer:
         return {"steps_seen": self.steps_seen, "sum": dict(self._sum), "count": self._count}
 
     def load_state_dict(self, state: dict) -> None:
+        """The means so far; this process's warm-up is skipped afresh (``steps_this_process``)."""
         self.steps_seen = state["steps_seen"]
+        self.steps_this_process = 0
         self._sum = defaultdict(float, state["sum"])
         self._count = state["count"]
 
@@ -141,6 +162,9 @@ class NullTimer:
 
     def untimed(self):
         return nullcontext()
+
+    def leave_out(self) -> None:
+        pass
 
 
 NULL_TIMER = NullTimer()

@@ -408,6 +408,19 @@ def test_plateau_and_budget_tables(tmp_path):
     assert math.isnan(sa.load_runs(single)["test_accuracy_gain_last_epoch"].iloc[0])
 
 
+def test_the_last_epochs_gain_skips_epochs_without_an_evaluation(tmp_path):
+    """Audit 3: with train.eval_every=2 an epoch without an evaluation repeats the last one's
+    accuracy in its record; the gain read the repeat (epoch 5) against epoch 6: a two-epoch gain
+    shown as one. It is now the gain between the last two evaluations, per epoch between them."""
+    run = write_run(tmp_path / "r", make_config(**{"train.epochs": 6, "train.eval_every": 2}))
+    metrics = [{"kind": "epoch", "epoch": e, "step": 10 * e, "train_loss": 1.0 / e,
+                "test_accuracy": acc, "test_loss": 1.0 - acc}
+               for e, acc in ((1, 0.5), (2, 0.6), (3, 0.6), (4, 0.7), (5, 0.7), (6, 0.74))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    gain = sa.load_runs(run)["test_accuracy_gain_last_epoch"].iloc[0]
+    assert gain == pytest.approx(0.02)  # (0.74 - 0.70) / 2 epochs; it read 0.04
+
+
 def test_stability_table_counts_runs_that_did_not_train(tmp_path):
     sweep = write_sweep(tmp_path / "stability", {"scheme": "randk,blockk", "scheme.uncompressed": "none,1d",
                                                  "seed": "0,1"}, "stability")
@@ -550,6 +563,7 @@ def test_each_scheme_has_one_colour_in_every_figure_and_new_ones_keep_clear_of_t
         assert min(gap(hue(color), h) for h in coloured) >= 20, name
 
 
+@pytest.mark.slow  # a frontier figure of four sweeps; the fast tier draws figures in test_figures_png_and_pdf
 def test_local_sgd_and_diloco_are_lines_of_the_frontiers_figures_not_panels(tmp_path):
     """Issue 38: local runs in the frontier made one panel per period and delta, past the panel
     limit, so `make figures` stopped. A synchronising scheme's period and delta (and its delta's
@@ -1005,6 +1019,7 @@ def test_beyond_the_paper_judges_the_ddp_fair_study_from_its_presets_configs():
     assert verdict(["within noise", "within noise"], claimed=False) == "measured: 2 within noise"
 
 
+@pytest.mark.slow  # composes every frontier point; sides are picked in-process in test_analysis_grouping
 def test_frontier_comparisons_select_the_frontier_presets_runs_paired_on_shared_seeds():
     """Every side of the frontier's comparisons finds the runs experiment=frontier writes (every
     point, composed from the presets) or the headline runs it reuses, paired: over seeds 0-4 where

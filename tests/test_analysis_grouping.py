@@ -241,3 +241,71 @@ def test_step_times_from_two_devices_are_not_averaged(tmp_path):
     row = _row(table, scheme="top-k")
     assert "(n=2)" in row[ACCURACY] and "(n=" not in row["time/step (ms)"], row
     assert any("Time left out for 1 configuration(s)" in n and "cpu; cuda" in n for n in table.notes), table.notes
+
+
+def _host(threads=None, cpu="AMD EPYC", backend="gloo") -> dict:
+    return {"cpu": cpu, "cpus": 2, "system": "Linux", "torch": "2.x", "gpu": None,
+            **({"threads": threads, "backend": backend} if threads is not None else {})}
+
+
+@pytest.mark.parametrize("change", ["threads", "backend", "resumed elsewhere", "resumed with other threads"])
+def test_step_times_on_other_threads_backends_or_a_moved_run_are_not_averaged(tmp_path, change):
+    """Audit 3: train.threads is bookkeeping, yet one thread a rank against two changed a step
+    5.5-6x: two seeds that differed only there were averaged into one time (n=2, no note); a run
+    resumed on another machine was one host string ("A;B") and kept its mixed time."""
+    hosts = {0: [_host(2)], 1: [_host(2)]}
+    if change == "threads":
+        hosts[1] = [_host(1)]
+    elif change == "backend":
+        hosts[1] = [_host(2, backend="nccl")]
+    elif change == "resumed elsewhere":
+        hosts[1] = [_host(2), _host(2, cpu="Intel Xeon")]
+    else:
+        hosts[1] = [_host(2), _host(1)]
+    for seed in (0, 1):
+        write_run(tmp_path / f"s{seed}", make_config(seed=seed))
+        _edit_summary(tmp_path / f"s{seed}", hosts=[_host(2)])
+    assert _row(runs_table(sa.load_runs(tmp_path)), scheme="top-k")["time/step (ms)"].endswith("(n=2)")
+    _edit_summary(tmp_path / "s1", hosts=hosts[1])
+    table = runs_table(sa.load_runs(tmp_path))
+    row = _row(table, scheme="top-k")
+    assert "(n=2)" in row[ACCURACY] and "(n=" not in row["time/step (ms)"], row
+    assert any("Time left out for 1 configuration(s)" in n for n in table.notes), table.notes
+
+
+def test_an_old_run_without_recorded_threads_is_unknown_not_different(tmp_path):
+    """A run from before threads were recorded (its config left train.threads to the default)
+    is not told apart from one that recorded them: unknown, as an unrecorded host."""
+    for seed in (0, 1):
+        write_run(tmp_path / f"s{seed}", make_config(seed=seed, **{"train.threads": None}))
+    _edit_summary(tmp_path / "s0", hosts=[_host()])
+    _edit_summary(tmp_path / "s1", hosts=[_host(2)])
+    runs = sa.load_runs(tmp_path)
+    assert sorted(runs["threads"].fillna("-")) == ["-", "2"]
+    assert _row(runs_table(runs), scheme="top-k")["time/step (ms)"].endswith("(n=2)")
+    # ... but one whose config set them is known: 1 against 2 is not averaged
+    write_run(tmp_path / "s0", make_config(seed=0, **{"train.threads": 1}))
+    _edit_summary(tmp_path / "s0", hosts=[_host()])
+    assert "(n=" not in _row(runs_table(sa.load_runs(tmp_path)), scheme="top-k")["time/step (ms)"]
+
+
+def test_seeds_run_on_two_commits_are_said_to_mix_versions(tmp_path):
+    """Audit 3: seeds 0-1 ran, a fix was committed, seed 2 ran: the table showed a plain n=3
+    mean of two programs. Its note names the versions; a verdict side's cell says so too."""
+    from sparsetrain.analysis.findings import _show, _side
+
+    for seed in (0, 1, 2):
+        write_run(tmp_path / f"s{seed}", make_config(seed=seed))
+        commit = ("a" if seed < 2 else "b") * 40
+        _edit_summary(tmp_path / f"s{seed}", code={"commit": commit, "dirty": False, "diff": None},
+                      code_commits=[commit])
+    runs = sa.load_runs(tmp_path)
+    table = runs_table(runs)
+    notes = [n for n in table.notes if "more than one code version" in n]
+    assert notes and "aaaaaaaaaaaa, bbbbbbbbbbbb" in notes[0], table.notes
+    side = _side(runs, {"scheme": "topk"}, {})
+    assert _show(side["test_accuracy"] * 100, side).endswith("[2 code versions: aaaaaaaaaaaa, bbbbbbbbbbbb]")
+    # on one commit: no note
+    _edit_summary(tmp_path / "s2", code={"commit": "a" * 40, "dirty": False, "diff": None},
+                  code_commits=["a" * 40])
+    assert not [n for n in runs_table(sa.load_runs(tmp_path)).notes if "code version" in n]

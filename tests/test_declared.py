@@ -161,6 +161,7 @@ def test_the_declaration_must_come_before_the_runs(tmp_path):
     assert "not committed" in declared.provenance(declared.load(uncommitted), after)
 
 
+@pytest.mark.slow  # 20 written runs; the declared verdicts themselves are in the fast tier
 def test_the_untuned_verdicts_stand_beside_the_declared_ones(tmp_path):
     # the headline study's runs (one lr for every scheme, 4 epochs): top-k global 1.1 points above
     # layer-wise, as measured there; random-k and block-k layer-wise 2 points apart

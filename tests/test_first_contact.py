@@ -147,6 +147,7 @@ def test_ctrl_c_saves_at_the_step_and_prints_the_command_that_resumes(tmp_path):
 
 
 # ---- 2. the new mistake, not the old one -------------------------------------------------------
+@pytest.mark.slow  # two command-line runs; each refusal has its own fast test
 def test_rerun_after_a_refusal_names_the_new_mistake(tmp_path):
     run = tmp_path / "run"
     first = run_cli(*TINY, "ratio=2", f"hydra.run.dir={run}", timeout=120)

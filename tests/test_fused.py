@@ -228,6 +228,21 @@ def test_reducer_with_the_fast_path_gives_the_same_update_and_memory(device, nam
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_logged_step_on_the_torch_path_stays_out_of_the_fast_paths_means(device):
+    """Audit 3: a logged step measures its compression error on the torch path, and its time
+    went into the means of a run that times the fast path (one step in ``log_every``)."""
+    from sparsetrain.timing import PhaseTimer
+
+    fast = reducer(TopK(0.03, SIZES, device=device), "allgather", True, device, torch.float32)
+    timer = PhaseTimer(device, warmup_steps=0)
+    for step in range(4):
+        grad, _ = data(sum(SIZES) + 5, 20 + step, torch.float32, device)
+        with timer.step():
+            fast.reduce(grad, step, timer, want_stats=step == 2)
+    assert timer.steps_seen == 4 and timer.counted_steps == 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fast_path_says_why_not_and_changes_nothing_where_it_has_no_kernels(device):
     """A quantizer, error feedback switched off, or the CPU without the interpreter: the reducer
     says why and runs the torch path."""
@@ -264,6 +279,7 @@ def test_fast_path_is_a_train_key_off_by_default_that_reaches_the_reducer(monkey
 _real_init = SparseReducer.__init__
 
 
+@pytest.mark.slow  # a benchmark; the fast path itself is checked bit for bit above
 def test_benchmark_times_the_fast_path_beside_the_torch_path_on_a_tiny_gradient():
     """``sparsetrain.benchmarks.compress``'s fast rows (what `make gpu-check` times on the GPU)
     run here on CPU tensors under the interpreter: every scheme with kernels, both scopes, and
@@ -355,6 +371,7 @@ print(json.dumps(row))
 """
 
 
+@pytest.mark.slow  # a benchmark
 def test_benchmark_times_powersgd_batched_and_torchs_hook_beside_ours_on_a_tiny_gradient():
     """The compressor benchmark's PowerSGD rows: ours, ours batched by shape (``powersgd_fast``,
     what `make gpu-check` times on the GPU) and torch's ``powerSGD_hook`` on the same gradient

@@ -305,14 +305,20 @@ def test_a_rerun_with_another_compressor_option_is_refused_and_analysed_apart(mi
 
 
 def test_the_analysis_has_the_options_column_only_where_a_run_set_one(tmp_path):
-    from sparsetrain.analysis.loader import _axes_from_config, load_runs
+    from sparsetrain.analysis.loader import _axes_from_config
 
     node = {"_target_": "sparsetrain.compress.BlockRandomK", "_partial_": True, "block_size": 64}
     assert _axes_from_config({"scheme": {"name": "blockk", "block_size": 64, "compressor": node}})[
         "compressor_options"] is None  # the scheme key's axis already
     assert _axes_from_config({"scheme": {"name": "blockk", "block_size": 256, "compressor": node}})[
         "compressor_options"] == "block_size=64"
-    assert "compressor_options" not in load_runs(ROOT / "results").columns  # the committed studies
+
+
+@pytest.mark.slow  # reads every committed run
+def test_the_committed_studies_have_no_options_column():
+    from sparsetrain.analysis.loader import load_runs
+
+    assert "compressor_options" not in load_runs(ROOT / "results").columns
 
 
 # ---- 3. errors that point the right way --------------------------------------------------------

@@ -56,6 +56,10 @@ def test_seed_rule():
     assert seeds_by_internal_pilot(1.4, 1.0, 6, 22, alpha=0.035) == 22
     mid = seeds_by_internal_pilot(0.8, 1.0, 6, 22, alpha=0.035)
     assert 6 < mid < 22 and tost_power(mid, sd_upper(0.8, 6, 0.8), 1.0, 0.035) >= 0.8
+
+
+@pytest.mark.slow  # 40,000 simulated studies
+def test_seed_rule_keeps_its_type_one_error_and_power():
     # the declared operating point: type I error under 5%, power at least 80% at the first pass's SD
     rates = internal_pilot_rates(1.4, 1.0, 6, 22, alpha=0.035, sims=20000)
     assert rates["type1"] < 0.05 and rates["power"] >= 0.79

@@ -195,6 +195,7 @@ def test_the_optuna_search_maximises_validation_accuracy(tmp_path):
     assert best["best_params"]["optim.lr"] in {0.0125, 0.025, 0.05, 0.1}
 
 
+@pytest.mark.slow  # an Optuna study; the tuning grid reads validation in the fast tier
 def test_the_optuna_search_needs_a_validation_split(tmp_path):
     proc = run_cli("-m", "experiment=tune_tpe", *TINY, "world_size=1", "train.max_steps=2",
                    "data.val_size=0", "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={tmp_path / 's'}")

@@ -84,7 +84,8 @@ def test_summary_records_the_code_and_resume_on_other_code_is_refused(tmp_path):
     before = _interrupted_run(run, *RESUME, "scheme=blockk")
     here = code_version()
     assert before["code"] == here and before["code_commits"] == [describe(here, full=True)]
-    machine = {**host(), "torch": str(torch.__version__), "gpu": None}
+    # tiny runs 1 thread a rank (conf/debug/tiny.yaml); one rank: no process group, no backend
+    machine = {**host(), "torch": str(torch.__version__), "gpu": None, "threads": 1, "backend": None}
     assert before["hosts"] == [machine] and machine["cpu"] and machine["cpus"] >= 1
 
     # The checkpoint as another commit would have written it.
@@ -116,3 +117,4 @@ def test_summary_records_the_code_and_resume_on_other_code_is_refused(tmp_path):
 
     (row,) = load_runs(run).to_dict("records")
     assert row["host"] == f"Another CPU x64;{machine['cpu']} x{machine['cpus']}"
+    assert (row["threads"], row["backend"]) == ("1", None)  # the one entry that recorded them

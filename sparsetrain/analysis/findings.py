@@ -34,7 +34,7 @@ import pandas as pd
 
 from sparsetrain.results import BLEW_UP_RECOVERED, read_test_predictions
 
-from .group import one_configuration, without_copies
+from .group import code_versions, one_configuration, without_copies
 from .loader import completed, select
 from .stats import (
     ALPHA,
@@ -286,6 +286,9 @@ def _show(values: pd.Series, side: pd.DataFrame) -> str:
         blew = int((completed(side)["stability"] == BLEW_UP_RECOVERED).sum())
         if blew:
             notes.append(f"{blew} {BLEW_UP_RECOVERED}")
+    versions = code_versions(completed(side))
+    if len(versions) > 1:  # a study runs on one commit: a side that did not says so in its cell
+        notes.append(f"{len(versions)} code versions: {', '.join(v[:12] for v in versions)}")
     return text + (" [" + ", ".join(notes) + "]" if notes else "")
 
 

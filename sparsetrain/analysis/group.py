@@ -349,7 +349,7 @@ def pivot_table(
     expanded = expand_dense(with_blew_up(done), [column] if column else [])
     metrics = [m for m in metrics if m in expanded]
     expanded, machines = one_machine_times(expanded, [*by_rows, *([column] if column else [])], metrics)
-    notes += machines
+    notes += machines + code_notes(expanded, [*by_rows, *([column] if column else [])])
     data = summarize(expanded, [*by_rows, *([column] if column else [])], metrics)
     display_rows = []
     row_keys = data[by_rows].drop_duplicates()
@@ -371,19 +371,29 @@ def pivot_table(
     return Table(name, title, pd.DataFrame(display_rows), data, missing.reset_index(drop=True), notes)
 
 
+#: What a time depends on besides the configuration (loader columns): the machine, the device
+#: type, torch's threads a rank and the collectives' backend. Unrecorded is unknown (NaN), never
+#: a difference; ``;`` in a value: a resumed run that changed it, itself on two.
+MACHINE = ("host", "device", "threads", "backend")
+
+
 def _machine(runs: pd.DataFrame) -> pd.DataFrame:
-    """Each run's recorded machine (``host``; NaN where unrecorded) and device type (``cpu``,
+    """Each run's recorded ``MACHINE`` (NaN where unrecorded): the device as its type (``cpu``,
     ``cuda``; from ``cuda:0``)."""
-    host = runs["host"].where(runs["host"] != "unrecorded") if "host" in runs else pd.Series(None, index=runs.index)
-    device = runs["device"].map(lambda d: str(d).split(":")[0] if isinstance(d, str) else None) \
-        if "device" in runs else pd.Series(None, index=runs.index)
-    return pd.DataFrame({"host": host, "device": device}, index=runs.index)
+    def column(name):
+        return runs[name].where(runs[name].notna(), None) if name in runs else pd.Series(None, index=runs.index)
+
+    frame = pd.DataFrame({name: column(name) for name in MACHINE}, index=runs.index, dtype=object)
+    frame["host"] = frame["host"].where(frame["host"] != "unrecorded", None)
+    frame["device"] = frame["device"].map(lambda d: str(d).split(":")[0] if isinstance(d, str) else None)
+    return frame
 
 
 def one_machine_times(runs: pd.DataFrame, by: list[str], metrics: list[str]) -> tuple[pd.DataFrame, list[str]]:
     """``runs`` with the timings (``time_*`` metrics) of each ``by`` group whose runs ran on more
-    than one machine or device left out (NaN), and a note naming those groups: a mean of a CPU's
-    and a GPU's step time is neither machine's time. Accuracy and bytes stay."""
+    than one machine, device, thread count or backend (``MACHINE``; one resumed run on two
+    counts) left out (NaN), and a note naming those groups: a mean of a CPU's and a GPU's step
+    time, or of 1 and 2 threads a rank, is neither's time. Accuracy and bytes stay."""
     timed = [m for m in metrics if m.startswith("time_")]
     if runs.empty or not timed:
         return runs, []
@@ -391,16 +401,48 @@ def one_machine_times(runs: pd.DataFrame, by: list[str], metrics: list[str]) -> 
     keys = as_keys(runs, by)
     spans = pd.Series(False, index=runs.index)
     for _, group in machine.groupby([keys[c] for c in by], sort=False, dropna=False) if by else [(None, machine)]:
-        if group["host"].nunique() > 1 or group["device"].nunique() > 1:
+        if any(group[name].nunique() > 1 or group[name].dropna().astype(str).str.contains(";").any()
+               for name in MACHINE):
             spans[group.index] = True
     if not spans.any():
         return runs, []
     seen = machine[spans]
-    where = sorted({str(v) for v in seen["host"].dropna()} | {str(v) for v in seen["device"].dropna()})
+    where = sorted({f"{name}={v}" if name in ("threads", "backend") else str(v)
+                    for name in MACHINE for v in seen[name].dropna()})
     rows = keys[spans].drop_duplicates()
     return runs.assign(**{m: runs[m].where(~spans) for m in timed}), [
-        f"Time left out for {len(rows)} configuration(s) whose runs ran on different machines or devices "
-        f"({'; '.join(where)}): a time is one machine's: analyse each machine's runs apart."]
+        f"Time left out for {len(rows)} configuration(s) whose runs ran on different machines, devices, "
+        f"threads or backends ({'; '.join(where)}): a time is one machine's: analyse each machine's runs apart."]
+
+
+def code_versions(runs: pd.DataFrame) -> list[str]:
+    """The code versions ``runs`` ran (``code``, and every version a resumed run ran on:
+    ``code_commits``), unrecorded left out: more than one, and a mean of them mixes two programs."""
+    versions: set[str] = set()
+    for column in ("code", "code_commits"):
+        if column in runs:
+            versions |= {v for value in runs[column].dropna() for v in str(value).split(";")}
+    return sorted(versions - {"unrecorded", "unknown"})
+
+
+def code_notes(runs: pd.DataFrame, by: list[str]) -> list[str]:
+    """A note naming the ``by`` groups of ``runs`` that ran more than one code version
+    (``code_versions``; short hashes): a study runs on one commit, so their means are shown,
+    said to mix versions, for the reader to judge (or rerun on one)."""
+    if runs.empty:
+        return []
+    keys = as_keys(runs, by) if by else pd.DataFrame(index=runs.index)
+    mixed, seen = 0, set()
+    for _, group in runs.groupby([keys[c] for c in by], sort=False, dropna=False) if by else [(None, runs)]:
+        versions = code_versions(group)
+        if len(versions) > 1:
+            mixed += 1
+            seen |= {v[:12] for v in versions}
+    if not mixed:
+        return []
+    return [f"{mixed} configuration(s) hold runs of more than one code version ({', '.join(sorted(seen))}): "
+            "each such mean mixes them; a study runs on one commit (rerun them on one, or check that the "
+            "versions train alike)."]
 
 
 def with_blew_up(runs: pd.DataFrame) -> pd.DataFrame:

@@ -511,6 +511,7 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
                loss_peak_source="summary" if "train_loss_peak" in summary else None)
     row.update(_code_fields(summary))
     row["host"] = _host_of(summary)
+    row.update(_timing_setup_of(summary, config))
     row[legacy.VERSION_COLUMN] = version  # summary.json's layout (legacy.version_of)
     # the source of the scheme's out-of-tree classes (summary's compressor_code.digest): two
     # versions of one's own class are two configurations, and so is a run resumed on another
@@ -570,6 +571,21 @@ def _host_of(summary: dict) -> str:
         return "unrecorded"
     labels = (f"{h.get('cpu')} x{h.get('cpus')}" + (f" + {h['gpu']}" if h.get("gpu") else "") for h in hosts)
     return ";".join(dict.fromkeys(labels))
+
+
+def _timing_setup_of(summary: dict, config: dict | None) -> dict:
+    """Besides the machine, what sets a step's time: torch's threads a rank (``threads``) and the
+    collectives' backend (``backend``), as rank 0 recorded them in ``hosts`` (``;``-joined when a
+    resumed run changed them); for a run from before they were recorded, ``train.threads`` and
+    ``dist.backend`` where the config set them, else None: unknown, as an unrecorded host."""
+    recorded = [h for h in summary.get("hosts") or [] if "threads" in h]
+    if recorded:
+        backends = [h.get("backend") for h in recorded]  # None: one rank, no collectives
+        return {"threads": ";".join(dict.fromkeys(str(h["threads"]) for h in recorded)),
+                "backend": ";".join(dict.fromkeys(str(b) for b in backends)) if any(backends) else None}
+    threads, backend = _get(config, "train", "threads"), _get(config, "dist", "backend")
+    return {"threads": None if threads is None else str(threads),
+            "backend": None if backend in (None, "auto") else str(backend)}
 
 
 def _peak(row: dict) -> tuple[float | None, int | None]:
@@ -655,24 +671,46 @@ def _run_row(run: Path, stale_after_s: float = HEARTBEAT_STALE_S) -> dict:
     return row
 
 
+def distinct_evaluations(records, split: str) -> list[dict]:
+    """The epoch records of ``records`` (``metrics.jsonl``'s, in order) that hold a new
+    ``<split>_accuracy`` (``split``: ``val`` or ``test``). An epoch without an evaluation
+    (``train.eval_every`` > 1) repeats the last one's accuracy and loss: left out, so that a
+    reader never takes it for another measurement."""
+    out, last = [], None
+    for record in records:
+        if record.get("kind") != "epoch" or record.get(f"{split}_accuracy") is None:
+            continue
+        key = (record[f"{split}_accuracy"], record.get(f"{split}_loss"))
+        if key != last:
+            out.append(record)
+        last = key
+    return out
+
+
 def _from_metrics(path: Path) -> dict:
     """What ``metrics.jsonl`` adds to a run's row, in one read.
 
-    ``test_accuracy_gain_last_epoch``: test accuracy at the last evaluation minus the one before
-    (NaN with fewer than two). How fast a run was still climbing when it stopped; under a step
-    schedule it includes what the last lr decays bought, so read it against dense SGD's.
+    ``test_accuracy_gain_last_epoch``: test accuracy at the last evaluation minus the one before,
+    per epoch between them (``train.eval_every``; NaN with fewer than two). How fast a run was
+    still climbing when it stopped; under a step schedule it includes what the last lr decays
+    bought, so read it against dense SGD's.
     ``logged_losses``: every logged step's ``(step, train loss)``, for the blow-up rule.
     """
-    accuracies, logged = [], []
+    records, logged = [], []
     if path.is_file():
         for r in _read_metrics(path, warn=False):
-            if r.get("kind") == "epoch":
-                accuracies.append(_num(r.get("test_accuracy")))
-            elif r.get("kind") == "step":
+            records.append(r)
+            if r.get("kind") == "step":
                 loss, step = _num(r.get("train_loss")), _num(r.get("step"))
                 if not (math.isnan(loss) or math.isnan(step)):
                     logged.append((int(step), loss))
-    gain = accuracies[-1] - accuracies[-2] if len(accuracies) >= 2 else math.nan
+    evaluations = distinct_evaluations(records, "test")
+    gain = math.nan
+    if len(evaluations) >= 2:
+        (before, last) = evaluations[-2:]
+        epochs = _num(last.get("epoch")) - _num(before.get("epoch"))
+        epochs = epochs if epochs > 0 else 1.0  # records from before epochs were written: per evaluation
+        gain = (_num(last["test_accuracy"]) - _num(before["test_accuracy"])) / epochs
     return {"test_accuracy_gain_last_epoch": gain, "logged_losses": logged}
 
 

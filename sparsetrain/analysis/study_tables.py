@@ -18,6 +18,7 @@ from .group import (
     _constant_note,
     _display_axis,
     _human_bytes,
+    code_notes,
     expand_dense,
     fmt,
     mark_repeats,
@@ -158,7 +159,7 @@ def rq5_speed_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
         entry[LABELS["speedup"]] = "n/a" if math.isnan(row["speedup"]) else f"{row['speedup']:.2f}x"
         entry[LABELS["test_accuracy"]] = _cell(pd.DataFrame([row]), "test_accuracy")
         display_rows.append(entry)
-    notes = _constant_note(done, by) + repeat_notes(counted) + machines + [
+    notes = _constant_note(done, by) + repeat_notes(counted) + machines + code_notes(expanded, by) + [
         "Phases are mean ms per step after warm-up; speed-up = dense step time / step time."]
     return Table("rq5_speed", title, pd.DataFrame(display_rows), data, missing.reset_index(drop=True), notes)
 

@@ -74,6 +74,7 @@ from .loader import (
     _read_metrics,
     collective_of,
     completed,
+    distinct_evaluations,
     not_completed,
 )
 from .table import LABELS, Table, _shown_path
@@ -148,15 +149,7 @@ def _curve(run_dir: str | Path) -> tuple[list[tuple[float, float]], str | None]:
         return points, VAL_SUBSET
     records = [r for r in records if r.get("kind") == "epoch" and r.get("step") is not None]
     split = "val" if any(r.get("val_accuracy") is not None for r in records) else "test"
-    curve, last = [], None
-    for record in records:
-        if record.get(f"{split}_accuracy") is None:
-            continue
-        key = (record[f"{split}_accuracy"], record.get(f"{split}_loss"))
-        if key == last:
-            continue
-        last = key
-        curve.append((float(record["step"]), float(record[f"{split}_accuracy"])))
+    curve = [(float(r["step"]), float(r[f"{split}_accuracy"])) for r in distinct_evaluations(records, split)]
     return curve, (VAL if split == "val" else TEST) if curve else None
 
 
@@ -219,7 +212,9 @@ def shared_compute_ms(runs: pd.DataFrame) -> pd.Series:
     The same model and batch is the same work whatever the scheme, but runs timed on a shared
     machine measure it anywhere from 160 to 450 ms per step as the load changes (the second
     pass's 2-rank ResNet-20 runs): a scheme would win or lose by the load it met. The median over
-    every run of that work is what each prediction uses (``compute="shared"``)."""
+    every run of that work is what each prediction uses (``compute="shared"``). It is one
+    constant across machines too (``machines_note`` names them): a ranking of schemes then
+    never reads which machine a scheme's runs met, though the time is no one machine's."""
     keys = [k for k in ("model", "data", "batch_size") if k in runs]
     values = runs.apply(compute_ms, axis=1)
     if not keys:

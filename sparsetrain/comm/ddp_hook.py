@@ -521,6 +521,9 @@ class _ExchangeClock:
     def untimed(self):
         return NULL_TIMER.untimed()
 
+    def leave_out(self) -> None:  # the hook's steps are left out, or not, by the trainer's timer
+        pass
+
 
 # ------------------------------------------------------------------------- bytes of other hooks
 def powersgd_numel(shapes, rank: int, min_compression_rate: float = 2.0, *, whole_only: bool = False) -> int:

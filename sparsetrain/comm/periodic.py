@@ -205,7 +205,7 @@ class PeriodicSync(ReducerBase):
                         self.anchor_buffers[i].copy_(b)
                         pos += n
         self.syncs += 1
-        if getattr(timer, "steps_seen", -1) >= getattr(timer, "warmup_steps", 0):  # counted in its means
+        if getattr(timer, "counting", False):  # counted in its means
             self.sync_ms += self._phases_ms(timer) - before
             self.syncs_timed += 1
 

@@ -78,9 +78,13 @@ class RunRecord:
         scheme = OmegaConf.to_container(cfg.scheme, resolve=True) if "scheme" in cfg else {}
         self.own_code = compressor_code(scheme_targets(scheme))
         self.own_code_versions = [self.own_code["digest"]] if self.own_code else []
-        # ... and on which machine (rank 0's): every one a resumed run ran on
+        # ... and on which machine (rank 0's): every one a resumed run ran on, with what sets a
+        # step's time there besides the configuration: torch's threads a rank (launch.worker; one
+        # against two changed a step 5.5-6x) and the collectives' backend
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        self.hosts = [{**host(), "torch": str(torch.__version__), "gpu": gpu}]  # str: a checkpoint loads with weights_only
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+        self.hosts = [{**host(), "torch": str(torch.__version__), "gpu": gpu,  # str: a checkpoint loads with weights_only
+                       "threads": torch.get_num_threads(), "backend": backend and str(backend)}]
 
     # ---- checkpoints -------------------------------------------------------------------
     @property

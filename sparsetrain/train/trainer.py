@@ -55,6 +55,7 @@ class Trainer:
         self.curve_s = 0.0  # time spent scoring curve points (train.curve_points)
         self.target = cfg.train.get("stop_at_accuracy")  # stop at the curve point reaching it
         self.reached: dict | None = None  # when and after how long it was reached
+        self.resumed = False  # from a checkpoint: this process's age is not the run's wall time
         self.last_curve_accuracy = -1.0
         points = cfg.train.get("curve_points", 1)
         # the steps within an epoch (1-based batch counts) that end with a curve point
@@ -83,6 +84,7 @@ class Trainer:
             "batch_in_epoch": self.batch_in_epoch,
             "elapsed_s": self.elapsed_s,
             "curve_s": self.curve_s,
+            "reached": self.reached,  # a run stopped between reaching its target and its end
             **self.tally.state_dict(),
             **self.record.state_dict(),
             "timer": self.timer.state_dict(),
@@ -100,6 +102,8 @@ class Trainer:
         self.batch_in_epoch = state["batch_in_epoch"]
         self.elapsed_s = state["elapsed_s"]
         self.curve_s = state.get("curve_s", 0.0)
+        self.reached = state.get("reached")
+        self.resumed = True
         self.tally.load_state_dict(state)
         self.record.load_state_dict(state)
         self.timer.load_state_dict(state["timer"])
@@ -243,11 +247,14 @@ class Trainer:
         """Whether the curve point just taken reached ``train.stop_at_accuracy`` (every rank
         reads the same all-reduced accuracy, so all stop together): ``reached`` notes what a
         user timing the run would see: the step, the training time (curve points left out), the
-        curve points' time, and the wall-clock time since this process started."""
+        curve points' time, and the wall-clock time since this process started: None for a
+        resumed run, whose earlier processes' start-ups and the work redone after their last
+        checkpoint have no one wall time (its ``train_s`` holds)."""
         if self.target is not None and self.reached is None and self.last_curve_accuracy >= self.target:
             self.reached = {"step": self.step, "epoch": self.step / len(self.loader),
                             "val_accuracy": self.last_curve_accuracy, "train_s": train_s,
-                            "curve_s": self.curve_s, "wall_s": process_age_s()}
+                            "curve_s": self.curve_s,
+                            "wall_s": None if self.resumed else process_age_s()}
 
     def _target_summary(self) -> dict | None:
         if self.target is None:
