@@ -898,6 +898,7 @@ def test_a_true_difference_is_found_and_its_interval_holds_it():
     assert d.diff == pytest.approx(a.mean() - b.mean())
 
 
+@pytest.mark.slow  # a simulation of many studies; the tests themselves are checked against identities above
 def test_without_a_difference_false_positives_stay_near_five_percent():
     from sparsetrain.analysis.stats import compare
 

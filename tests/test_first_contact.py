@@ -284,6 +284,7 @@ def test_sigterm_near_an_epoch_boundary_many_times(tmp_path):
 
 
 # ---- 4. presets, refused points ------------------------------------------------------------------
+@pytest.mark.slow  # composes every preset with Hydra
 def test_presets_write_under_multirun_unless_told_otherwise():
     from hydra import compose, initialize_config_dir
 
