@@ -83,6 +83,21 @@ class PhaseTimer:
         self.last[source] = self.last.get(source, 0.0) - ms
         self._add_phase(target, ms)
 
+    def take_out(self, source: str, ms: float) -> None:
+        """``ms`` of phase ``source`` were work that is not part of the step (``untimed``,
+        measured where this timer could not be used: inside DDP's hook, within backward):
+        out of the phase and of the step, as ``untimed`` would have left them.
+
+        >>> timer = PhaseTimer("cpu", warmup_steps=0)
+        >>> timer.last = {"backward": 10.0}
+        >>> timer.take_out("backward", 4.0)
+        >>> timer.last["backward"], timer.last_untimed_ms
+        (6.0, 4.0)
+        """
+        ms = max(0.0, min(ms, self.last.get(source, 0.0)))
+        self.last[source] = self.last.get(source, 0.0) - ms
+        self._add_untimed(ms)
+
     def untimed(self):
         """Work inside a step that is not part of it (statistics for the log): timed apart and
         left out of the step's time; in no phase. On CUDA the device is synchronised at both

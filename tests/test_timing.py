@@ -1,9 +1,11 @@
-"""The phase timer across a resume, and the time to a target of a resumed run (audit 3: both came
-out wrong without a word)."""
+"""The phase timer across a resume, the checks inside DDP's hook, and the time to a target of a
+resumed run (audit 3: each came out wrong without a word)."""
 from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+
+import torch
 
 from sparsetrain.timing import PhaseTimer
 from sparsetrain.train.trainer import Trainer
@@ -47,3 +49,36 @@ def test_the_wall_time_to_a_target_is_none_for_a_resumed_run():
     assert fresh.reached["wall_s"] > 0 and fresh.reached["train_s"] == 3.0
     assert resumed.reached["wall_s"] is None and resumed.reached["train_s"] == 3.0
     assert resumed.reached["step"] == 10 and resumed.reached["epoch"] == 2
+
+
+def test_the_checks_inside_ddps_hook_are_out_of_the_step():
+    """Inside DDP's hook the reducer's once-only checks (the decode check before the first
+    compressed step, the kept-state snapshot) were timed as compression: the hook's clock now
+    keeps them apart, and the trainer takes them out of backward and of the step."""
+    from sparsetrain.comm.ddp_hook import _ExchangeClock
+    from sparsetrain.comm.sparse import SparseReducer
+    from sparsetrain.compress import TopK
+    from sparsetrain.train.ddp_exchange import DDPExchange
+
+    sizes = [300, 40]
+    red = SparseReducer(TopK(0.1, sizes), aggregation="allgather", world_size=1, rank=0, seed=3,
+                        uncompressed_numel=5)
+    clock = _ExchangeClock()
+    red.finish(red.start(torch.randn(sum(sizes) + 5), 0, timer=clock))
+    assert clock.untimed_ms > 0  # the decode check and the first snapshot ran under it
+    later = _ExchangeClock()
+    red.finish(red.start(torch.randn(sum(sizes) + 5), 1, timer=later))
+    assert later.untimed_ms == 0.0
+
+    # the trainer's side: a hook that took 30 ms, 12 of them checks, 5 waiting for a round
+    sparse = SimpleNamespace(decompress_ms=[], exchange_ms=[5.0], untimed_ms=[12.0], bytes_sent_per_step=10,
+                             bytes_by_collective={"allgather": 10}, check_kept_state=lambda: None)
+    ddp = SimpleNamespace(timed=SimpleNamespace(take=lambda: (30.0, None), clock=None), sparse=sparse,
+                          compresses=True, warmup_steps=0, dense_bytes_per_step=100, density=0.1,
+                          collective="allgather")
+    timer = PhaseTimer("cpu", warmup_steps=0)
+    with timer.step():
+        timer.last["backward"] = 50.0
+        DDPExchange.reduce(ddp, None, 3, timer)
+        assert timer.last["backward"] == 20.0 and timer.last["compress"] == 13.0
+        assert timer.last["exchange"] == 5.0 and timer.last_untimed_ms >= 12.0

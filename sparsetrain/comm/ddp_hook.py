@@ -80,7 +80,6 @@ from sparsetrain.compress import (
 )
 from sparsetrain.errors import ConfigError
 from sparsetrain.scheme_catalog import is_dense
-from sparsetrain.timing import NULL_TIMER
 
 #: the prefix of a compressor's per-parameter state among a parameter's memory pieces
 KEPT = "compressor."
@@ -183,6 +182,8 @@ class SparseHookState:
         self.dense_bytes: dict[int, int] = {}
         self.decompress_ms: list[float] = []  # this iteration's unpack times (collective callbacks)
         self.exchange_ms: list[float] = []  # this iteration's waits for earlier rounds, inside the hook
+        # ... and its checks inside the hook (the decode check, the kept-state snapshot): no phase's
+        self.untimed_ms: list[float] = []
 
     # --- accounting ----------------------------------------------------------------------------
     def _planned(self) -> SparseReducer | None:
@@ -368,6 +369,7 @@ class SparseHookState:
             self.dense_bytes.clear()
             self.decompress_ms.clear()
             self.exchange_ms.clear()
+            self.untimed_ms.clear()
         if bucket.is_last():  # one iteration = one pass over the buckets (as torch's PowerSGD)
             self.step += 1
         self.dense_bytes[index] = buf.numel() * buf.element_size()
@@ -384,6 +386,7 @@ class SparseHookState:
         clock = _ExchangeClock()
         pending = red.start(buf, step, placement=plan.placement, timer=clock)  # the last round in flight
         self.exchange_ms.append(clock.ms)
+        self.untimed_ms.append(clock.untimed_ms)
         work, pending.work = pending.work, None
 
         def finish(fut=None) -> torch.Tensor:
@@ -508,6 +511,7 @@ class _ExchangeClock:
 
     def __init__(self):
         self.ms = 0.0
+        self.untimed_ms = 0.0  # checks inside the hook: the trainer takes them out of the step
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -518,8 +522,13 @@ class _ExchangeClock:
             if name == "exchange":
                 self.ms += (time.perf_counter() - t0) * 1e3
 
+    @contextlib.contextmanager
     def untimed(self):
-        return NULL_TIMER.untimed()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.untimed_ms += (time.perf_counter() - t0) * 1e3
 
     def leave_out(self) -> None:  # the hook's steps are left out, or not, by the trainer's timer
         pass

@@ -281,6 +281,10 @@ class DDPExchange(ReducerBase):
         decompress = min(sum(self.sparse.decompress_ms), waited) if self.sparse is not None else 0.0
         # the hook waits for a compressor's earlier rounds (PowerSGD's P) inside itself: exchange
         inside = min(sum(self.sparse.exchange_ms), hook_ms) if self.sparse is not None else 0.0
+        # the hook's checks (the decode check, the kept-state snapshot: once) belong to no phase
+        untimed = min(sum(self.sparse.untimed_ms), hook_ms - inside) if self.sparse is not None else 0.0
+        timer.take_out("backward", untimed)
+        hook_ms -= untimed
         timer.move("backward", "compress", hook_ms - inside)
         timer.move("backward", "decompress", decompress)
         timer.move("backward", "exchange", waited - decompress + inside)
