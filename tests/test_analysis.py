@@ -46,7 +46,7 @@ BASE_CONFIG = {
 }
 GROUPS = ("scheme", "scope", "aggregation", "model", "data")
 BASE_ACCURACY = {"none": 0.91, "topk": 0.90, "blockk": 0.88, "randk": 0.86, "powersgd": 0.89, "localsgd": 0.905,
-                 "diloco": 0.90}
+                 "diloco": 0.90, "torch_powersgd": 0.895, "fp16": 0.91}
 DENSE_BYTES = 1_000_000
 
 

@@ -5,6 +5,7 @@ reads a sweep's overrides by value. Run folders written here by the results-file
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -309,3 +310,37 @@ def test_seeds_run_on_two_commits_are_said_to_mix_versions(tmp_path):
     _edit_summary(tmp_path / "s2", code={"commit": "a" * 40, "dirty": False, "diff": None},
                   code_commits=["a" * 40])
     assert not [n for n in runs_table(sa.load_runs(tmp_path)).notes if "code version" in n]
+
+
+def test_torch_powersgd_runs_that_differ_in_error_feedback_or_warm_up_are_two_configurations(tmp_path):
+    """Audit 4: every axis dense SGD ignores was '-' for torch's hooks, but its PowerSGD hook reads
+    error feedback and the warm-up (start_powerSGD_iter = max(2, warmup_steps)): an ablation was
+    averaged as seeds of one configuration, or one run of a seed dropped as a copy."""
+    ddp = {"dist.ddp": True, "world_size": 2}
+    write_run(tmp_path / "on", make_config(scheme="torch_powersgd", seed=0, **ddp))
+    write_run(tmp_path / "off", make_config(scheme="torch_powersgd", seed=0, **ddp, **{"scheme.error_feedback": False}))
+    write_run(tmp_path / "late", make_config(scheme="torch_powersgd", seed=0, **ddp, **{"scheme.warmup_steps": 50}))
+    write_run(tmp_path / "fp16", make_config(scheme="fp16", seed=0, **ddp, **{"scheme.error_feedback": False}))
+    runs = sa.load_runs(tmp_path)
+    runs = runs.set_index(runs["run_dir"].map(lambda d: Path(d).name))
+    assert (bool(runs.loc["on", "error_feedback"]), bool(runs.loc["off", "error_feedback"])) == (True, False)
+    assert runs.loc["on", "warmup_steps"] == 2 and runs.loc["late", "warmup_steps"] == 50  # torch's floor of 2
+    assert runs.loc["fp16", "error_feedback"] == "-" and runs.loc["fp16", "warmup_steps"] == "-"
+    table = runs_table(sa.load_runs(tmp_path))
+    hooks = table.display[table.display["scheme"] == "PowerSGD (torch hook)"]
+    assert len(hooks) == 3 and all("(n=1)" in cell for cell in hooks[ACCURACY]), table.display
+    assert not [n for n in table.notes if "ignores" in n], table.notes
+
+
+def test_the_time_figures_draw_no_mean_of_two_machines(tmp_path):
+    """Audit 4: the tables left such times out (one_machine_times), the time-per-phase and
+    workers figures still drew them."""
+    for seed in (0, 1):
+        write_run(tmp_path / f"s{seed}", make_config(seed=seed))
+        _edit_summary(tmp_path / f"s{seed}", hosts=[_host(2, cpu=("AMD EPYC", "Intel Xeon")[seed])])
+    runs = sa.load_runs(tmp_path)
+    fig = sa.plot_time_per_phase(runs)
+    assert any("no timings of one machine" in t.get_text() for ax in fig.axes for t in ax.texts)
+    fig = sa.plot_workers(runs)
+    times = [y for line in fig.axes[1].get_lines() for y in line.get_ydata()]
+    assert times and all(math.isnan(y) for y in times), times

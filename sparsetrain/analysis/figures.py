@@ -25,7 +25,15 @@ from matplotlib.ticker import MaxNLocator
 
 from sparsetrain import scheme_catalog as schemes
 
-from .group import as_keys, expand_dense, mark_repeats, sort_rows, summarize, varying_axes
+from .group import (
+    as_keys,
+    expand_dense,
+    mark_repeats,
+    one_machine_times,
+    sort_rows,
+    summarize,
+    varying_axes,
+)
 from .loader import DEFAULT_SYNC, DENSE, DID_NOT_TRAIN, NOT_APPLICABLE, PHASES, REPLICATE, completed
 from .table import LABELS, SCHEME_NAMES, SCHEME_ORDER
 
@@ -327,7 +335,15 @@ def plot_time_per_phase(runs: pd.DataFrame) -> Figure:
             return _empty(fig, axes[0, 0], "no timings")
         done = mark_repeats(done)
         by = ["scheme", *varying_axes(done, exclude=("scheme",))]
-        data = summarize(done, by, [f"time_{p}_ms" for p in phases] + ["time_step_ms"])
+        metrics = [f"time_{p}_ms" for p in phases] + ["time_step_ms"]
+        # a configuration timed on two machines (threads, backends) has no time: no bar (the
+        # table's note says which)
+        done, _ = one_machine_times(done, by, metrics)
+        data = summarize(done, by, metrics)
+        data = data[data["time_step_ms_mean"].notna()].reset_index(drop=True)
+        if data.empty:
+            fig, axes = _new_figure()
+            return _empty(fig, axes[0, 0], "no timings of one machine")
         labels = _config_labels(data, by)
         fig, axes = _new_figure(width=7.0, height=max(2.8, 0.9 + 0.38 * len(data)))  # room for the legend
         ax = axes[0, 0]
@@ -424,7 +440,8 @@ def plot_workers(runs: pd.DataFrame) -> Figure:
         done = mark_repeats(done)
         others = [a for a in varying_axes(done, exclude=("scheme", "world_size"))]
         by = ["scheme", *others, "world_size"]
-        data = summarize(expand_dense(done, others), by, ["test_accuracy", "time_step_ms"])
+        expanded, _ = one_machine_times(expand_dense(done, others), by, ["time_step_ms"])  # one machine's
+        data = summarize(expanded, by, ["test_accuracy", "time_step_ms"])
         data["world_size"] = pd.to_numeric(data["world_size"], errors="coerce")
         styles = _style_keys(data, others)
         panels = (("test_accuracy", 100.0, LABELS["test_accuracy"]), ("time_step_ms", 1.0, LABELS["time_step_ms"]))

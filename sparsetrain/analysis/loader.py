@@ -87,6 +87,9 @@ REPLICATE = "seed"
 STOPPED = "stopped"
 # Axes that do not apply to dense SGD: its rows carry this marker instead of a value.
 DENSE_IRRELEVANT = ("scope", "aggregation", "error_feedback", "block_size", "uncompressed", "warmup_steps")
+# ... of which torch's PowerSGD hook reads two (use_error_feedback, start_powerSGD_iter); its fp16
+# and bf16 hooks read none: runs that differ there are other configurations, never copies
+TORCH_HOOK_KEEPS = {"error_feedback": ("torch_powersgd",), "warmup_steps": ("torch_powersgd",)}
 NOT_APPLICABLE = "-"
 DENSE = "dense"
 # scheme.block_size is block-k's own key (issue 23): a run of another scheme, without the key,
@@ -294,7 +297,12 @@ def _axes_from_config(cfg: dict, applies: dict | None = None) -> dict:
         row["ratio"] = NOT_APPLICABLE  # a rank of its own: `ratio` picks nothing
     if scheme in TORCH_HOOK_SCHEMES:  # torch's hooks: no scope, aggregation, ... of sparsetrain's
         for axis in DENSE_IRRELEVANT:
-            row[axis] = NOT_APPLICABLE
+            if scheme not in TORCH_HOOK_KEEPS.get(axis, ()):
+                row[axis] = NOT_APPLICABLE
+        if scheme == "torch_powersgd":
+            # torch runs plain AllReduce for max(2, warmup_steps) steps (train.ddp_exchange): 0 is
+            # 2, and so is a run from before the key (its default, 0)
+            row["warmup_steps"] = max(2, int(row["warmup_steps"] or 0))
         if schemes.info(scheme).get("every_entry"):
             row["ratio"] = 1.0  # every entry, in half the bytes
         return row  # torch_powersgd keeps its ratio unless its rank is set: the rank matched to it
