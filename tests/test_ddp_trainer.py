@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SYNC_SCHEMES, TINY, on_gloo_ranks, read_json, read_jsonl, run_cli
+from conftest import SYNC_SCHEMES, TINY, on_gloo_ranks, read_json, read_jsonl, refusal, run_cli
 from omegaconf import OmegaConf
 
 from sparsetrain.config import CONF_DIR
@@ -186,3 +186,17 @@ def test_ddp_keys_define_a_run_and_default_for_older_checkpoints():
     assert config_differences(old, new) == []
     changed = {**new, "dist": {"ddp": True, "bucket_cap_mb": 1.0}}
     assert [key for key, *_ in config_differences(old, changed)] == ["dist.bucket_cap_mb", "dist.ddp"]
+
+
+def test_a_memory_or_error_feedback_that_no_step_runs_is_refused():
+    """Audit 4: torch's hooks (and dense SGD) accepted a ``scheme.memory`` that never runs, and
+    fp16 / bf16 ``scheme.error_feedback=true``, which they cannot do; the summary recorded both."""
+    ef = "scheme.memory={_target_: sparsetrain.compress.ErrorFeedback, _partial_: true}"
+    for scheme in ("fp16", "bf16", "torch_powersgd"):
+        line = refusal(f"scheme={scheme}", "dist.ddp=true", ef)
+        assert line.startswith("scheme.memory=sparsetrain.compress.ErrorFeedback is not allowed with "
+                               f"scheme={scheme}: torch's hook keeps its own state"), line
+    assert "it has no compressor" in refusal("scheme=none", ef)
+    line = refusal("scheme=bf16", "dist.ddp=true", "scheme.error_feedback=true")
+    assert line == ("scheme.error_feedback=true is not allowed with scheme=bf16: torch's bf16 hook casts "
+                    "every entry and keeps no memory; use scheme.error_feedback=false")

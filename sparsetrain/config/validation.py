@@ -27,6 +27,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
     _resolve_tuned(cfg)
     if cfg.world_size < 1:
         raise ConfigError(f"world_size={cfg.world_size} is not allowed; it must be an integer >= 1")
+    compressor = None
     try:
         if cfg.scheme.name in TORCH_HOOK_SCHEMES:  # no scope or aggregation of ours; ratio: matching
             check_combination(DENSE, cfg.scope.name, cfg.aggregation.name, cfg.ratio)
@@ -42,6 +43,7 @@ def validate(cfg: Any, env: dict | None = None) -> None:
             scheme_memory(cfg.scheme)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    _check_unread_memory(cfg, compressor, TORCH_HOOK_SCHEMES)
     choices = {
         "wandb.mode": (cfg.wandb.mode, ("offline", "online", "disabled")),
         "train.device": (cfg.train.device, ("auto", "cpu", "cuda")),
@@ -137,6 +139,22 @@ def _check_momentum(optim: Any) -> None:
     if optim.nesterov and optim.momentum == 0:
         raise ConfigError(f"optim.momentum={optim.momentum:g} is not allowed with optim.nesterov=true: Nesterov "
                           "momentum needs optim.momentum > 0; add optim.nesterov=false for plain SGD")
+
+
+def _check_unread_memory(cfg: Any, compressor: Any, torch_hooks) -> None:
+    """A memory that no step would run is a mistake, not a setting to ignore: ``scheme.memory``
+    where the scheme compresses nothing of ours (dense SGD, a local SGD without a compressor,
+    torch's hooks), and error feedback asked of torch's fp16 / bf16 hooks, which keep none."""
+    name = cfg.scheme.name
+    memory = cfg.scheme.get("memory")
+    if memory is not None and (compressor is None or name in torch_hooks):
+        target = memory.get("_target_") if hasattr(memory, "get") else memory
+        why = "torch's hook keeps its own state" if name in torch_hooks else "it has no compressor"
+        raise ConfigError(f"scheme.memory={target} is not allowed with scheme={name}: {why}, so no "
+                          "memory would run; drop scheme.memory or pick a scheme with a compressor")
+    if name in torch_hooks and name != "torch_powersgd" and cfg.scheme.get("error_feedback"):
+        raise ConfigError(f"scheme.error_feedback=true is not allowed with scheme={name}: torch's "
+                          f"{name} hook casts every entry and keeps no memory; use scheme.error_feedback=false")
 
 
 def _check_ddp(cfg: Any) -> None:
