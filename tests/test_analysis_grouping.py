@@ -344,3 +344,14 @@ def test_the_time_figures_draw_no_mean_of_two_machines(tmp_path):
     fig = sa.plot_workers(runs)
     times = [y for line in fig.axes[1].get_lines() for y in line.get_ydata()]
     assert times and all(math.isnan(y) for y in times), times
+
+
+def test_a_pivot_with_a_column_takes_no_per_row_extra_metric(tmp_path):
+    """Audit 4 (latent): a row's extra metric was its first column's (AllReduce's bytes shown for
+    AllGather); no table asks for both, and now none can."""
+    from sparsetrain.analysis.group import pivot_table
+
+    runs = sa.load_runs(write_run(tmp_path / "r", make_config()))
+    with pytest.raises(ValueError, match="would show the first column's"):
+        pivot_table("t", "t", runs, ["scheme"], "aggregation", "test_accuracy", extra_metrics=["bytes_sent_per_step"])
+    assert len(pivot_table("t", "t", runs, ["scheme"], "aggregation", "test_accuracy").display) == 1

@@ -333,7 +333,13 @@ def pivot_table(
     include_failed: bool = False,
     extra_metrics: list[str] | None = None,
 ) -> Table:
-    """Rows = ``rows`` + other varying axes, columns = values of ``column``, cells = metric."""
+    """Rows = ``rows`` + other varying axes, columns = values of ``column``, cells = metric;
+    ``extra_metrics``: one cell each per row, so only without a ``column`` (with one, a row's
+    cells would be its first column's)."""
+    if column and extra_metrics:
+        raise ValueError(f"pivot_table({name!r}): extra_metrics {extra_metrics} with column={column!r}: "
+                         "an extra metric is one cell per row and would show the first column's; "
+                         "allowed: extra metrics without a column, or the metric as the column's cells")
     counted = runs if include_failed else completed(runs)
     done = mark_repeats(counted)
     missing = pd.DataFrame() if include_failed else not_completed(runs)
