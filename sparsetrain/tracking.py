@@ -13,18 +13,26 @@ from typing import Any
 
 
 class NullTracker:
+    run_id = None
+
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
     def finish(self, summary: dict[str, Any], failed: bool = False) -> None: ...
 
 
 class WandbTracker:
-    def __init__(self, wandb_cfg: dict[str, Any], config: dict[str, Any], run_dir: str, name: str):
+    """One W&B run per training run: a resumed run (``run_id``: the id its checkpoint kept)
+    goes on in the same W&B run, so that W&B holds one run with every step, as metrics.jsonl."""
+
+    def __init__(self, wandb_cfg: dict[str, Any], config: dict[str, Any], run_dir: str, name: str,
+                 run_id: str | None = None):
         os.environ.setdefault("WANDB_SILENT", "true")
         os.environ.setdefault("WANDB_CONSOLE", "off")
         import wandb
 
         self._wandb = wandb
         self.run = wandb.init(
+            id=run_id,
+            resume="allow" if run_id else None,
             project=wandb_cfg["project"],
             entity=wandb_cfg.get("entity"),
             group=wandb_cfg.get("group"),
@@ -35,26 +43,50 @@ class WandbTracker:
             mode=wandb_cfg["mode"],
             reinit="create_new",
         )
+        self.run_id = self.run.id
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self.run.log(_flatten(metrics), step=step)
 
     def finish(self, summary: dict[str, Any], failed: bool = False) -> None:
-        for key, value in _flatten(summary).items():
+        # flat keys (``time_ms/step``), as the logged metrics; lists (``hosts``, ``code_commits``,
+        # ``time_ms_ranks``) kept whole, so that ``analysis.wandb_runs`` rebuilds summary.json
+        for key, value in _flatten(summary, keep_lists=True).items():
             if key.startswith("config/"):
                 continue
             self.run.summary[key] = value
         self.run.finish(exit_code=1 if failed else 0)
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten(d: dict[str, Any], prefix: str = "", keep_lists: bool = False) -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a/b": 1}``: scalars, and with ``keep_lists`` lists whole."""
     out: dict[str, Any] = {}
     for key, value in d.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{name}/"))
-        elif isinstance(value, (int, float, str, bool)) or value is None:
+            out.update(_flatten(value, f"{name}/", keep_lists))
+        elif isinstance(value, (int, float, str, bool)) or value is None or (keep_lists and isinstance(value, list)):
             out[name] = value
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``_flatten``'s inverse: ``{"a/b": 1}`` -> ``{"a": {"b": 1}}`` (a W&B run summary back to
+    summary.json's shape).
+
+    >>> unflatten({"time_ms/step": 2.0, "steps": 3, "target/accuracy": 0.9})
+    {'time_ms': {'step': 2.0}, 'steps': 3, 'target': {'accuracy': 0.9}}
+    """
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = str(key).split("/")
+        node = out
+        for parent in parents:
+            node = node.setdefault(parent, {})
+            if not isinstance(node, dict):  # a scalar and a group of one name: keep the scalar
+                break
+        else:
+            node[leaf] = value
     return out
 
 
@@ -82,7 +114,8 @@ def has_wandb_credentials(env: Mapping[str, str] | None = None) -> bool:
     return bool(creds and (creds[2] or "").strip())
 
 
-def make_tracker(wandb_cfg: dict[str, Any], config: dict[str, Any], run_dir: str, name: str):
+def make_tracker(wandb_cfg: dict[str, Any], config: dict[str, Any], run_dir: str, name: str,
+                 run_id: str | None = None):
     if wandb_cfg["mode"] == "disabled":
         return NullTracker()
-    return WandbTracker(wandb_cfg, config, run_dir, name)
+    return WandbTracker(wandb_cfg, config, run_dir, name, run_id)

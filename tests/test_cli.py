@@ -107,6 +107,26 @@ def test_wandb_offline_run_files_hold_metrics_and_no_key(tmp_path):
     assert re.search(r"offline", str(files[0]))
 
 
+@pytest.mark.slow  # a run stopped and resumed
+def test_a_resumed_run_goes_on_in_the_same_wandb_run(tmp_path):
+    """Audit 5: every resume (a SLURM requeue) started a new W&B run: the finished one's history
+    began at the resumed step, beside a "failed" twin of the same name."""
+    from test_failure_paths import RESUME, _interrupted_run
+    from wandb_offline import history
+
+    run = tmp_path / "run"
+    env = {"WANDB_MODE": "offline"}
+    _interrupted_run(run, *RESUME, "wandb.mode=offline")
+    resumed = run_cli(*RESUME, "wandb.mode=offline", f"hydra.run.dir={run}", env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    files = sorted(run.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 2, files  # one a process; `wandb sync` uploads both into the one run
+    assert len({f.name for f in files}) == 1, files  # run-<id>.wandb: the same id
+    steps = sorted({r["_step"] for f in files for r in history(f) if "train_loss" in r})
+    logged = sorted(r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["kind"] == "step")
+    assert set(logged) <= set(steps), (logged, steps)
+
+
 @pytest.mark.slow  # three runs
 def test_rerun_of_a_completed_run_skips_it_and_a_changed_one_is_refused(tmp_path):
     """Rerunning a sweep into its folder (a study interrupted between sessions) runs only what

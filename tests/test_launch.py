@@ -61,6 +61,28 @@ def test_torchrun_makes_one_run_folder(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no stray folders from rank 1
 
 
+@pytest.mark.slow  # three torchrun launches
+def test_a_rerun_under_torchrun_never_overwrites_a_completed_run(tmp_path):
+    """Audit 5: only local ranks checked the folder for a completed run; under torchrun (and
+    SLURM) a rerun trained it again from scratch, and one of another seed replaced it, exit 0."""
+    run = tmp_path / "run"
+
+    def launch(*extra):
+        return subprocess.run([*TORCHRUN, "-m", "sparsetrain.run", *TINY, "world_size=2", "train.max_steps=3",
+                               *extra, f"hydra.run.dir={run}"],
+                              cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+
+    first = launch()
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = {p.name: p.read_bytes() for p in (run / "summary.json", run / "metrics.jsonl")}
+    again = launch()
+    assert again.returncode == 0 and "already completed" in again.stdout, again.stdout[-2000:]
+    other = launch("seed=1")
+    assert other.returncode != 0 and "holds a completed run of a different configuration: seed=0 there, 1 now" \
+        in other.stderr, other.stderr[-3000:]
+    assert {p.name: p.read_bytes() for p in (run / "summary.json", run / "metrics.jsonl")} == kept
+
+
 @pytest.mark.slow  # two torchrun launches
 def test_torchrun_refuses_multirun_and_mismatched_world_size(tmp_path):
     proc = subprocess.run([*TORCHRUN, "-m", "sparsetrain.run", "-m", *TINY, "seed=0,1"],

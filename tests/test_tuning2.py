@@ -556,3 +556,15 @@ def test_a_points_folder_holding_another_points_runs_stops_in_one_line(tmp_path)
     shutil.copytree(committed, tmp_path / "local2_tune_topk_high")  # in its own folder: read
     shutil.rmtree(tmp_path / "local2_tune_topk_low")
     assert set(tuning_runs(plan, tmp_path)["point"]) == {"topk_high"}
+
+
+def test_a_rate_of_many_digits_reaches_the_verdict_runs_whole(tmp_path):
+    """Audit 5 (latent): the verdict runs' overrides wrote the tuned rate with ``:g`` (six
+    significant digits): 0.0123456789 would have trained at 0.0123457."""
+    plan = declared_tuning(LOCAL2)
+    tuning.write_tuned2(_complete(plan), tmp_path)
+    point = sorted(plan.grid)[0]
+    path = tmp_path / f"{point}.yaml"
+    path.write_text(path.read_text().replace("\nlr: ", "\nlr: 0.0123456789\n_was: ", 1))
+    line = tuning.verdict_overrides(plan, tmp_path, [0])[point]
+    assert "optim.lr=0.0123456789 " in line, line

@@ -140,6 +140,17 @@ def config_names(scheme: str, scope: str) -> list[str]:
     return [f"{scheme}_{scope}"]
 
 
+def exact(value: float) -> str:
+    """A rate as a run will read it back, every digit kept (``:g`` keeps six: a halving's seventh
+    digit would train at a rounded rate); whole numbers without ``.0``.
+
+    >>> exact(0.05), exact(4.0), exact(0.0123456789), exact(1e-05)
+    ('0.05', '4', '0.0123456789', '1e-05')
+    """
+    text = repr(float(value))
+    return text[:-2] if text.endswith(".0") else text
+
+
 def write_tuned(choices: pd.DataFrame, out_dir: str | Path) -> list[Path]:
     """One ``<scheme>_<scope>.yaml`` per choice: the values experiment=protocol reads, and where
     they come from (as comments and keys that nothing but a reader uses)."""
@@ -160,8 +171,8 @@ def write_tuned(choices: pd.DataFrame, out_dir: str | Path) -> list[Path]:
                 f"# the trained trial of {c['trials']} with the highest final validation accuracy, seed "
                 f"{c['seed']}, {c['epochs']} epochs.{edge}\n"
                 f"# experiment=protocol reads lr and warmup_epochs; a command-line value wins.\n"
-                f"lr: {c['lr']:g}\n"
-                f"warmup_epochs: {c['warmup_epochs']:g}\n"
+                f"lr: {exact(c['lr'])}\n"
+                f"warmup_epochs: {exact(c['warmup_epochs'])}\n"
                 f"val_accuracy: {c['val_accuracy']:.4f}\n"
                 f"trials: {c['trials']}\n"
                 f"trained: {c['trained']}\n"
@@ -525,7 +536,7 @@ def commands(reading: TuningReading) -> list[str]:
             known = reading.trials[(reading.trials["point"] == point) & (reading.trials["overrides"] != "")]
             carried = _carried(known["overrides"].iloc[0]) if not known.empty else "<as the point's other sweeps>"
             lines.append(f"PYTHONPATH=$PWD RESUME=1 SUFFIX=_{point}_edge{round_} EXTRA=\"{carried} optim.lr="
-                         f"{','.join(f'{r:g}' for r in sorted(rates))}\" bash scripts/reproduce.sh {plan.preset}")
+                         f"{','.join(exact(r) for r in sorted(rates))}\" bash scripts/reproduce.sh {plan.preset}")
     return lines
 
 
@@ -692,8 +703,8 @@ def verdict_overrides(plan: DeclaredTuning, tuned_dir: str | Path, seeds: list[i
         if tuned.get("declaration") != _relative(plan.path) or not tuned.get("point_config"):
             raise ValueError(f"{Path(tuned_dir) / point}.yaml: declaration {tuned.get('declaration')!r}, point_config "
                              f"{tuned.get('point_config')!r}; allowed: {_relative(plan.path)} and a conf/point file")
-        out[point] = (f"point={tuned['point_config']} optim.lr={tuned['lr']:g} optim.warmup_epochs="
-                      f"{tuned['warmup_epochs']:g} train.epochs={plan.budget} seed={','.join(map(str, seeds))}")
+        out[point] = (f"point={tuned['point_config']} optim.lr={exact(tuned['lr'])} optim.warmup_epochs="
+                      f"{exact(tuned['warmup_epochs'])} train.epochs={plan.budget} seed={','.join(map(str, seeds))}")
     return out
 
 

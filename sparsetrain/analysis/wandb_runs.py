@@ -1,12 +1,16 @@
 """The run frame from W&B's public API, for runs whose folders are not at hand (needs network).
 
 The trainer logs the resolved config as the W&B run config and the fields of ``summary.json`` as
-the run summary, so the same row builder applies. ``wandb`` is imported only when called.
+the run summary, flattened (``time_ms/step``; ``tracking.WandbTracker.finish``): put back into
+summary.json's shape (``tracking.unflatten``), the same row builder applies. ``wandb`` is
+imported only when called.
 """
 
 from __future__ import annotations
 
 import pandas as pd
+
+from sparsetrain.tracking import unflatten
 
 from .loader import _integer_columns, frame_of_rows, row_from_summary
 
@@ -32,7 +36,7 @@ def load_wandb_runs(path: str, filters: dict | None = None, api=None) -> pd.Data
         raise RuntimeError(f"cannot list W&B runs of {path!r}: {err}") from err
     rows = []
     for run in remote:
-        summary = dict(run.summary)
+        summary = unflatten({k: v for k, v in dict(run.summary).items() if not str(k).startswith("_")})
         config = dict(run.config)
         summary.setdefault("config", config)
         summary.setdefault("status", {"finished": "completed", "crashed": "failed", "failed": "failed"}.get(run.state, run.state))

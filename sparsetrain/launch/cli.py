@@ -85,32 +85,36 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         check_resume(run_dir, cfg_dict)
     except (ConfigError, CheckpointError) as exc:  # the folder's files are left as they are
         return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
-    if kind == "spawn":  # rerunning a sweep into its folder: finished jobs are not run again
-        from sparsetrain.train.checkpoint import completed_run
+    # Rerunning into a folder (a sweep, a cancelled SLURM array): a finished job is not run again,
+    # and a finished run of another configuration is never overwritten. Local ranks: checked here,
+    # before they are spawned; torchrun's and SLURM's ranks: by rank 0 in worker_main (only it
+    # knows the folder before the process group exists), every rank following it.
+    from sparsetrain.launch.worker import AlreadyCompleted, CompletedOtherConfiguration, worker_main
 
+    if kind != "spawn":  # this process is one of the ranks (torchrun; SLURM requeues a preempted job)
         try:
-            done = completed_run(run_dir, cfg_dict)
-        except ConfigError as exc:
+            return worker_main(cfg_dict, str(run_dir), launcher=kind, check_completed=True)
+        except AlreadyCompleted as done:
+            return _already_completed(run_dir, done.summary, is_rank0)
+        except CompletedOtherConfiguration as exc:  # left as it is
             return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
-        if done is not None:
-            print(f"{run_dir}: already completed (test_accuracy {done.get('test_accuracy')}); "
-                  "not run again (delete the folder to rerun)", flush=True)
-            return done
-
-    from sparsetrain.launch.worker import worker_main
-
-    if kind == "torchrun":  # this process is one of the ranks
-        try:
-            return worker_main(cfg_dict, str(run_dir), launcher=kind)
         except Preempted as exc:
+            if kind != "torchrun":
+                raise
             if is_rank0:
                 _error(f"{one_line_error(exc)} (run folder: {relative_run_dir(run_dir)})")
                 print(f"to resume: {_env_prefix()}torchrun ... "
                       f"{_resume_command(run_dir, multirun, program='-m sparsetrain.run', env=False)}",
                       file=sys.stderr, flush=True)
             raise SystemExit(128 + (exc.signum or signal.SIGTERM)) from None
-    if kind != "spawn":  # a SLURM task: one of the ranks; submitit requeues a preempted job
-        return worker_main(cfg_dict, str(run_dir), launcher=kind)
+    from sparsetrain.train.checkpoint import completed_run
+
+    try:
+        done = completed_run(run_dir, cfg_dict)
+    except ConfigError as exc:
+        return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
+    if done is not None:
+        return _already_completed(run_dir, done, is_rank0)
     if not multirun and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
         _note_interrupted_twins(run_dir, cfg_dict)
 
@@ -271,6 +275,13 @@ def _after_step(run_dir: Path) -> str:
     if step is None:
         step = (read_heartbeat(run_dir) or {}).get("step")
     return f" after step {step}" if step is not None else ""
+
+
+def _already_completed(run_dir: Path, summary: dict, is_rank0: bool) -> dict[str, Any]:
+    if is_rank0:
+        print(f"{run_dir}: already completed (test_accuracy {summary.get('test_accuracy')}); "
+              "not run again (delete the folder to rerun)", flush=True)
+    return summary
 
 
 def _fail(msg: str, run_dir: Path, multirun: bool, code: int, own_summary: bool = True) -> dict[str, Any]:

@@ -28,8 +28,38 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> dict:
-    """Entry point of one rank: set up the process group, train, tear down."""
+class AlreadyCompleted(Exception):
+    """The run folder holds this configuration's completed run (``summary``): not run again."""
+
+    def __init__(self, summary: dict):
+        super().__init__("already completed")
+        self.summary = summary
+
+
+class CompletedOtherConfiguration(ConfigError):
+    """The run folder holds a completed run of another configuration: never overwritten."""
+
+
+def _completed_verdict(run_dir: str, cfg_dict: dict) -> tuple[str, object] | None:
+    """Rank 0's reading of its folder (``checkpoint.completed_run``): ``("done", summary)``,
+    ``("refused", line)`` for a completed run of another configuration, or None: train."""
+    from sparsetrain.train.checkpoint import completed_run
+
+    try:
+        done = completed_run(run_dir, cfg_dict)
+    except ConfigError as exc:
+        return "refused", str(exc)
+    return ("done", done) if done is not None else None
+
+
+def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None, check_completed: bool = False) -> dict:
+    """Entry point of one rank: set up the process group, train, tear down.
+
+    ``check_completed`` (torchrun and SLURM, whose ranks start on their own): rank 0 reads the
+    folder, which only it knows before the broadcast, and every rank follows it: a completed run
+    of this configuration raises ``AlreadyCompleted``, one of another
+    ``CompletedOtherConfiguration``, on every
+    rank, before anything is written. (Local ranks are checked before they are spawned.)"""
     cfg = OmegaConf.create(cfg_dict)
     info = rank_info()
     if launcher is not None:
@@ -38,11 +68,24 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None) -> di
     torch.set_num_threads(threads)
     device = pick_device(cfg.train.device, info.local_rank)
     init_process_group(info, device, cfg.dist.backend, cfg.dist.timeout_s)
-    try:
-        if info.world_size > 1:  # every rank uses rank 0's run folder (checkpoints live there)
-            shared = [run_dir]
+    verdict = _completed_verdict(run_dir, cfg_dict) if check_completed and info.is_main else None
+    if info.world_size > 1:  # every rank uses rank 0's run folder (checkpoints live there)
+        shared = [run_dir, verdict]
+        try:
             dist.broadcast_object_list(shared, src=0)
-            run_dir = shared[0]
+        except Exception as exc:  # a rank gone before the trainer could record it
+            if info.is_main and verdict is None:  # (a finished run's summary stays as it is)
+                mark_failed(run_dir, one_line_error(exc), config=cfg_dict, world_size=info.world_size)
+            destroy_process_group()
+            raise
+        run_dir, verdict = shared
+    if verdict is not None:  # nothing in the folder is touched
+        destroy_process_group()
+        kind, what = verdict
+        if kind == "done":
+            raise AlreadyCompleted(what)
+        raise CompletedOtherConfiguration(what)
+    try:
         trainer = Trainer(cfg, info, run_dir, device)
     except Exception as exc:  # set-up failed before the trainer could record it
         if info.is_main:

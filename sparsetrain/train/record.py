@@ -66,6 +66,7 @@ class RunRecord:
         self.tally = tally
         self.writer = RunWriter(run_dir) if info.is_main else NullWriter()
         self.tracker = NullTracker()
+        self.wandb_id: str | None = None  # rank 0's W&B run: a resumed run goes on in it
         self.heartbeat: Heartbeat | None = None
         self.records_logged = 0
         self.last_eval: dict[str, float] = {}
@@ -94,11 +95,13 @@ class RunRecord:
     def state_dict(self) -> dict:
         return {"records_logged": self.records_logged, "last_eval": dict(self.last_eval),
                 "code": self.code, "code_commits": list(self.code_commits), "hosts": list(self.hosts),
-                ckpt.OWN_CODE: self.own_code, "compressor_code_versions": list(self.own_code_versions)}
+                ckpt.OWN_CODE: self.own_code, "compressor_code_versions": list(self.own_code_versions),
+                "wandb_id": self.wandb_id}
 
     def load_state_dict(self, state: dict) -> None:
         self.records_logged = state["records_logged"]
         self.last_eval = dict(state["last_eval"])
+        self.wandb_id = state.get("wandb_id")
         # The versions it ran on, then this one (check_same_code has refused a change unless allowed)
         here = describe(self.code, full=True)
         self.code_commits = _then(state.get("code_commits", []), here)
@@ -169,7 +172,9 @@ class RunRecord:
             slurm_job_id=self.info.slurm_job_id,
         )
         if self.info.is_main:
-            self.tracker = make_tracker(dict(config["wandb"]), config, str(self.run_dir), self.run_dir.name)
+            self.tracker = make_tracker(dict(config["wandb"]), config, str(self.run_dir), self.run_dir.name,
+                                        run_id=self.wandb_id)
+            self.wandb_id = self.tracker.run_id
             self.heartbeat = Heartbeat(self.run_dir, step_fn).start()
 
     def stop_heartbeat(self) -> None:
