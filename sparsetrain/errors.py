@@ -1,6 +1,7 @@
 """Every error a user reads, and how it is written: one line. Imports nothing from the project.
 
-- ``ConfigError``: a bad key value or combination, refused before (or while) ranks start.
+- ``ConfigError``: a bad key value or combination, refused before (or while) ranks start;
+  ``RunFolderInUse``: the run folder is held by a run training there now.
 - ``CheckpointError``: a checkpoint that cannot be written, read or resumed.
 - ``Preempted``: a stop signal arrived; the loop saved a checkpoint and stopped.
 - ``Diverged``: the training loss became inf or NaN on some rank; every rank stopped.
@@ -19,6 +20,11 @@ import sys
 
 class ConfigError(ValueError):
     """A bad key value or combination; its message is the single line the user sees."""
+
+
+class RunFolderInUse(ConfigError):
+    """Another process is training in the run folder now: a second one would interleave its
+    metrics.jsonl, checkpoints and summary with the first's. Nothing in the folder is touched."""
 
 
 class CheckpointError(RuntimeError):

@@ -230,15 +230,19 @@ def mark_failed(run_dir: str | Path, error: str, **fields: Any) -> None:
     write_json_atomic(Path(run_dir) / SUMMARY, summary)
 
 
+def holds_a_run(run_dir: str | Path) -> bool:
+    """Whether the folder holds a run that trained (or is training): completed, running, failed
+    after some steps, or with a checkpoint to resume. An earlier refusal is not one."""
+    old = read_summary(run_dir)
+    return old is not None and (old.get("status") != "failed" or old.get("steps") is not None
+                                or (Path(run_dir) / "checkpoint.pt").exists())
+
+
 def record_refusal(run_dir: str | Path, error: str, **fields: Any) -> None:
     """Record a run refused before it started (a bad value or combination) as ``failed``. It
     replaces the summary of an earlier refusal in the folder, so the folder names this attempt's
-    mistake, but never a summary of a run that trained (or is training): completed, running,
-    failed after some steps, or with a checkpoint to resume."""
-    old = read_summary(run_dir)
-    trained = old is not None and (old.get("status") != "failed" or old.get("steps") is not None
-                                   or (Path(run_dir) / "checkpoint.pt").exists())
-    if trained:
+    mistake, but never a summary of a run (``holds_a_run``)."""
+    if holds_a_run(run_dir):
         return
     now = now_iso()
     write_json_atomic(Path(run_dir) / SUMMARY, {"schema_version": SCHEMA_VERSION,
@@ -322,6 +326,73 @@ def unfinished_reason(run_dir: str | Path, summary: dict | None,
     except (TypeError, ValueError):
         return "no heartbeat"
     return None if now - started_unix < stale_after_s else f"no heartbeat since {started} (start)"
+
+
+def claim_run_folder(run_dir: str | Path) -> Callable[[], None]:
+    """Hold ``run_dir`` for this process while it trains there; returns the call that lets it go.
+
+    Two processes training in one folder (a sweep started twice, a command rerun in another
+    terminal while the first still runs) would interleave their metrics.jsonl lines, checkpoints
+    and summaries, and the folder would read as one run. The hold is an exclusive ``flock`` on the
+    folder itself (no file is added): the kernel lets it go when the process ends, however it
+    ends, so a run killed with SIGKILL never blocks its own resume. A second claim raises
+    ``RunFolderInUse`` before anything is written. Where the file system has no ``flock`` (some
+    network file systems), a heartbeat younger than HEARTBEAT_STALE_S from another live process
+    refuses instead."""
+    import fcntl
+
+    from sparsetrain.errors import RunFolderInUse
+
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunFolderInUse(_in_use_line(run_dir)) from None
+    except OSError:  # no flock here: the heartbeat is the only sign of a live run
+        os.close(fd)
+        if _beats_elsewhere(run_dir):
+            raise RunFolderInUse(_in_use_line(run_dir)) from None
+        return lambda: None
+    released = []
+
+    def release() -> None:
+        if not released:  # closing the descriptor lets the lock go
+            released.append(True)
+            os.close(fd)
+    return release
+
+
+def _beats_elsewhere(run_dir: str | Path, now: float | None = None) -> bool:
+    summary = read_summary(run_dir) or {}
+    beat = read_heartbeat(run_dir) or {}
+    if summary.get("status") != "running" or not isinstance(beat.get("unix"), (int, float)):
+        return False
+    if (time.time() if now is None else now) - beat["unix"] >= HEARTBEAT_STALE_S:
+        return False
+    if beat.get("host") != os.uname().nodename:
+        return True
+    pid = beat.get("pid")
+    if not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _in_use_line(run_dir: str | Path) -> str:
+    beat = read_heartbeat(run_dir) or {}
+    fresh = isinstance(beat.get("unix"), (int, float)) and time.time() - beat["unix"] < HEARTBEAT_STALE_S
+    who = (f"pid {beat.get('pid')} on {beat.get('host')}, step {beat.get('step')} at {beat.get('time')}"
+           if fresh else "starting: no heartbeat yet")
+    return (f"run folder {relative_run_dir(run_dir)}: in use by a run training there now ({who}); "
+            "allowed: a folder no live run holds. Wait for it to end (a rerun then skips it), or stop "
+            "it and rerun to resume from its checkpoint, or choose another folder (hydra.run.dir=..., "
+            "hydra.sweep.dir=...)")
 
 
 class Heartbeat:

@@ -199,6 +199,9 @@ def real_sweep(tmp_path_factory) -> Path:
     assert proc.returncode != 0  # top-k with AllReduce is refused; the others complete
     statuses = sorted(read_json(p)["status"] for p in sweep.glob("*/summary.json"))
     assert statuses == ["completed", "completed", "failed"], proc.stderr[-3000:]
+    # each job's config files where the analysis reads them (cli._settle_hydra_files), none left staged
+    assert all((job / ".hydra" / "overrides.yaml").is_file() and not (job / ".hydra.attempt").exists()
+               for job in sweep.glob("[0-9]")), sorted(map(str, sweep.rglob("*")))
     return results
 
 

@@ -135,6 +135,7 @@ def test_rerun_of_a_completed_run_skips_it_and_a_changed_one_is_refused(tmp_path
     args = (*TINY, "world_size=1", "train.max_steps=2", f"hydra.run.dir={run}")
     assert run_cli(*args).returncode == 0
     before = (run / "summary.json").read_text()
+    recorded = (run / ".hydra" / "overrides.yaml").read_text()
     again = run_cli(*args)
     assert again.returncode == 0 and "already completed" in again.stdout, again.stderr[-2000:]
     assert (run / "summary.json").read_text() == before
@@ -143,3 +144,5 @@ def test_rerun_of_a_completed_run_skips_it_and_a_changed_one_is_refused(tmp_path
     errors = [line for line in changed.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "holds a completed run of a different configuration: seed=0 there, 1 now" in errors[0]
     assert (run / "summary.json").read_text() == before
+    # the refused attempt's overrides (seed=1) never replace the run's: the analysis reads them
+    assert (run / ".hydra" / "overrides.yaml").read_text() == recorded and not (run / ".hydra.attempt").exists()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -33,12 +34,21 @@ from sparsetrain.config import (
     search_dirs,
     validate,
 )
-from sparsetrain.errors import CheckpointError, ConfigError, Preempted, one_line_error, print_error
+from sparsetrain.errors import (
+    CheckpointError,
+    ConfigError,
+    Preempted,
+    RunFolderInUse,
+    one_line_error,
+    print_error,
+)
 from sparsetrain.launch.env import check_launch_environment, env_rank, launcher_of, under_torchrun
 from sparsetrain.launch.report import end_of_run, end_of_sweep
 from sparsetrain.results import (
     SUMMARY,
     RunWriter,
+    claim_run_folder,
+    holds_a_run,
     mark_failed,
     read_heartbeat,
     read_summary,
@@ -55,13 +65,42 @@ _job_errors: dict[str, str] = {}
 _argv: list[str] = []  # the command line's arguments, for the command that resumes
 _error = print_error
 CHECKPOINT = "checkpoint.pt"  # sparsetrain.train.checkpoint.CHECKPOINT (that module imports torch)
+HYDRA_DIR = ".hydra"  # a run's config files, as the analysis reads them (_settle_hydra_files)
 
 
 def _run_job(cfg: DictConfig) -> dict[str, Any]:
-    from sparsetrain.launch.spawn import spawn_ranks
-
     hc = HydraConfig.get()
     run_dir = Path(hc.runtime.output_dir)
+    try:
+        return _job(cfg, hc, run_dir)
+    finally:  # a refused or failed attempt: its config files go only where no run was
+        _settle_hydra_files(run_dir, hc.output_subdir, taken=False)
+
+
+def _settle_hydra_files(run_dir: Path, output_subdir: str | None, taken: bool) -> None:
+    """Hydra writes an attempt's config.yaml, hydra.yaml and overrides.yaml before the job runs,
+    into ``hydra.output_subdir``: conf/config.yaml points it at ``.hydra.attempt/``, not at the
+    ``.hydra/`` the analysis reads (the experiment, the overrides), so that a refused attempt
+    (a completed run of another configuration, a run training there now) cannot rewrite what a
+    run in the folder recorded. An attempt that trains there (``taken``), or one in a folder
+    that holds no run (an earlier refusal at most), becomes the folder's ``.hydra/``; otherwise
+    its files are dropped. Once settled, later calls do nothing."""
+    if not output_subdir or Path(output_subdir).name == HYDRA_DIR:
+        return
+    staged = run_dir / output_subdir
+    if not staged.is_dir():
+        return
+    if taken or not holds_a_run(run_dir):
+        final = run_dir / HYDRA_DIR
+        shutil.rmtree(final, ignore_errors=True)
+        staged.rename(final)
+    else:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
+def _job(cfg: DictConfig, hc: Any, run_dir: Path) -> dict[str, Any]:
+    from sparsetrain.launch.spawn import spawn_ranks
+
     multirun = hc.mode == RunMode.MULTIRUN
     kind = launcher_of(os.environ)
     is_rank0 = kind == "spawn" or env_rank() == 0
@@ -86,17 +125,21 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
     except (ConfigError, CheckpointError) as exc:  # the folder's files are left as they are
         return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
     # Rerunning into a folder (a sweep, a cancelled SLURM array): a finished job is not run again,
-    # and a finished run of another configuration is never overwritten. Local ranks: checked here,
-    # before they are spawned; torchrun's and SLURM's ranks: by rank 0 in worker_main (only it
-    # knows the folder before the process group exists), every rank following it.
+    # a finished run of another configuration is never overwritten, and a run training there now
+    # is never joined (results.claim_run_folder). Local ranks: checked here, before they are
+    # spawned; torchrun's and SLURM's ranks: by rank 0 in worker_main (only it knows the folder
+    # before the process group exists), every rank following it.
     from sparsetrain.launch.worker import AlreadyCompleted, CompletedOtherConfiguration, worker_main
+
+    def taken() -> None:  # rank 0 holds the folder: this attempt's config files become its own
+        _settle_hydra_files(run_dir, hc.output_subdir, taken=True)
 
     if kind != "spawn":  # this process is one of the ranks (torchrun; SLURM requeues a preempted job)
         try:
-            return worker_main(cfg_dict, str(run_dir), launcher=kind, check_completed=True)
+            return worker_main(cfg_dict, str(run_dir), launcher=kind, check_completed=True, on_claim=taken)
         except AlreadyCompleted as done:
             return _already_completed(run_dir, done.summary, is_rank0)
-        except CompletedOtherConfiguration as exc:  # left as it is
+        except (CompletedOtherConfiguration, RunFolderInUse) as exc:  # left as it is
             return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
         except Preempted as exc:
             if kind != "torchrun":
@@ -115,25 +158,33 @@ def _run_job(cfg: DictConfig) -> dict[str, Any]:
         return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
     if done is not None:
         return _already_completed(run_dir, done, is_rank0)
-    if not multirun and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
-        _note_interrupted_twins(run_dir, cfg_dict)
+    try:
+        release = claim_run_folder(run_dir)
+    except RunFolderInUse as exc:
+        return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
+    try:
+        taken()
+        if not multirun and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
+            _note_interrupted_twins(run_dir, cfg_dict)
 
-    # Recorded before any rank exists, so a launch that fails early still leaves a summary, and
-    # a failure is never read back from an earlier run's summary in this folder.
-    RunWriter(run_dir).start(config=cfg_dict, run_dir=relative_run_dir(run_dir), world_size=cfg.world_size)
-    if cfg.world_size == 1:
-        return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
-    log_dir = run_dir / "ranks"
+        # Recorded before any rank exists, so a launch that fails early still leaves a summary,
+        # and a failure is never read back from an earlier run's summary in this folder.
+        RunWriter(run_dir).start(config=cfg_dict, run_dir=relative_run_dir(run_dir), world_size=cfg.world_size)
+        if cfg.world_size == 1:
+            return _guarded(lambda: worker_main(cfg_dict, str(run_dir), launcher="single"), run_dir, multirun)
+        log_dir = run_dir / "ranks"
 
-    def launch():
-        try:
-            results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
-                                  port=cfg.dist.master_port, log_dir=str(log_dir))
-        finally:
-            _remove_empty_folders(log_dir)  # torch makes one per rank; only failures write there
-        return results[0]
+        def launch():
+            try:
+                results = spawn_ranks(worker_main, (cfg_dict, str(run_dir), "spawn"), cfg.world_size,
+                                      port=cfg.dist.master_port, log_dir=str(log_dir))
+            finally:
+                _remove_empty_folders(log_dir)  # torch makes one per rank; only failures write there
+            return results[0]
 
-    return _guarded(launch, run_dir, multirun)
+        return _guarded(launch, run_dir, multirun)
+    finally:
+        release()
 
 
 def _check_search(cfg: DictConfig, hc: Any) -> None:

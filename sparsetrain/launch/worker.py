@@ -4,6 +4,7 @@ the trainer, then teardown."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -11,9 +12,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from sparsetrain.comm.group import destroy_process_group, init_process_group
-from sparsetrain.errors import ConfigError, one_line_error
+from sparsetrain.errors import ConfigError, RunFolderInUse, one_line_error
 from sparsetrain.launch.env import rank_info
-from sparsetrain.results import mark_failed
+from sparsetrain.results import claim_run_folder, mark_failed
 from sparsetrain.train import Trainer
 
 
@@ -52,14 +53,17 @@ def _completed_verdict(run_dir: str, cfg_dict: dict) -> tuple[str, object] | Non
     return ("done", done) if done is not None else None
 
 
-def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None, check_completed: bool = False) -> dict:
+def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None, check_completed: bool = False,
+                on_claim: Callable[[], None] | None = None) -> dict:
     """Entry point of one rank: set up the process group, train, tear down.
 
     ``check_completed`` (torchrun and SLURM, whose ranks start on their own): rank 0 reads the
     folder, which only it knows before the broadcast, and every rank follows it: a completed run
     of this configuration raises ``AlreadyCompleted``, one of another
-    ``CompletedOtherConfiguration``, on every
-    rank, before anything is written. (Local ranks are checked before they are spawned.)"""
+    ``CompletedOtherConfiguration``, and a folder that another live run holds
+    (``results.claim_run_folder``) ``RunFolderInUse``, on every rank, before anything is written.
+    Otherwise rank 0 holds the folder until the run ends and calls ``on_claim`` once it does.
+    (Local ranks are checked, and the folder held, before they are spawned.)"""
     cfg = OmegaConf.create(cfg_dict)
     info = rank_info()
     if launcher is not None:
@@ -69,6 +73,12 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None, check
     device = pick_device(cfg.train.device, info.local_rank)
     init_process_group(info, device, cfg.dist.backend, cfg.dist.timeout_s)
     verdict = _completed_verdict(run_dir, cfg_dict) if check_completed and info.is_main else None
+    release = None
+    if check_completed and info.is_main and verdict is None:
+        try:
+            release = claim_run_folder(run_dir)
+        except RunFolderInUse as exc:
+            verdict = "in use", str(exc)
     if info.world_size > 1:  # every rank uses rank 0's run folder (checkpoints live there)
         shared = [run_dir, verdict]
         try:
@@ -76,6 +86,8 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None, check
         except Exception as exc:  # a rank gone before the trainer could record it
             if info.is_main and verdict is None:  # (a finished run's summary stays as it is)
                 mark_failed(run_dir, one_line_error(exc), config=cfg_dict, world_size=info.world_size)
+            if release is not None:
+                release()
             destroy_process_group()
             raise
         run_dir, verdict = shared
@@ -84,7 +96,19 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None, check
         kind, what = verdict
         if kind == "done":
             raise AlreadyCompleted(what)
+        if kind == "in use":
+            raise RunFolderInUse(what)
         raise CompletedOtherConfiguration(what)
+    try:
+        if release is not None and on_claim is not None:
+            on_claim()
+        return _train(cfg, cfg_dict, info, run_dir, device)
+    finally:
+        if release is not None:
+            release()
+
+
+def _train(cfg, cfg_dict: dict, info, run_dir: str, device) -> dict:
     try:
         trainer = Trainer(cfg, info, run_dir, device)
     except Exception as exc:  # set-up failed before the trainer could record it
