@@ -419,6 +419,12 @@ def test_the_last_epochs_gain_skips_epochs_without_an_evaluation(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     gain = sa.load_runs(run)["test_accuracy_gain_last_epoch"].iloc[0]
     assert gain == pytest.approx(0.02)  # (0.74 - 0.70) / 2 epochs; it read 0.04
+    # audit 7: the curves (accuracy against epoch) read the repeats as measurements of epochs 3
+    # and 5; now those epochs keep their training loss and have no test numbers
+    curves = sa.load_curves(run)
+    assert curves["train_loss"].notna().all() and len(curves) == 6
+    assert list(curves.dropna(subset=["test_accuracy"])["epoch"]) == [1, 2, 4, 6]
+    assert curves.loc[curves["epoch"] == 3, "test_loss"].isna().all()
 
 
 def test_stability_table_counts_runs_that_did_not_train(tmp_path):
@@ -923,6 +929,12 @@ def test_paired_or_welch_is_chosen_from_the_seeds():
     other = compare(a, b.set_axis([5, 6, 7, 8, 9]))
     part = compare(a, b.iloc[:4])  # one seed short on one side: not the same seeds
     assert (same.test, other.test, part.test) == ("paired t", "Welch t", "Welch t")
+    # a declared study (every side runs the same seeds): the seed one side lacks failed, and the
+    # pairs are the four seeds both hold, never Welch over five and four (audit 6)
+    declared = compare(a, b.iloc[:4], pair_common=True)
+    assert (declared.test, declared.n_pairs, declared.unpaired) == ("paired t", 4, (a.index[4],))
+    assert declared.diff == pytest.approx(float((a.iloc[:4] - b.iloc[:4]).mean()))
+    assert compare(a, b.set_axis([5, 6, 7, 8, 9]), pair_common=True).test == "Welch t"  # none shared
     # the seed effect cancels in the pairs: the paired test sees the shift, Welch does not
     assert same.p < 0.05 < other.p
     assert same.high - same.low < other.high - other.low
@@ -960,7 +972,8 @@ def test_findings_tables_judge_sides_of_completed_runs(results):
     # top-k global seed 1 failed: one run is shown, never judged; block-k is 2 points under top-k
     # on every seed (paired, no spread): outside the noise, where the paper saw no difference
     assert list(rows["outcome"]) == ["not judged", "differs", "pending"]
-    assert list(rows["test"]) == ["not judged", "paired t (n=2)", "not judged"]
+    # the fake runs' accuracies differ by the same amount in every seed: no spread, said beside the test
+    assert list(rows["test"]) == ["not judged", "paired t (n=2), no spread: p is 0 or 1 by convention", "not judged"]
     assert rows["B: test accuracy (%)"].iloc[0] == f"{expected_accuracy(make_config(scope='global')) * 100:.2f} (n=1) [1 failed]"
     assert rows["A − B (points)"].iloc[0] == "+3.10"  # A: seeds 0 and 1 (+0.1 on average), B: seed 0
     assert rows["A − B (points)"].iloc[1] == "+2.00" and rows["p (Holm)"].iloc[1] == "<0.001"

@@ -15,7 +15,7 @@ from test_analysis import _row, make_config, write_run, write_sweep
 
 from sparsetrain import analysis as sa
 from sparsetrain.analysis.__main__ import main as analysis_main
-from sparsetrain.analysis.group import varying_axes
+from sparsetrain.analysis.group import varying_axes, without_copies
 from sparsetrain.analysis.loader import select
 from sparsetrain.analysis.study_tables import runs_table
 from sparsetrain.results import RunWriter
@@ -87,14 +87,24 @@ def test_runs_of_one_seed_are_never_averaged_into_one(tmp_path, capsys):
 
 def test_a_grid_that_ran_dense_sgd_at_two_scopes_counts_its_seed_once(tmp_path):
     """scheme=none,topk scope=layerwise,global runs dense SGD twice per seed under a key it
-    ignores: one computation, counted once (from the first run), never a mean of the two."""
+    ignores: one computation, counted once (from the first run), never a mean of the two. Copies
+    that ended apart (another machine, another commit) are not one computation: repeats, shown
+    apart, never one dropped for the other without a word."""
     sweep = write_sweep(tmp_path / "grid", {"scheme": "none,topk", "scope": "layerwise,global"}, "mine")
     _edit_summary(sweep / "0", test_accuracy=0.52)  # dense at layerwise
-    _edit_summary(sweep / "1", test_accuracy=0.60)  # dense at global: the same seed, 0
+    _edit_summary(sweep / "1", test_accuracy=0.52)  # dense at global: the same seed, 0
     table = runs_table(sa.load_runs(sweep))
     assert _row(table, scheme="dense SGD")[ACCURACY] == "52.00 (n=1)", table.display
     assert "repeat" not in table.display
     assert any("differ only in settings dense SGD ignores" in note and "counted once" in note for note in table.notes)
+    _edit_summary(sweep / "1", test_accuracy=0.60)
+    runs = sa.load_runs(sweep)
+    dense = runs[~runs["scheme"].isin(["topk"])]
+    assert len(dense) == 2 and len(without_copies(dense)) == 2
+    table = runs_table(runs)
+    shown = table.display[table.display["scheme"] == "dense SGD"]
+    assert sorted(shown[ACCURACY]) == ["52.00 (n=1)", "60.00 (n=1)"], table.display
+    assert any("shown apart as repeats" in note for note in table.notes)
 
 
 def test_summarize_refuses_two_runs_of_one_seed(tmp_path):

@@ -74,7 +74,7 @@ def test_declared_verdicts_per_budget_and_budget_dependence(tmp_path):
     assert v.loc["dense_cost", "verdict"].startswith("measured")
     c = change.data.set_index("point")
     assert c.loc["topk_global", "change (points)"] == "+3.45"
-    assert c.loc["dense", "test"] == "paired t (n=5)"
+    assert c.loc["dense", "test"] == "paired t (n=5), no spread: p is 0 or 1 by convention"  # synthetic: +0.5 every seed
 
 
 def test_a_budget_not_run_yet_leaves_the_verdict_pending(tmp_path):
@@ -405,3 +405,109 @@ def test_the_second_pass_declaration_loads_with_its_keys(tmp_path):
         declared.load(_with_format(tmp_path, path.read_text() + "equivalence_alfa: 0.01\n"))
     with pytest.raises(ValueError, match="alpha 0.1; allowed: 0.05"):
         declared.load(_with_format(tmp_path, path.read_text().replace("alpha: 0.05", "alpha: 0.1")))
+
+
+def test_differing_in_opposite_directions_is_not_held_at_both_budgets(tmp_path):
+    # an "=" claim that differs at both budgets, x above y at 4 epochs and below at 8: the
+    # outcome's label is the same ("differs"), the result is not (it named a random direction)
+    decl, runs = _two_point_study(tmp_path, {4: [2.0, 2.2, 1.9, 2.1, 2.05], 8: [-2.0, -2.3, -1.8, -2.2, -2.0]},
+                                  expect="=")
+    verdicts, comparisons, _, effect = declared.tables(decl, runs)
+    assert list(comparisons.data["outcome"]) == ["differs", "differs"]
+    v = verdicts.data.iloc[0]
+    assert v["held at both budgets"] == "none" and v["verdict"].startswith("not the same at both budgets")
+    assert effect.data.iloc[0]["across the budgets"] == "budget-dependent"
+
+
+def test_a_seed_on_one_side_only_is_left_out_of_the_pairs_and_named(tmp_path):
+    # y's seed 4 failed at 4 epochs: the paired test reads seeds 0-3 (A - B their mean difference),
+    # never Welch over 5 and 4 seeds, and says which seed it left out; the interaction test too
+    at4, at8 = [1.0, 1.2, 0.9, 1.1, 3.0], [0.5, 0.4, 0.6, 0.7, 0.5]
+    decl, runs = _two_point_study(tmp_path, {4: at4, 8: at8})
+    failed = (runs["scheme"] == "randk") & (runs["seed"] == 4) & (runs["epochs_planned"] == 4)
+    assert failed.sum() == 1
+    runs.loc[failed, ["status", "test_accuracy"]] = ["failed", None]
+    _, comparisons, _, effect = declared.tables(decl, runs)
+    row = comparisons.data.set_index("budget (epochs)").loc[4]
+    assert row["test"] == "paired t (n=4; seed 4 on one side only, left out)"
+    assert row["A − B (points)"] == f"{sum(at4[:4]) / 4:+.2f}"
+    change = effect.data.iloc[0]
+    assert change["test"] == "paired t (n=4; seed 4 on one side only, left out)"
+    assert change["change (points)"] == f"{sum(b - a for a, b in zip(at4[:4], at8[:4], strict=True)) / 4:+.2f}"
+
+
+def _seed_rule_study(tmp_path: Path, diffs: list[float], cap: int = 6, predictions: bool = False):
+    """A format 2 declaration of two points x, y at one budget with a seed rule (first 3 seeds of
+    0-5, the pair x, y), whose runs at seeds 0..len(diffs)-1 give A - B = ``diffs[seed]``."""
+    import numpy as np
+
+    from sparsetrain.results import write_test_predictions
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    decl_path = tmp_path / "rule.yaml"
+    decl_path.write_text(
+        "study: rule\nformat: 2\nsweeps: [rule]\nbudgets: [4]\nseeds: [0, 1, 2, 3, 4, 5]\nmargin: 1.0\nlooks: 1\n"
+        f"seed_rule: {{first: 3, cap: {cap}, sd_level: 0.8, power: 0.8, pair: [x, y]}}\n"
+        "setting: {world_size: 2}\npoints:\n  x: {scheme: topk, scope: layerwise, ratio: 0.01}\n"
+        "  y: {scheme: randk, scope: layerwise, ratio: 0.01}\n"
+        "findings:\n  - key: f\n    claim: x as y\n    comparisons:\n      - [x, y, \"=\"]\n")
+    rng = np.random.default_rng(0)
+    label = rng.integers(0, 10, 200)
+    for seed, d in enumerate(diffs):
+        for i, (scheme, acc) in enumerate((("topk", 85.0 + d), ("randk", 85.0))):
+            config = make_config(scheme=scheme, scope="layerwise", ratio=0.01, seed=seed, train__epochs=4)
+            run = write_run(tmp_path / "rule" / f"{seed * 2 + i}", config, experiment="rule")
+            summary = json.loads((run / "summary.json").read_text())
+            summary["test_accuracy"] = acc / 100
+            (run / "summary.json").write_text(json.dumps(summary))
+            if predictions:
+                predicted = np.where(rng.random(200) < acc / 100, label, (label + 1) % 10)
+                write_test_predictions(run, predicted, label, num_classes=10)
+    decl = declared.load(decl_path)
+    return decl, declared.runs_of(decl, tmp_path)
+
+
+def test_a_seed_rule_decides_how_many_seeds_the_verdicts_read(tmp_path):
+    from sparsetrain.analysis.power import seeds_by_internal_pilot
+
+    # the first 3 seeds agree closely: the rule asks for no more, and the study is judged on them
+    # (it waited for all 6 declared seeds before, pending for ever)
+    close = [0.1, 0.15, 0.05]
+    decl, runs = _seed_rule_study(tmp_path / "close", close)
+    seeds, why = declared.due_seeds(decl, runs)
+    assert seeds == [0, 1, 2] and why.startswith("the seed rule: SD of x - y over seeds 0-2")
+    verdicts, comparisons, *_ = declared.tables(decl, runs)
+    assert comparisons.data.iloc[0]["test"] == "paired t (n=3)"
+    assert "The seeds: the seed rule" in comparisons.notes[-1]
+    # they spread: the rule asks for more, and the verdict waits for them
+    spread = [1.5, -0.5, 0.4]
+    decl, runs = _seed_rule_study(tmp_path / "spread", spread)
+    n = seeds_by_internal_pilot(float(pd.Series(spread).std(ddof=1)), 1.0, 3, 6, 0.8, 0.05, 0.8)
+    assert n > 3 and declared.due_seeds(decl, runs)[0] == list(range(n))
+    verdicts, *_ = declared.tables(decl, runs)
+    assert verdicts.data.iloc[0]["4 epochs"] == f"pending (6 of {2 * n} runs ended)"
+
+
+def test_the_seed_rule_sizes_on_the_seeds_its_sd_came_from(tmp_path):
+    # y's seed 2 failed: the SD comes from 2 differences, so its upper bound is wider (df 1, not 2)
+    from sparsetrain.analysis.power import seeds_by_internal_pilot
+
+    decl, runs = _seed_rule_study(tmp_path, [0.3, 0.5, 0.4], cap=6)
+    runs.loc[(runs["scheme"] == "randk") & (runs["seed"] == 2), ["status", "test_accuracy"]] = ["failed", None]
+    seeds, why = declared.due_seeds(decl, runs)
+    sd = float(pd.Series([0.3, 0.5]).std(ddof=1))
+    assert len(seeds) == seeds_by_internal_pilot(sd, 1.0, 3, 6, n_measured=2)
+    assert len(seeds) > seeds_by_internal_pilot(sd, 1.0, 3, 6)  # sized as if from 3: too few
+    assert "(2 where both completed)" in why
+
+
+def test_format_2_tables_give_the_interval_with_test_set_error(tmp_path):
+    from sparsetrain.analysis.findings import difference_over_images
+
+    decl, runs = _seed_rule_study(tmp_path, [0.1, 0.15, 0.05], predictions=True)
+    _, comparisons, *_ = declared.tables(decl, runs)
+    cell = comparisons.data.iloc[0]["95% interval with test-set error"]
+    side = runs.set_index("scheme")
+    t = difference_over_images(runs[runs["scheme"] == "topk"], runs[runs["scheme"] == "randk"])
+    assert side.shape[0] == 6 and t.n_seeds == 3 and t.n_images == 200
+    assert cell == f"[{t.low:+.2f}, {t.high:+.2f}] (SE seeds {t.se_seeds:.2f}, images {t.se_images:.2f})"

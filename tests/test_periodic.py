@@ -347,3 +347,35 @@ def test_the_end_of_run_table_rounds_a_periods_mean_bytes():
          "bytes_sent_per_step": 1_083_240 / 28, "dense_bytes_per_step": 1_077_736, "time_ms": {"step": 400.0}}
     table = runs_table([(["localsgd"], s)])
     assert "38,687 " in table and "38,687.1" not in table and "0.0359" in table
+
+
+@pytest.mark.slow  # a 2-rank run, then the test set scored again
+def test_model_pt_is_the_model_the_final_evaluation_scored(tmp_path):
+    """Audit 7: with train.bn_recalibrate, local SGD's final evaluation recalibrated the anchor's
+    batch norm inside synchronised(), which restores each rank's own buffers on leaving it; model.pt
+    was saved in a second synchronised() and held the buffers before recalibration (it scored
+    8.7% where the run reported 17.7%). It is saved inside the first now: scored again in one
+    process, it predicts every test image as the run's test_predictions.npz says."""
+    import numpy as np
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from sparsetrain.data import load_dataset
+    from sparsetrain.results import read_test_predictions
+
+    run = tmp_path / "run"
+    proc = run_cli(*TINY, "world_size=2", "scheme=localsgd", "scheme.sync.period=4", "data.train_size=700",
+                   "data.test_size=333", "train.epochs=2", "train.bn_recalibrate=3", "train.save_model=true",
+                   f"hydra.run.dir={run}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = OmegaConf.create(read_json(run / "summary.json")["config"])
+    data = load_dataset(cfg.data.name, cfg.data.root, download=False, train_size=cfg.data.train_size,
+                        test_size=cfg.data.test_size, seed=cfg.seed, val_size=cfg.data.get("val_size", 0))
+    model = instantiate(cfg.model)(in_channels=data.in_channels, num_classes=data.num_classes)
+    model.load_state_dict(torch.load(run / "model.pt", weights_only=True))
+    model.eval()
+    with torch.no_grad():
+        predicted = torch.cat([model(data.test_x[i:i + 100]).argmax(1) for i in range(0, len(data.test_y), 100)])
+    saved, label = read_test_predictions(run)
+    assert np.array_equal(label, data.test_y.numpy())
+    assert np.array_equal(predicted.numpy(), saved)

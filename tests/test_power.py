@@ -56,6 +56,11 @@ def test_seed_rule():
     assert seeds_by_internal_pilot(1.4, 1.0, 6, 22, alpha=0.035) == 22
     mid = seeds_by_internal_pilot(0.8, 1.0, 6, 22, alpha=0.035)
     assert 6 < mid < 22 and tost_power(mid, sd_upper(0.8, 6, 0.8), 1.0, 0.035) >= 0.8
+    # audit 6: an SD from 5 differences (a seed of the pair failed) has a wider upper bound
+    fewer = seeds_by_internal_pilot(0.8, 1.0, 6, 22, alpha=0.035, n_measured=5)
+    assert fewer > mid and tost_power(fewer, sd_upper(0.8, 5, 0.8), 1.0, 0.035) >= 0.8
+    with pytest.raises(ValueError, match="n_measured"):
+        seeds_by_internal_pilot(0.8, 1.0, 6, 22, n_measured=1)
 
 
 @pytest.mark.slow  # 40,000 simulated studies

@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY, read_json, run_cli
 from scipy import stats
 
-from sparsetrain.analysis.findings import correct_by_seed
+from sparsetrain.analysis.findings import difference_over_images
 from sparsetrain.analysis.stats import with_test_error
 from sparsetrain.results import TEST_PREDICTIONS, read_test_predictions, write_test_predictions
 
@@ -78,23 +78,42 @@ def test_the_interval_covers_when_the_test_set_is_drawn_too():
     assert covered_seeds_only / draws < 0.9
 
 
-def test_the_predictions_file_and_each_seeds_correctness(tmp_path):
-    label = np.array([3, 1, 4, 1, 5, 9, 2, 6])
+def _runs_with_predictions(folder, label, wrong_by_seed, name):
     runs = []
-    for seed, wrong in ((0, [0]), (1, [2, 5])):
-        run = tmp_path / f"run{seed}"
+    for seed, wrong in wrong_by_seed.items():
+        run = folder / f"{name}{seed}"
         run.mkdir()
         predicted = label.copy()
         predicted[wrong] = 0
         path = write_test_predictions(run, predicted, label, num_classes=10)
         assert path.name == TEST_PREDICTIONS and path.stat().st_size < 1000
-        runs.append({"run_dir": str(run), "seed": seed, "status": "completed"})
-    got, labels = read_test_predictions(tmp_path / "run1")
+        runs.append({"run_dir": str(run), "seed": seed, "status": "completed",
+                     "test_accuracy": float((predicted == label).mean())})
+    return runs
+
+
+def test_the_predictions_file_and_the_interval_with_test_set_error(tmp_path):
+    label = np.array([3, 1, 4, 1, 5, 9, 2, 6])
+    a = _runs_with_predictions(tmp_path, label, {0: [0], 1: [2, 5], 2: []}, "a")
+    b = _runs_with_predictions(tmp_path, label, {0: [0, 1], 1: [2, 3, 5], 3: [1]}, "b")
+    got, labels = read_test_predictions(tmp_path / "a1")
     assert got.dtype == np.uint8 and list(labels) == list(label) and list(got[[2, 5]]) == [0, 0]
     assert read_test_predictions(tmp_path) is None  # a run that wrote none
-    runs.append({"run_dir": str(tmp_path), "seed": 2, "status": "completed"})  # no file: left out
-    correct = correct_by_seed(pd.DataFrame(runs))
-    assert sorted(correct) == [0, 1] and int(correct[0].sum()) == 7 and int(correct[1].sum()) == 6
+    # the seeds both sides hold (0, 1), the images paired: A - B = (1 + 1) / 16 = 12.5 points
+    t = difference_over_images(pd.DataFrame(a), pd.DataFrame(b))
+    assert t.n_seeds == 2 and t.n_images == 8 and t.diff == pytest.approx(12.5)
+    expected = with_test_error({s: np.load(tmp_path / f"a{s}" / TEST_PREDICTIONS)["predicted"] == label for s in (0, 1)},
+                               {s: np.load(tmp_path / f"b{s}" / TEST_PREDICTIONS)["predicted"] == label for s in (0, 1)})
+    assert (t.low, t.high, t.p) == (expected.low, expected.high, expected.p)
+    # a paired run that wrote none (it predates them): no interval, rather than one from fewer seeds
+    no_file = [*b[:1], {**b[1], "run_dir": str(tmp_path)}]
+    assert difference_over_images(pd.DataFrame(a), pd.DataFrame(no_file)) is None
+    # another test set (other labels, or another length): its images cannot be paired
+    other = tmp_path / "other"
+    other.mkdir()
+    write_test_predictions(other, label[::-1].copy(), label[::-1].copy(), num_classes=10)
+    with pytest.raises(ValueError, match="another test set than .*the labels differ first at image 0"):
+        difference_over_images(pd.DataFrame(a), pd.DataFrame([*b[:1], {**b[1], "run_dir": str(other)}]))
     with pytest.raises(ValueError, match="one of each per test image"):
         write_test_predictions(tmp_path, label[:3], label, num_classes=10)
 

@@ -275,9 +275,14 @@ def _verdict_run(results: Path, point: str, seed: int, test_accuracy: float) -> 
     folder = results / "verdict2" / point / f"s{seed}"
     folder.mkdir(parents=True)
     summary = json.loads((source / "summary.json").read_text())
+    scheme = point.split("_")[0]  # the point's scheme, as the tables select it (layer-wise, 1%)
+    summary["config"]["scheme"].update(name=scheme, error_feedback=True)
     summary["config"]["seed"], summary["test_accuracy"] = seed, test_accuracy
     (folder / "summary.json").write_text(json.dumps(summary))
     (folder / "metrics.jsonl").write_text((source / "metrics.jsonl").read_text())
+    (folder / ".hydra").mkdir()
+    hydra = (source / ".hydra" / "hydra.yaml").read_text().replace("scheme: none", f"scheme: {scheme}")
+    (folder / ".hydra" / "hydra.yaml").write_text(hydra)
 
 
 def test_the_seed_rule_sizes_the_verdict_runs_on_its_pairs_first_seeds(tmp_path):

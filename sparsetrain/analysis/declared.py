@@ -46,12 +46,13 @@ from .findings import (
     _p,
     _show,
     _side,
+    images_interval_cell,
     measure,
     side_accuracy,
     verdict,
 )
-from .loader import AXES, COLUMNS_FIRST, STOPPED, load_runs
-from .stats import ALPHA, Difference, compare, holm, outside_noise
+from .loader import AXES, COLUMNS_FIRST, STOPPED, completed, load_runs
+from .stats import ALPHA, Difference, compare, holm, method_label, outside_noise
 from .table import Table, write_table
 
 
@@ -80,6 +81,8 @@ class Declaration:
     # made on the tuning's own commit records as its experiment (scripts/verdict2_runs.sh with
     # TUNING_CHECKOUT); such a run counts only where it lies, in the study's own folder
     tuning_presets: tuple[str, ...] = ()
+    # ``seed_rule`` (verdicts2.yaml): how many of ``seeds`` the verdicts read (``due_seeds``)
+    seed_rule: dict | None = None
 
     @property
     def own_experiments(self) -> list[str]:
@@ -158,7 +161,8 @@ def load(path: str | Path) -> Declaration:
                        tuple(int(s) for s in doc["seeds"]), float(doc["margin"]), int(doc["looks"]),
                        dict(doc.get("setting") or {}), points, tuple(findings),
                        tuple(doc.get("reference_sweeps") or ()), notes, version, eq_alpha,
-                       tuple(map(tuning_preset, doc["sweeps"])) if doc.get("tuning") else ())
+                       tuple(map(tuning_preset, doc["sweeps"])) if doc.get("tuning") else (),
+                       dict(doc["seed_rule"]) if doc.get("seed_rule") else None)
 
 
 def _git(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -206,6 +210,42 @@ def _commits(runs: pd.DataFrame) -> list[str]:
                    for c in str(cell).split(";") if c and c != "unrecorded"})
 
 
+def due_seeds(decl: Declaration, runs: pd.DataFrame) -> tuple[list[int], str]:
+    """The seeds a study's verdicts read, and why. Without a ``seed_rule``: the declared seeds.
+    With one (verdicts2.yaml): its first seeds until the rule's pair has ended at each of them (at
+    the first budget); then ``power.seeds_by_internal_pilot`` on the SD of the pair's paired
+    differences in final test accuracy (points) over the seeds where both completed, the endpoint
+    that the "=" test reads and whose re-sizing the declaration simulated. The verdict runs
+    (``tuning.verdict_seeds``) and the tables read the same n."""
+    from .power import seeds_by_internal_pilot
+
+    rule = decl.seed_rule
+    if not rule:
+        return list(decl.seeds), "the declared seeds"
+    first = list(decl.seeds[: int(rule["first"])])
+    a, b = rule["pair"]
+    base = {"seed": first, "experiment": decl.experiments, **decl.setting, "epochs_planned": decl.budgets[0]}
+    runs = _every_axis(runs) if not runs.empty else runs
+    accuracy = {}
+    for point in (a, b):
+        side = _side(runs, decl.points[point], base) if not runs.empty else pd.DataFrame(columns=["seed", "status"])
+        if set(side.loc[~side["status"].isin(OPEN), "seed"]) != set(first):
+            return first, (f"the seed rule's first {len(first)} seeds (the pair {a}, {b} has not ended at all "
+                           f"of them)")
+        done = completed(side)
+        done = done[done["test_accuracy"].notna()]
+        accuracy[point] = dict(zip(done["seed"].astype(int), 100 * done["test_accuracy"].astype(float), strict=True))
+    paired = [accuracy[a][s] - accuracy[b][s] for s in first if s in accuracy[a] and s in accuracy[b]]
+    if len(paired) < 2:
+        raise ValueError(f"the seed rule needs the pair {a}, {b} trained at 2 of seeds {first} at least; "
+                         f"found {len(paired)}")
+    sd = float(pd.Series(paired).std(ddof=1))
+    n = seeds_by_internal_pilot(sd, decl.margin, len(first), int(rule["cap"]), float(rule.get("power", 0.8)),
+                                decl.equivalence_alpha, float(rule.get("sd_level", 0.8)), n_measured=len(paired))
+    over = f"seeds {first[0]}-{first[-1]}" + ("" if len(paired) == len(first) else f" ({len(paired)} where both completed)")
+    return list(decl.seeds[:n]), f"the seed rule: SD of {a} - {b} over {over} {sd:.3f} points -> {n} seeds"
+
+
 def runs_of(decl: Declaration, results: str | Path) -> pd.DataFrame:
     """The runs of the declared sweeps and references under ``results`` (an empty frame before
     any exists)."""
@@ -232,7 +272,8 @@ def _untuned(decl: Declaration, before: pd.DataFrame) -> dict[str, list[dict]]:
         return {}
     base = {**SECOND_PASS, **HEADLINE, **decl.setting, "seed": list(decl.seeds)}
     before = _every_axis(before)
-    measured = {f.key: measure(before, f, base, decl.margin, decl.looks, equivalence_alpha=decl.equivalence_alpha)
+    measured = {f.key: measure(before, f, base, decl.margin, decl.looks, equivalence_alpha=decl.equivalence_alpha,
+                               pair_common=True)
                 for f in decl.findings}
     if all(m["outcome"] == "pending" for ms in measured.values() for m in ms):
         return {}
@@ -245,8 +286,9 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
     the declared ones."""
     note = provenance(decl, runs)
     untuned = _untuned(decl, pd.DataFrame() if before is None else before)
+    seeds, why = due_seeds(decl, runs)
     rule = (f"A − B in points of final test accuracy, its 95% interval unadjusted; paired t over the "
-            f"declared seeds ({', '.join(map(str, decl.seeds))}); p two-sided, Holm-adjusted within each "
+            f"declared seeds ({', '.join(map(str, seeds))}); p two-sided, Holm-adjusted within each "
             f"finding at each budget, times the {decl.looks} look(s) taken (capped at 1); outside the noise: "
             f"adjusted p < 0.05. An A = B claim agrees only when TOST shows equivalence within "
             f"±{decl.margin:g} point (90% interval inside the margin), else it is 'not told apart'; a comparison "
@@ -261,11 +303,13 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
         rule += (f" '{UNTUNED}': the same comparisons, families and test on the headline study's runs (lr 0.05 "
                  "per worker and 0.3 epochs of warm-up for every scheme, 4 epochs, the same seeds, no validation "
                  "split).")
+    if decl.seed_rule:
+        rule += f" The seeds: {why}."
     rows, verdict_rows, effect_rows = [], [], []
-    base_seeds = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
+    base_seeds = {"seed": seeds, "experiment": decl.experiments, **decl.setting}
     runs = _every_axis(runs)
     for finding in decl.findings:
-        by_budget, waiting, judged_at = {}, {}, {}
+        by_budget, waiting, judged_at, directions = {}, {}, {}, {}
         claimed = any(c.expect != "?" for c in finding.comparisons)
         for budget in decl.budgets:
             base = {**base_seeds, "epochs_planned": budget}
@@ -276,10 +320,11 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
                 rows += [{**_row(decl, finding, budget, c), **_untuned_cells(untuned, finding.key, i)}
                          for i, c in enumerate(finding.comparisons)]
                 continue
-            measured = measure(runs, finding, base, decl.margin, decl.looks, equivalence_unclaimed=True,
+            measured = measure(runs, finding, base, decl.margin, decl.looks, equivalence_unclaimed=True, pair_common=True,
                                equivalence_alpha=decl.equivalence_alpha)
             judged_at[budget] = measured
             by_budget[budget] = [m["outcome"] for m in measured]
+            directions[budget] = [_relation(m, decl.margin) for m in measured]
             rows += [{**_row(decl, finding, budget, m["comparison"], m), **_untuned_cells(untuned, finding.key, i)}
                      for i, m in enumerate(measured)]
         each = {b: waiting.get(b) or verdict(o, claimed) for b, o in by_budget.items()}
@@ -289,7 +334,7 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
         verdict_rows.append({"finding": finding.key, "the paper": finding.claim,
                              **({UNTUNED: verdict([m["outcome"] for m in untuned[finding.key]], claimed)}
                                 if untuned else {}),
-                             **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": _overall(each, by_budget),
+                             **{f"{b} epochs": each[b] for b in decl.budgets}, "verdict": _overall(each, by_budget, directions),
                              **(_held_cells(decl, judged_at, effects) if len(decl.budgets) > 1 else {})})
     title = f"{decl.study}: declared comparisons"
     verdicts = pd.DataFrame(verdict_rows)
@@ -299,29 +344,35 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
               Table("comparisons", f"{title}, every comparison", comparisons, comparisons, notes=notes))
     if len(decl.budgets) == 1:
         return judged
-    change = _budget_change(decl, runs)
+    change = _budget_change(decl, runs, seeds)
     effect = pd.DataFrame(effect_rows)
     first, last = decl.budgets[0], decl.budgets[-1]
     return (*judged,
             Table("budget_change", f"{decl.study}: each point from {first} to {last} epochs",
                   change, change, notes=[note, "Test accuracy at the last budget minus the first, paired by seed "
-                                         "(paired t, 95% interval unadjusted, Holm over the points)."]),
+                                         "(paired t, 95% interval unadjusted, Holm over the points" + (
+                                             f", times the {decl.looks} looks taken, capped at 1" if decl.looks > 1
+                                             else "") + ")."]),
             Table("budget_effect", f"{decl.study}: each comparison across the budgets", effect, effect,
                   notes=[note, *decl.notes, _effect_rule(decl)]))
 
 
-def _overall(each: dict[int, str], by_budget: dict[int, list[str]]) -> str:
+def _overall(each: dict[int, str], by_budget: dict[int, list[str]],
+             directions: dict[int, list[str | None]] | None = None) -> str:
     """A finding's verdict over its budgets (``each``: its verdict at each, ``by_budget``: its
-    comparisons' outcomes at each): pending while any budget is; the verdict where every
-    comparison has the same outcome at every budget; else "not the same at every budget", with
-    each budget's verdict. Whether a comparison depends on the budget is the interaction test's
-    to say (``budget_effects``), not a label that differs: see the columns beside it."""
+    comparisons' outcomes at each, ``directions``: their relations, ``_relation``): pending while
+    any budget is; the verdict where every comparison has the same outcome, in the same
+    direction, at every budget; else "not the same at every budget", with each budget's verdict.
+    Whether a comparison depends on the budget is the interaction test's to say
+    (``budget_effects``), not a label that differs: see the columns beside it."""
     first = next(iter(each))
     unjudged = [b for b, v in each.items() if v.startswith(("pending", "not judged"))]
     if unjudged:
         return each[first] if len(each) == 1 else "pending: " + "; ".join(
             f"{b} epochs {each[b].removeprefix('pending ')}" for b in unjudged)
-    if all(len(set(outcomes)) == 1 for outcomes in zip(*by_budget.values())):
+    directions = directions or {b: [None] * len(o) for b, o in by_budget.items()}
+    if all(len(set(outcomes)) == 1 for outcomes in zip(*by_budget.values())) and all(
+            len(set(ways)) == 1 for ways in zip(*directions.values())):
         return each[first]
     return f"not the same at {_every(each)}: " + "; ".join(f"{b} epochs: {v}" for b, v in each.items())
 
@@ -388,7 +439,8 @@ def budget_effects(decl: Declaration, judged_at: dict[int, list[dict]]) -> list[
     output at each budget): a comparison is budget-dependent only where A - B itself changes
     between the first budget and the last, outside the noise, not where a label crosses 0.05."""
     first, last = judged_at[decl.budgets[0]], judged_at[decl.budgets[-1]]
-    changes = [compare(paired_differences(b), paired_differences(a)) for a, b in zip(first, last, strict=True)]
+    changes = [compare(paired_differences(b), paired_differences(a), pair_common=True)
+               for a, b in zip(first, last, strict=True)]
     adjusted = [min(1.0, decl.looks * p) if not math.isnan(p) else p for p in holm([c.p for c in changes])]
     return [BudgetEffect(c, p) for c, p in zip(changes, adjusted, strict=True)]
 
@@ -403,6 +455,12 @@ def _relation(m: dict, margin: float) -> str | None:
     if outcome in ("agrees", "reversed", "differs", "A higher", "B higher"):
         return f"{a} > {b}" if m["d"].diff > 0 else f"{a} < {b}"
     return None
+
+
+def _same_at_every_budget(at: list[dict], margin: float) -> bool:
+    """One comparison's outcome and direction alike at every budget: "differs" above at one budget
+    and below at another is not the same result (the outcome names no direction)."""
+    return len({(m["outcome"], _relation(m, margin)) for m in at}) == 1
 
 
 def _equivalent_unclaimed(m: dict) -> bool:
@@ -424,7 +482,7 @@ def _held_cells(decl: Declaration, judged_at: dict[int, list[dict]], effects: li
         size = (f"A − B {change.diff:+.2f} [{change.low:+.2f}, {change.high:+.2f}] from {decl.budgets[0]} to "
                 f"{decl.budgets[-1]} epochs, {_p_is(change.p)}, Holm {_p(effect.p_holm)}")
         relations = {_relation(m, decl.margin) for m in at}
-        if len({m["outcome"] for m in at}) == 1 and None not in relations:
+        if _same_at_every_budget(at, decl.margin) and None not in relations:
             seeds = [_seeds_toward(m, decl.margin) for m in at]
             seeds_text = f"{seeds[0]} seeds at {every}" if len(set(seeds)) == 1 else "seeds " + ", ".join(
                 f"{s} at {b}" for s, b in zip(seeds, decl.budgets, strict=True))
@@ -460,7 +518,7 @@ def _effect_rows(decl: Declaration, finding: Finding, judged_at: dict[int, list[
             effect = effects[i]
             c = effect.change
             at = [judged_at[b][i] for b in decl.budgets]
-            same = len({m["outcome"] for m in at}) == 1
+            same = _same_at_every_budget(at, decl.margin)
             reading = (("the same at " + _every(decl.budgets) + ": " + at[0]["outcome"]
                         + ("; its size depends on the budget" if effect.dependent else ""))
                        if same else "budget-dependent" if effect.dependent else
@@ -469,7 +527,7 @@ def _effect_rows(decl: Declaration, finding: Finding, judged_at: dict[int, list[
                 reading += f" (at the threshold: Holm p {effect.p_holm:.5f})"
             row.update({"change (points)": _num(c.diff, signed=True),
                         "95% interval": "—" if math.isnan(c.low) else f"[{c.low:+.2f}, {c.high:+.2f}]",
-                        "test": c.test + (f" (n={c.n_pairs})" if c.n_pairs else ""), "p": _p(c.p),
+                        "test": method_label(c), "p": _p(c.p),
                         f"p (Holm, x{decl.looks} looks)": _p(effect.p_holm), "across the budgets": reading})
         rows.append(row)
     return rows
@@ -523,7 +581,10 @@ def _row(decl: Declaration, finding: Finding, budget: int, comparison: Compariso
         "B: test accuracy (%)": _show(m["acc_b"], m["side_b"]) if m else "—",
         "A − B (points)": _num(d.diff, signed=True) if m else "—",
         "95% interval (unadjusted)": "—" if not m or math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
-        "test": (d.test + (f" (n={d.n_pairs})" if d.n_pairs else "")) if m else "not judged",
+        # format 2's runs save each test image's prediction: the interval that adds the test
+        # set's sampling error to the seeds' (the first pass's runs predate the files)
+        **({"95% interval with test-set error": images_interval_cell(m) if m else "—"} if decl.version >= 2 else {}),
+        "test": method_label(d) if m else "not judged",
         "p": _p(d.p) if m else "—", f"p (Holm, x{decl.looks} looks)": _p(m["p_holm"]) if m else "—",
         f"equivalence (TOST, ±{decl.margin:g} pt)": _equivalence_cell(m["equivalence"], m["p_equivalent"]) if m else "—",
         "outcome": m["outcome"] if m else "pending",
@@ -552,10 +613,10 @@ def _every_axis(runs: pd.DataFrame) -> pd.DataFrame:
     return runs.assign(**{axis: None for axis in AXES if axis not in runs})
 
 
-def _budget_change(decl: Declaration, runs: pd.DataFrame) -> pd.DataFrame:
+def _budget_change(decl: Declaration, runs: pd.DataFrame, seeds: list[int]) -> pd.DataFrame:
     first, last = decl.budgets[0], decl.budgets[-1]
     source = _every_axis(runs)
-    base = {"seed": list(decl.seeds), "experiment": decl.experiments, **decl.setting}
+    base = {"seed": seeds, "experiment": decl.experiments, **decl.setting}
     counts = {b: _ended(source, list(decl.points.values()), {**base, "epochs_planned": b}) for b in (first, last)}
     if any(ended < needed for ended, needed in counts.values()):  # Holm over every point: all or none
         return pd.DataFrame([{"point": name, **{f"{b} epochs (%)": "—" for b in (first, last)},
@@ -566,15 +627,16 @@ def _budget_change(decl: Declaration, runs: pd.DataFrame) -> pd.DataFrame:
     for name, axes in decl.points.items():
         at = {b: _side(source, axes, {**base, "epochs_planned": b}) for b in (first, last)}
         acc = {b: side_accuracy(side) for b, side in at.items()}
-        measured.append((name, at, acc, compare(acc[last], acc[first])))
-    adjusted = holm([d.p for *_, d in measured])
+        measured.append((name, at, acc, compare(acc[last], acc[first], pair_common=True)))
+    # times the looks taken, as every stated p (capped at 1)
+    adjusted = [min(1.0, decl.looks * p) if not math.isnan(p) else p for p in holm([d.p for *_, d in measured])]
     rows = []
     for (name, at, acc, d), p_adj in zip(measured, adjusted, strict=True):
         rows.append({"point": name, f"{first} epochs (%)": _show(acc[first], at[first]),
                      f"{last} epochs (%)": _show(acc[last], at[last]),
                      "change (points)": _num(d.diff, signed=True),
                      "95% interval (unadjusted)": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
-                     "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""), "p": _p(d.p), "p (Holm)": _p(p_adj)})
+                     "test": method_label(d), "p": _p(d.p), "p (Holm)": _p(p_adj)})
     return pd.DataFrame(rows)
 
 

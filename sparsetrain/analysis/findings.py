@@ -41,11 +41,14 @@ from .stats import (
     EQUIVALENCE_MARGIN,
     SHOWN,
     Difference,
+    TestSetDifference,
     compare,
     equivalence,
     holm,
+    method_label,
     outside_noise,
     per_seed,
+    with_test_error,
 )
 from .table import SCHEME_NAMES, Table
 
@@ -263,25 +266,59 @@ def side_accuracy(side: pd.DataFrame) -> pd.Series:
     return per_seed(done["test_accuracy"] * 100, done["seed"], done["run_dir"] if "run_dir" in done else None)
 
 
-def correct_by_seed(side: pd.DataFrame) -> dict:
-    """Each seed's per-image correctness (``{seed: bool array}``, the test set's order) from its
-    completed runs' ``test_predictions.npz`` (``sparsetrain.results.TEST_PREDICTIONS``), for
-    ``stats.with_test_error``. A seed whose run wrote no predictions is left out; a seed run twice
-    counts its first run."""
-    out = {}
-    for _, run in completed(side).sort_values("run_dir").iterrows():
-        found = read_test_predictions(run["run_dir"])
-        if found is not None and run["seed"] not in out:
+def difference_over_images(side_a: pd.DataFrame, side_b: pd.DataFrame) -> TestSetDifference | None:
+    """A - B over seeds and test images (``stats.with_test_error``: an interval that carries the
+    test set's sampling error) from the runs' saved per-image predictions
+    (``sparsetrain.results.TEST_PREDICTIONS``), on the runs the paired test reads (one per seed,
+    the seeds both sides hold). None where fewer than two seeds pair, or where one of those runs
+    wrote no predictions (it predates them). Runs scored on another test set, or in another
+    order, stop in one line naming the run: their images cannot be paired."""
+    import numpy as np
+
+    correct: list[dict] = []
+    labels, first = None, None
+    for side in (side_a, side_b):
+        done = without_copies(completed(side))
+        done = done[done["test_accuracy"].notna()]
+        seeds = per_seed(done["test_accuracy"], done["seed"], done["run_dir"] if "run_dir" in done else None)
+        out = {}
+        for _, run in done.iterrows():
+            found = read_test_predictions(run["run_dir"])
+            if found is None:
+                return None
             predicted, label = found
+            if labels is None:
+                labels, first = label, run["run_dir"]
+            elif label.shape != labels.shape or not np.array_equal(label, labels):
+                where = (f"{len(label)} images against {len(labels)}" if label.shape != labels.shape else
+                         f"the labels differ first at image {int(np.argmax(label != labels))}")
+                raise ValueError(f"{run['run_dir']}: its test predictions are of another test set than {first}'s "
+                                 f"({where}); allowed: the runs of one comparison scored on one test set, in one order")
             out[run["seed"]] = predicted == label
-    return out
+        correct.append({seed: out[seed] for seed in seeds.index})
+    if len(set(correct[0]) & set(correct[1])) < 2:
+        return None
+    return with_test_error(*correct)
+
+
+def images_interval_cell(m: dict) -> str:
+    """A comparison's interval with the test set's sampling error (``difference_over_images``), for
+    the comparisons table: the interval and the two sources' standard errors, or why not."""
+    t = difference_over_images(m["side_a"], m["side_b"])
+    if t is None:
+        return "— (no test predictions)"
+    return f"[{t.low:+.2f}, {t.high:+.2f}] (SE seeds {t.se_seeds:.2f}, images {t.se_images:.2f})"
 
 
 def _show(values: pd.Series, side: pd.DataFrame) -> str:
+    unscored = int(values.isna().sum())  # left out of the test too (compare drops them)
+    values = values.dropna()
     n = len(values)
     text = "—" if n == 0 else f"{values.mean():.2f}" + (f" ± {values.std(ddof=1):.2f}" if n > 1 else "") + f" (n={n})"
     counts = side["status"].value_counts().drop("completed", errors="ignore")
     notes = [f"{count} {status}" for status, count in counts.items()]
+    if unscored:
+        notes.append(f"{unscored} completed with no test accuracy")
     if "stability" in side:
         blew = int((completed(side)["stability"] == BLEW_UP_RECOVERED).sum())
         if blew:
@@ -366,23 +403,24 @@ def _equivalence_cell(e, p_adjusted: float) -> str:
 
 def measure(runs: pd.DataFrame, finding: Finding, base: dict, margin: float = EQUIVALENCE_MARGIN,
             looks: int = 1, equivalence_unclaimed: bool = False,
-            equivalence_alpha: float = ALPHA) -> list[dict]:
+            equivalence_alpha: float = ALPHA, pair_common: bool = False) -> list[dict]:
     """One finding's comparisons measured and judged: each a dict with the comparison, its sides'
     runs and per-seed accuracies, the ``Difference``, its Holm-adjusted p (times ``looks``, the
     analyses taken of the data so far, capped at 1), the equivalence test of a ``=`` claim with
     its Holm-adjusted p (over the finding's ``=`` claims, times ``looks``) and the outcome.
     ``equivalence_unclaimed``: a ``?`` comparison gets the equivalence test too, Holm-adjusted over
     the finding's ``?`` comparisons (shown beside its outcome, which it does not change).
-    ``equivalence_alpha``: each one-sided test's level (a declaration's ``equivalence_alpha``)."""
+    ``equivalence_alpha``: each one-sided test's level (a declaration's ``equivalence_alpha``).
+    ``pair_common``: a declared study's sides, paired on the seeds both hold (``stats.compare``)."""
     measured = []
     for comparison in finding.comparisons:
         setting = {**base, **comparison.setting}
         side_a, side_b = _side(runs, comparison.a, setting), _side(runs, comparison.b, setting)
         acc_a, acc_b = side_accuracy(side_a), side_accuracy(side_b)
         tested = comparison.expect == "=" or (equivalence_unclaimed and comparison.expect == "?")
-        eq = equivalence(acc_a, acc_b, margin, equivalence_alpha) if tested else None
+        eq = equivalence(acc_a, acc_b, margin, equivalence_alpha, pair_common) if tested else None
         measured.append({"comparison": comparison, "side_a": side_a, "side_b": side_b, "acc_a": acc_a,
-                         "acc_b": acc_b, "d": compare(acc_a, acc_b), "equivalence": eq})
+                         "acc_b": acc_b, "d": compare(acc_a, acc_b, pair_common=pair_common), "equivalence": eq})
 
     def adjusted(ps: list[float]) -> list[float]:
         return [min(1.0, looks * p) if not math.isnan(p) else p for p in holm(ps)]
@@ -420,7 +458,7 @@ def findings_tables(runs: pd.DataFrame, findings: tuple[Finding, ...] = FINDINGS
                 "B: test accuracy (%)": _show(m["acc_b"], m["side_b"]),
                 "A − B (points)": _num(d.diff, signed=True),
                 "95% interval": "—" if math.isnan(d.low) else f"[{d.low:+.2f}, {d.high:+.2f}]",
-                "test": d.test + (f" (n={d.n_pairs})" if d.n_pairs else ""),
+                "test": method_label(d),
                 "p": _p(d.p), "p (Holm)": _p(m["p_holm"]),
                 f"equivalence (TOST, ±{EQUIVALENCE_MARGIN:g} pt)": _equivalence_cell(m["equivalence"], m["p_equivalent"]),
                 "outcome": outcome,

@@ -130,9 +130,15 @@ def _same_seed_sets(runs: pd.DataFrame) -> list[pd.DataFrame]:
 
 def _copies(group: pd.DataFrame) -> bool:
     """Runs of one seed whose recorded configs all differ, though only in keys their scheme
-    ignores (dense SGD swept over scope=layerwise,global): one computation, made twice by a grid."""
+    ignores (dense SGD swept over scope=layerwise,global): one computation, made twice by a grid,
+    so they must also have ended alike (status and final test accuracy). Copies that did not
+    (another machine, another commit) are repeats: shown apart, and refused by a verdict, never
+    one dropped for the other without a word."""
     digests = group[CONFIG_DIGEST] if CONFIG_DIGEST in group else pd.Series(dtype=object)
-    return len(digests) == len(group) and digests.notna().all() and digests.nunique() == len(group)
+    if not (len(digests) == len(group) and digests.notna().all() and digests.nunique() == len(group)):
+        return False
+    return all(column not in group or group[column].nunique(dropna=False) == 1
+               for column in ("status", "test_accuracy"))
 
 
 def repeated_runs(runs: pd.DataFrame) -> list[pd.DataFrame]:

@@ -684,15 +684,19 @@ def distinct_evaluations(records, split: str) -> list[dict]:
     ``<split>_accuracy`` (``split``: ``val`` or ``test``). An epoch without an evaluation
     (``train.eval_every`` > 1) repeats the last one's accuracy and loss: left out, so that a
     reader never takes it for another measurement."""
-    out, last = [], None
+    return [r for r, new in _evaluated(records, split) if new]
+
+
+def _evaluated(records, split: str):
+    """Each epoch record of ``records`` that holds ``<split>_accuracy``, with whether it is a new
+    evaluation (False: it repeats the last one's accuracy and loss, ``train.eval_every`` > 1)."""
+    last = None
     for record in records:
         if record.get("kind") != "epoch" or record.get(f"{split}_accuracy") is None:
             continue
         key = (record[f"{split}_accuracy"], record.get(f"{split}_loss"))
-        if key != last:
-            out.append(record)
+        yield record, key != last
         last = key
-    return out
 
 
 def _from_metrics(path: Path) -> dict:
@@ -999,7 +1003,9 @@ def _read_metrics(path: Path, warn: bool = True) -> Iterable[dict]:
 def load_curves(*paths: str | Path, kind: str = "epoch", include_failed: bool = False) -> pd.DataFrame:
     """Records of ``metrics.jsonl`` of every run under ``paths``, with the run's axes joined.
 
-    ``kind="epoch"``: one row per evaluated epoch (test_accuracy, train_loss, ...).
+    ``kind="epoch"``: one row per epoch (train_loss, test_accuracy, ...); an epoch that was not
+    evaluated (``train.eval_every`` > 1) has no test or validation numbers (its record repeats
+    the last evaluation's: blanked, never a second measurement).
     ``kind="step"``: one row per logged step; ``time_ms`` is spread into ``time_<phase>_ms``.
     """
     return curves_of(load_runs(*paths), kind, include_failed)
@@ -1020,8 +1026,13 @@ def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = Fa
     for run in runs.to_dict("records"):  # not itertuples: a config key's column has dots in its name
         if not isinstance(run["run_dir"], str) or not (Path(run["run_dir"]) / "metrics.jsonl").is_file():
             continue
+        raw = list(_read_metrics(Path(run["run_dir"]) / "metrics.jsonl"))
+        for split in ("test", "val"):  # an epoch not evaluated: its repeated numbers are blanked
+            for record, new in list(_evaluated(raw, split)):
+                if not new:
+                    record.update({f"{split}_accuracy": None, f"{split}_loss": None})
         records = []
-        for record in _read_metrics(Path(run["run_dir"]) / "metrics.jsonl"):
+        for record in raw:
             if record.get("kind") != kind:
                 continue
             record = dict(record)

@@ -77,13 +77,17 @@ def sd_upper(sd_measured: float, n: int, level: float) -> float:
 
 
 def seeds_by_internal_pilot(sd_measured: float, margin: float, n_first: int, n_cap: int,
-                            power: float = 0.8, alpha: float = 0.05, level: float = 0.8) -> int:
+                            power: float = 0.8, alpha: float = 0.05, level: float = 0.8,
+                            n_measured: int | None = None) -> int:
     """verdicts2.yaml's seed rule: after the first ``n_first`` seeds, the seeds TOST needs for
     ``power`` at the ``level`` upper bound of the SD measured on them, never fewer than ran, never
-    more than ``n_cap``."""
-    if n_first < 2 or n_cap < n_first:
-        raise ValueError(f"the seed rule needs 2 <= n_first <= n_cap; got n_first={n_first}, n_cap={n_cap}")
-    sd = sd_upper(sd_measured, n_first, level)
+    more than ``n_cap``. ``n_measured``: how many differences the SD came from, where a seed of
+    the pair failed (default ``n_first``): the bound widens with fewer."""
+    n_measured = n_first if n_measured is None else n_measured
+    if n_first < 2 or n_cap < n_first or not 2 <= n_measured <= n_first:
+        raise ValueError(f"the seed rule needs 2 <= n_measured <= n_first <= n_cap; got n_measured={n_measured}, "
+                         f"n_first={n_first}, n_cap={n_cap}")
+    sd = sd_upper(sd_measured, n_measured, level)
     for n in range(n_first, n_cap + 1):
         if tost_power(n, sd, margin, alpha) >= power:
             return n

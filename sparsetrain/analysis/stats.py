@@ -2,8 +2,12 @@
 
 - Both sides ran the same seeds (same initial weights, same data order): a **paired** t-test on
   the per-seed differences (``scipy.stats.ttest_rel``), the stronger test that the design allows.
-- Otherwise: **Welch's** t-test (``scipy.stats.ttest_ind(equal_var=False)``), which does not
-  assume equal spreads.
+  In a declared study (``pair_common``: every side runs the declared seeds), a seed that ended on
+  one side only (it failed or scored nothing on the other) leaves the pairs: they are the seeds
+  both hold, A - B is their mean difference, and the seeds left out are named
+  (``Difference.unpaired``, ``method_label``), so a paired design is never read as two samples.
+- Otherwise (sides that ran other seeds by design): **Welch's** t-test
+  (``scipy.stats.ttest_ind(equal_var=False)``), which does not assume equal spreads.
 - A side with one run (or a pairing with one seed) is **shown, never judged**: no interval, no p.
 - A finding's comparisons are corrected together for multiplicity with **Holm**'s step-down
   method; a difference is **outside the noise** when its Holm-adjusted p is below 0.05.
@@ -42,10 +46,37 @@ class Difference:
     n_a: int
     n_b: int
     n_pairs: int = 0
+    unpaired: tuple = ()  # seeds that ended on one side only, left out of a paired test
 
     @property
     def judged(self) -> bool:
         return not math.isnan(self.p)
+
+
+def method_label(d: Difference) -> str:
+    """A test as the tables name it: ``paired t (n=5)``, with the seeds a pairing left out
+    (``paired t (n=4; seed 4 on one side only, left out)``) and a difference without spread."""
+    label = d.test
+    if d.n_pairs:
+        left_out = ""
+        if d.unpaired:
+            left_out = (f"; seed{'s' if len(d.unpaired) > 1 else ''} {', '.join(map(str, d.unpaired))} "
+                        "on one side only, left out")
+        label += f" (n={d.n_pairs}{left_out})"
+    if d.judged and d.low == d.high:  # every difference alike: t is undefined, p set to 0 or 1
+        label += ", no spread: p is 0 or 1 by convention"
+    return label
+
+
+def _pairs(a: pd.Series, b: pd.Series, pair_common: bool) -> tuple[pd.Series, pd.Series, tuple] | None:
+    """The two sides on the seeds both hold, in A's order, and the seeds only one holds; None
+    where fewer than two are shared, or (without ``pair_common``) where the seeds differ at all
+    (no pairing: Welch's test, or shown)."""
+    common = a.index[a.index.isin(b.index)]  # in A's order, as the tests always read them
+    if len(common) < 2 or (not pair_common and set(a.index) != set(b.index)):
+        return None
+    unpaired = tuple(sorted(set(a.index).symmetric_difference(b.index)))
+    return a.loc[common], b.loc[common], unpaired
 
 
 def per_seed(values: pd.Series, seeds: pd.Series, names: pd.Series | None = None) -> pd.Series:
@@ -64,23 +95,30 @@ def per_seed(values: pd.Series, seeds: pd.Series, names: pd.Series | None = None
     return pd.Series(values.to_numpy(dtype=float), index=seeds.to_numpy()).sort_index()
 
 
-def compare(a: pd.Series, b: pd.Series, confidence: float = 0.95) -> Difference:
-    """A - B for two per-seed series (index: seed). Paired when both hold exactly the same seeds
-    (two or more), Welch otherwise (two or more on each side); else shown, not judged."""
+def compare(a: pd.Series, b: pd.Series, confidence: float = 0.95, pair_common: bool = False) -> Difference:
+    """A - B for two per-seed series (index: seed). Paired when both hold the same seeds (two or
+    more), Welch otherwise (two or more on each side); else shown, not judged. ``pair_common``
+    (a declared study: every side runs the same seeds, so one missing is a run that failed):
+    paired on the seeds both hold wherever they share two or more (A - B: the mean of their
+    differences; the others named in ``unpaired``)."""
     a, b = a.dropna(), b.dropna()
     n_a, n_b = len(a), len(b)
     nan = math.nan
     if n_a == 0 or n_b == 0:
         return Difference(nan, nan, nan, nan, SHOWN, n_a, n_b)
     diff = float(a.mean() - b.mean())
-    if set(a.index) == set(b.index) and n_a >= 2:
-        b = b.loc[a.index]
-        d = a.to_numpy() - b.to_numpy()
+    pairs = _pairs(a, b, pair_common)
+    if pairs is not None:
+        pa, pb, unpaired = pairs
+        n = len(pa)
+        d = pa.to_numpy() - pb.to_numpy()
+        if unpaired:  # A - B over the pairs only (over every seed, a seed's own level would count)
+            diff = float(pa.mean() - pb.mean())
         if (d == d[0]).all():  # no spread in the differences: t is undefined
-            return Difference(diff, diff, diff, 0.0 if d[0] != 0 else 1.0, PAIRED, n_a, n_b, n_a)
-        res = stats.ttest_rel(a.to_numpy(), b.to_numpy())
+            return Difference(diff, diff, diff, 0.0 if d[0] != 0 else 1.0, PAIRED, n_a, n_b, n, unpaired)
+        res = stats.ttest_rel(pa.to_numpy(), pb.to_numpy())
         ci = res.confidence_interval(confidence)
-        return Difference(diff, float(ci.low), float(ci.high), float(res.pvalue), PAIRED, n_a, n_b, n_a)
+        return Difference(diff, float(ci.low), float(ci.high), float(res.pvalue), PAIRED, n_a, n_b, n, unpaired)
     if n_a >= 2 and n_b >= 2:
         if a.std(ddof=1) == 0 and b.std(ddof=1) == 0:
             return Difference(diff, diff, diff, 0.0 if diff != 0 else 1.0, WELCH, n_a, n_b)
@@ -111,16 +149,18 @@ class Equivalence:
 
 
 def equivalence(a: pd.Series, b: pd.Series, margin: float = EQUIVALENCE_MARGIN,
-                alpha: float = ALPHA) -> Equivalence:
+                alpha: float = ALPHA, pair_common: bool = False) -> Equivalence:
     """Two one-sided t-tests of A - B against -``margin`` and +``margin`` for two per-seed series
-    (index: seed), paired where both hold the same seeds, Welch otherwise, as ``compare`` pairs.
+    (index: seed), paired or Welch as ``compare`` chooses (``pair_common`` as there).
     Each one-sided test is scipy's (``ttest_1samp`` on the paired differences, ``ttest_ind`` on A
     shifted by the margin), so the p-values come from the same code as every other verdict."""
     a, b = a.dropna(), b.dropna()
     nan = math.nan
     confidence = 1 - 2 * alpha
-    if set(a.index) == set(b.index) and len(a) >= 2:
-        d = a.to_numpy() - b.loc[a.index].to_numpy()
+    pairs = _pairs(a, b, pair_common)
+    if pairs is not None:
+        pa, pb, _ = pairs
+        d = pa.to_numpy() - pb.to_numpy()
         if (d == d[0]).all():  # no spread: equivalent exactly when the one difference is inside
             inside = abs(d[0]) < margin
             return Equivalence(margin, 0.0 if inside else 1.0, float(d[0]), float(d[0]), PAIRED, alpha)

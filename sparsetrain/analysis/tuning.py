@@ -661,38 +661,13 @@ def tuned2_files(plan: DeclaredTuning, tuned_dir: str | Path) -> dict[str, dict]
 
 
 def verdict_seeds(path: str | Path, results: str | Path) -> tuple[list[int], str]:
-    """The seeds the verdict runs need now, and why. Without a ``seed_rule``: the declared seeds.
-    With one (verdicts2.yaml): its first seeds until the rule's pair has ended at each of them;
-    then ``power.seeds_by_internal_pilot`` on the SD of the pair's paired differences in final test
-    accuracy (points) over those seeds, the endpoint that the "=" test reads and whose re-sizing
-    the declaration simulated."""
-    from .declared import load
-    from .power import seeds_by_internal_pilot
+    """The seeds the verdict runs need now, and why: ``declared.due_seeds`` on the study's runs
+    under ``results`` (the declared seeds, or the seed rule's first seeds and then its n), the
+    same seeds that its tables read."""
+    from .declared import due_seeds, load, runs_of
 
     decl = load(path)
-    rule = (yaml.safe_load(Path(path).read_text()) or {}).get("seed_rule")
-    if not rule:
-        return list(decl.seeds), "the declared seeds"
-    first = list(decl.seeds[: int(rule["first"])])
-    a, b = rule["pair"]
-    accuracy = {}
-    for point in (a, b):
-        folder = Path(results) / decl.sweeps[0] / point
-        runs = load_runs(folder) if folder.is_dir() else pd.DataFrame(columns=["seed", "status"])
-        runs = runs[runs["seed"].isin(first) & runs["status"].isin(FINISHED)]
-        if set(runs["seed"]) != set(first):
-            return first, f"the seed rule's first {len(first)} seeds (the pair {a}, {b} has not ended at all of them)"
-        done = runs[runs["status"] == "completed"]
-        accuracy[point] = dict(zip(done["seed"].astype(int), 100 * done["test_accuracy"].astype(float)))
-    paired = [accuracy[a][s] - accuracy[b][s] for s in first if s in accuracy[a] and s in accuracy[b]]
-    if len(paired) < 2:
-        raise ValueError(f"the seed rule needs the pair {a}, {b} trained at 2 of seeds {first} at least; "
-                         f"found {len(paired)}")
-    sd = float(pd.Series(paired).std(ddof=1))
-    n = seeds_by_internal_pilot(sd, decl.margin, len(first), int(rule["cap"]), float(rule.get("power", 0.8)),
-                                decl.equivalence_alpha, float(rule.get("sd_level", 0.8)))
-    return list(decl.seeds[:n]), (f"the seed rule: SD of {a} - {b} over seeds {first[0]}-{first[-1]} {sd:.3f} points "
-                                  f"-> {n} seeds")
+    return due_seeds(decl, runs_of(decl, results) if decl.seed_rule else pd.DataFrame())
 
 
 def verdict_overrides(plan: DeclaredTuning, tuned_dir: str | Path, seeds: list[int]) -> dict[str, str]:

@@ -192,13 +192,17 @@ class RunRecord:
                            **self._load())
         self.tracker.finish(self.writer.summary, failed=True)
 
-    def complete(self, model: torch.nn.Module, step: int, elapsed_s: float, curve_s: float = 0.0,
-                 target: dict | None = None) -> dict:
-        """``model.pt`` if asked for, ``summary.json`` completed; the checkpoint goes (a finished
-        run needs no resume point). ``target``: ``train.stop_at_accuracy`` and when it was reached.
-        Returns the summary (rank 0's; empty on other ranks)."""
+    def save_model(self, model: torch.nn.Module) -> None:
+        """``model.pt`` if asked for: the model the final evaluation scored, saved while it is
+        (inside the same ``synchronised()``: local SGD restores each rank's own buffers on leaving
+        it, and with ``train.bn_recalibrate`` those were not the scored ones)."""
         if self.cfg.train.save_model and self.info.is_main:
             torch.save(model.state_dict(), self.run_dir / "model.pt")
+
+    def complete(self, step: int, elapsed_s: float, curve_s: float = 0.0, target: dict | None = None) -> dict:
+        """``summary.json`` completed; the checkpoint goes (a finished run needs no resume point).
+        ``target``: ``train.stop_at_accuracy`` and when it was reached. Returns the summary
+        (rank 0's; empty on other ranks)."""
         self.writer.finish("completed", **self._summary_fields(step, elapsed_s, reduce=True),
                            curve_s=curve_s, curve_share=curve_s / (elapsed_s + curve_s) if elapsed_s + curve_s else None,
                            **({"target": target} if target is not None else {}), **self._load())

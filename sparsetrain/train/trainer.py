@@ -144,9 +144,7 @@ class Trainer:
             if signals is not None:
                 signals.restore()
             self.record.stop_heartbeat()
-        with self._synchronised():
-            return self.record.complete(self.model, self.step, self.elapsed_s, self.curve_s,
-                                        target=self._target_summary())
+        return self.record.complete(self.step, self.elapsed_s, self.curve_s, target=self._target_summary())
 
     def train_step(self, batches) -> Any:
         result = self.run_step(batches, self.step)
@@ -210,6 +208,8 @@ class Trainer:
                 # the final evaluation keeps each test image's prediction (after training: no
                 # random number is drawn for it)
                 self.record.last_eval = self.evaluator.evaluate(self.epoch, predictions=final)
+                if final:
+                    self.record.save_model(self.model)  # the model just scored
             if final:
                 self.record.save_test_predictions(self.evaluator.test_predictions, self.data.test_y,
                                                   self.data.num_classes)
