@@ -183,7 +183,8 @@ def stability_table(runs: pd.DataFrame, include_failed: bool = False) -> Table:
     metrics = ["train_loss", "test_accuracy", "test_accuracy_running_bn", "memory_norm_max",
                "bytes_mean_per_step"]
     notes = _constant_note(keep, by) + notes_of_seeds + [
-        "trained = final train loss below ln 10 (a uniform guess); max memory norm: the largest "
+        "trained = final train loss below ln 10 (a uniform guess) and final test accuracy of 20% or more; "
+        "max memory norm: the largest "
         "logged norm of rank 0's error-feedback memory, max over seeds; bytes: mean per step over "
         "the run, warm-up steps included."]
     if keep.empty:
@@ -227,10 +228,11 @@ def status_table(runs: pd.DataFrame) -> Table:
     counts = runs.assign(status=detail).groupby(["experiment", "status"]).size()
     data = counts.unstack(fill_value=0).reset_index()
     data.columns.name = None
-    notes = ["A completed run blew up and recovered when its batch loss rose above ln 10 (a uniform "
-             "guess) from step 20 on; runs written before the per-step record are read from their "
-             "logged steps (every 20th). A run whose final train loss is not below ln 10, or whose "
-             "final test accuracy is below 20%, did not train."]
+    notes = ["A completed run blew up and recovered when a batch loss from step 20 on rose above 2 ln 10, or "
+             "above ln 10 (a uniform guess) and twice the lowest logged loss before it "
+             "(sparsetrain.results.blow_up; an early blip just past ln 10 is not one); runs written before the "
+             "per-step record are read from their logged steps (every 20th). A run whose final train loss is "
+             "not below ln 10, or whose final test accuracy is below 20%, did not train."]
     if "code" in runs:
         versions = runs[runs["status"] != "absent"].groupby("experiment")["code"].agg(
             lambda codes: ", ".join(sorted(set(codes))))
