@@ -410,3 +410,33 @@ def test_topk_allreduce_refused_like_the_config():
         SparseHookState(nn.Linear(2, 2), "blockk", uncompressed="2d", compressor=BlockRandomK)
     with pytest.raises(ValueError, match="scheme='blockk' has no compressor"):  # the class is not looked up by name
         SparseHookState(nn.Linear(2, 2), "blockk")
+
+
+def test_each_bucket_draws_from_its_own_seed_in_global_scope_and_the_runs_seed_layer_wise(tmp_path):
+    """Global scope is global within a bucket: bucket b's reducer draws from step_seed(seed, b)
+    (bucket_seed then adds the step); layer-wise every bucket has the run's seed, so a tensor's
+    positions do not depend on its bucket. (A hook seeding every bucket alike survived the fast
+    tier: only the slow hand reference replayed the draws.)"""
+
+    class Bucket:
+        def __init__(self, index, params):
+            self._index, self._params = index, params
+
+        def index(self):
+            return self._index
+
+        def parameters(self):
+            return self._params
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        model = net()
+        params = list(model.parameters())
+        halves = [params[: len(params) // 2], params[len(params) // 2:]]
+        for scope in ("global", "layerwise"):
+            state = state_for(model, "randk", scope, "allreduce", RATIO)
+            seeds = [state._plan(Bucket(b, ps), torch.cat([p.detach().reshape(-1) for p in ps])).reducer.seed
+                     for b, ps in enumerate(halves)]
+            assert seeds == ([step_seed(SEED, 0), step_seed(SEED, 1)] if scope == "global" else [SEED, SEED])
+    finally:
+        dist.destroy_process_group()

@@ -364,3 +364,21 @@ def test_a_compressor_of_ones_own_that_sets_no_payload_stops_with_one_line():
                         seed=0, compressor=Silent)
     with pytest.raises(RuntimeError, match=r"^Silent set no step.payload in send or receive"):
         red.reduce(torch.randn(8), 0, NULL_TIMER)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_bytes_count_the_gradients_dtype(dtype):
+    """Values travel in the gradient's dtype: float64 sends twice float32's bytes, bfloat16 half
+    (a count fixed at 4 bytes a value survived every sparse-scheme test, all in float32)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    for agg in ("allreduce", "allgather"):
+        red = build_reducer("randk", "layerwise", agg, 0.01, LAYOUT, world_size=1, rank=0, seed=0,
+                            compressor=compressor_for("randk"), dtype=dtype)
+        k = red.compressor.k
+        assert red.dense_bytes_per_step == LAYOUT.total * size
+        if agg == "allreduce":  # shared positions: values only
+            assert red.bytes_sent_per_step == k * size
+        else:  # values and int32 positions, the message padded to a multiple of 4 bytes
+            assert red.bytes_sent_per_step == -(-(k * size + k * 4) // 4) * 4
+        flat = torch.randn(LAYOUT.total).to(dtype)
+        assert red.reduce(flat, 0, PhaseTimer("cpu")).bytes_sent == red.bytes_sent_per_step

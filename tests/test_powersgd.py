@@ -561,3 +561,37 @@ def test_a_set_rank_is_the_runs_axis_and_ratio_then_picks_nothing():
     assert (row["rank"], row["ratio"]) == (2, NOT_APPLICABLE)
     topk = row_from_summary({"status": "completed", "config": {**base, "scheme": {"name": "topk"}}}, None)
     assert (topk["rank"], topk["ratio"]) == (NOT_APPLICABLE, 0.01)
+
+
+def test_error_feedback_off_reports_the_error_on_the_trainers_flat_buffer_too():
+    """Without error feedback on the trainer's flat buffer (compressed tensors first, no
+    placement), the accumulated vector is the gradient buffer itself, which the exchange
+    overwrites with the decoded update: the error must be measured on a copy taken before (a
+    reducer that measured it after reported 0.0 where it is about 0.86; only the interleaved
+    placement above was tested)."""
+    flags = uncompressed_flags(SHAPES, "1d")
+    order = compressed_first(flags)
+    shapes = [SHAPES[i] for i in order]
+    red = build_reducer("powersgd", "layerwise", "allreduce", 0.01, Layout.from_sizes(math.prod(s) for s in shapes),
+                        uncompressed=[flags[i] for i in order], shapes=shapes, compressor=partial(PowerSGD, rank=1),
+                        world_size=1, rank=0, seed=SEED, dtype=F64, error_feedback=False)
+    g = grad(0, 0)
+    flat = g.clone()
+    stats = red.reduce(flat, 0, timer(), want_stats=True)
+    mask = compressed_mask(shapes)
+    want = float((g[mask] - flat[mask]).norm() / g[mask].norm())
+    assert want > 0.1 and stats.compression_error == pytest.approx(want, rel=1e-12)
+
+
+def test_a_saved_state_is_a_copy_not_the_live_buffers():
+    """state_dict() is what a checkpoint keeps: training on must not change it (an alias would
+    change an in-memory checkpoint, or a state compared later, without a word)."""
+    red = reducer(rank=1)
+    red.reduce(grad(0, 0), 0, timer())
+    saved = red.state_dict()
+    tensors = {name: t.clone() for name, t in saved["error_feedback"].items() if torch.is_tensor(t)}
+    assert tensors and float(red.memory.memory.abs().sum()) > 0
+    red.reduce(grad(0, 1), 1, timer())
+    for name, before in tensors.items():
+        assert torch.equal(saved["error_feedback"][name], before), name
+    assert saved["error_feedback"]["memory"].data_ptr() != red.memory.memory.data_ptr()
