@@ -126,3 +126,25 @@ def test_under_torchrun_rank_0_refuses_a_held_folder_for_every_rank(tmp_path):
     assert proc.returncode != 0
     assert "in use by a run training there now" in proc.stderr, proc.stderr[-3000:]
     assert _files(tmp_path) == before and not (tmp_path / ".hydra.attempt").exists()
+
+
+@pytest.mark.slow  # a run, then the same command again
+def test_a_folder_is_read_for_a_completed_run_only_while_held(tmp_path):
+    """The completed check comes after the hold: a run that completes and lets go between a
+    check and a hold would otherwise be trained again over its completed files (seen once by
+    hand: a second command started as the first ended trained the run anew). Here the run has
+    completed but its folder is still held, as in that instant: the same command is refused (in
+    use), where reading first it said "already completed" and would have gone on to train had
+    the hold been let go between the two."""
+    args = (*TINY, "world_size=1", "train.max_steps=1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert run_cli(*args).returncode == 0
+    before = _files(tmp_path / "run")
+    release = claim_run_folder(tmp_path / "run")
+    try:
+        proc = run_cli(*args)
+    finally:
+        release()
+    assert proc.returncode == 2 and "in use by a run training there now" in proc.stderr, proc.stdout[-2000:]
+    assert _files(tmp_path / "run") == before
+    again = run_cli(*args)  # let go: the completed run is skipped, as before
+    assert again.returncode == 0 and "already completed" in again.stdout

@@ -153,16 +153,18 @@ def _job(cfg: DictConfig, hc: Any, run_dir: Path) -> dict[str, Any]:
     from sparsetrain.train.checkpoint import completed_run
 
     try:
-        done = completed_run(run_dir, cfg_dict)
-    except ConfigError as exc:
-        return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
-    if done is not None:
-        return _already_completed(run_dir, done, is_rank0)
-    try:
         release = claim_run_folder(run_dir)
     except RunFolderInUse as exc:
         return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
     try:
+        # read while held: a run that completes and lets go between a read and a hold would be
+        # trained again over its completed files
+        try:
+            done = completed_run(run_dir, cfg_dict)
+        except ConfigError as exc:
+            return _fail(str(exc), run_dir, multirun, code=2, own_summary=False)
+        if done is not None:
+            return _already_completed(run_dir, done, is_rank0)
         taken()
         if not multirun and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
             _note_interrupted_twins(run_dir, cfg_dict)

@@ -72,13 +72,17 @@ def worker_main(cfg_dict: dict, run_dir: str, launcher: str | None = None, check
     torch.set_num_threads(threads)
     device = pick_device(cfg.train.device, info.local_rank)
     init_process_group(info, device, cfg.dist.backend, cfg.dist.timeout_s)
-    verdict = _completed_verdict(run_dir, cfg_dict) if check_completed and info.is_main else None
-    release = None
-    if check_completed and info.is_main and verdict is None:
+    verdict, release = None, None
+    if check_completed and info.is_main:  # held first, then read: see cli._job
         try:
             release = claim_run_folder(run_dir)
         except RunFolderInUse as exc:
             verdict = "in use", str(exc)
+        else:
+            verdict = _completed_verdict(run_dir, cfg_dict)
+            if verdict is not None:  # nothing to train here: let it go
+                release()
+                release = None
     if info.world_size > 1:  # every rank uses rank 0's run folder (checkpoints live there)
         shared = [run_dir, verdict]
         try:
