@@ -173,6 +173,17 @@ def test_report_rewrites_a_saved_run_byte_for_byte(tmp_path):
         step.render({**doc, "schema": 1}, tmp_path)
 
 
+def test_report_without_out_writes_next_to_the_saved_file(tmp_path, capsys):
+    """`--report <dir>/step.json` redraws its outputs in <dir>: by default it wrote into
+    results/bench, over the committed benchmark (a newcomer's walkthrough of one's own rows)."""
+    src = REPO / "results" / "bench"
+    committed = {name: (src / name).read_bytes() for name in ("step.json", "step.csv", "step.txt")}
+    shutil.copy(src / "step.json", tmp_path / "step.json")
+    assert step.main(["--report", str(tmp_path / "step.json")]) == 0
+    assert (tmp_path / "step.csv").read_bytes() == committed["step.csv"] and "noise check" in capsys.readouterr().out
+    assert {name: (src / name).read_bytes() for name in committed} == committed
+
+
 def test_a_rows_collective_is_the_recorded_one_else_the_studies_rule():
     """The step table's and the cluster check's collective: what the worker recorded from the
     reducer; for files written before it did, the options by loader.collective_of's rule."""

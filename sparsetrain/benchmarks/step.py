@@ -421,13 +421,14 @@ def main(argv=None) -> int:
                     help="a row of one's own (repeatable): NAME=space-separated overrides; list it in --schemes")
     ap.add_argument("--schemes", default=",".join(ROWS),
                     help=f"rows: {', '.join(ROWS)}; topk, randk, blockk = all of that scheme's rows")
-    ap.add_argument("--out", default=str(harness.REPO / "results" / "bench"))
+    ap.add_argument("--out", default=None,
+                    help="where to write (default: results/bench; with --report, the saved step.json's folder)")
     ap.add_argument("--rate-timeout", type=float, default=7200)
     ap.add_argument("--report", default=None, metavar="STEP_JSON",
-                    help="print the tables of a saved step.json and redraw its outputs into --out")
+                    help="print the tables of a saved step.json and redraw its outputs next to it (or into --out)")
     a = ap.parse_args(argv)
-    if a.report:
-        print(render(json.loads(Path(a.report).read_text()), Path(a.out)))
+    if a.report:  # next to the saved file unless told: never over another benchmark's outputs
+        print(render(json.loads(Path(a.report).read_text()), Path(a.out) if a.out else Path(a.report).parent))
         return 0
     add_rows(a.row)
     a.schemes = parse_rows(a.schemes)
@@ -437,7 +438,7 @@ def main(argv=None) -> int:
     if not harness.need_root("sparsetrain.benchmarks.step"):
         return 2
     harness.stop_on_signals()
-    out = Path(a.out)
+    out = Path(a.out) if a.out else harness.REPO / "results" / "bench"
     rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     if rates and rates[0] == "paper":
         raise SystemExit("--rates: the first rate must be a number ('paper' is computed from it)")
