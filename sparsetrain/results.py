@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from sparsetrain import scheme_catalog  # plain yaml, no torch
-from sparsetrain.errors import one_line_error  # noqa: F401  (the one formatter; re-exported)
+from sparsetrain.errors import (
+    RunFolderInUse,
+    one_line_error,  # noqa: F401  (the one formatter; re-exported)
+)
 
 SUMMARY = "summary.json"
 # summary.json's layout (its ``schema_version``): 1 added ``schema_version`` and
@@ -307,6 +310,13 @@ def read_heartbeat(run_dir: str | Path) -> dict | None:
         return None
 
 
+def _beat_age(beat: dict | None, now: float | None = None) -> float | None:
+    """Seconds since a heartbeat (``read_heartbeat``'s) was written; None where there is none."""
+    if not beat or not isinstance(beat.get("unix"), (int, float)):
+        return None
+    return (time.time() if now is None else now) - beat["unix"]
+
+
 def unfinished_reason(run_dir: str | Path, summary: dict | None,
                       stale_after_s: float = HEARTBEAT_STALE_S, now: float | None = None) -> str | None:
     """``no heartbeat since <time> (step N)`` for a run that says ``running`` but has not beaten
@@ -315,8 +325,9 @@ def unfinished_reason(run_dir: str | Path, summary: dict | None,
         return None
     now = time.time() if now is None else now
     beat = read_heartbeat(run_dir)
-    if beat and isinstance(beat.get("unix"), (int, float)):
-        if now - beat["unix"] < stale_after_s:
+    age = _beat_age(beat, now)
+    if age is not None:
+        if age < stale_after_s:
             return None
         step = f" (step {beat['step']})" if beat.get("step") is not None else ""
         return f"no heartbeat since {beat.get('time')}{step}"
@@ -341,8 +352,6 @@ def claim_run_folder(run_dir: str | Path) -> Callable[[], None]:
     refuses instead."""
     import fcntl
 
-    from sparsetrain.errors import RunFolderInUse
-
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -354,21 +363,18 @@ def claim_run_folder(run_dir: str | Path) -> Callable[[], None]:
         if _beats_elsewhere(run_dir):
             raise RunFolderInUse(_in_use_line(run_dir)) from None
         return lambda: None
-    released = []
+    held = [fd]
 
-    def release() -> None:
-        if not released:  # closing the descriptor lets the lock go
-            released.append(True)
-            os.close(fd)
+    def release() -> None:  # closing the descriptor lets the lock go; once is enough
+        if held:
+            os.close(held.pop())
     return release
 
 
-def _beats_elsewhere(run_dir: str | Path, now: float | None = None) -> bool:
-    summary = read_summary(run_dir) or {}
+def _beats_elsewhere(run_dir: str | Path) -> bool:
     beat = read_heartbeat(run_dir) or {}
-    if summary.get("status") != "running" or not isinstance(beat.get("unix"), (int, float)):
-        return False
-    if (time.time() if now is None else now) - beat["unix"] >= HEARTBEAT_STALE_S:
+    age = _beat_age(beat)
+    if (read_summary(run_dir) or {}).get("status") != "running" or age is None or age >= HEARTBEAT_STALE_S:
         return False
     if beat.get("host") != os.uname().nodename:
         return True
@@ -386,7 +392,8 @@ def _beats_elsewhere(run_dir: str | Path, now: float | None = None) -> bool:
 
 def _in_use_line(run_dir: str | Path) -> str:
     beat = read_heartbeat(run_dir) or {}
-    fresh = isinstance(beat.get("unix"), (int, float)) and time.time() - beat["unix"] < HEARTBEAT_STALE_S
+    age = _beat_age(beat)
+    fresh = age is not None and age < HEARTBEAT_STALE_S
     who = (f"pid {beat.get('pid')} on {beat.get('host')}, step {beat.get('step')} at {beat.get('time')}"
            if fresh else "starting: no heartbeat yet")
     return (f"run folder {relative_run_dir(run_dir)}: in use by a run training there now ({who}); "

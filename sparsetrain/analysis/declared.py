@@ -225,10 +225,10 @@ def due_seeds(decl: Declaration, runs: pd.DataFrame) -> tuple[list[int], str]:
     first = list(decl.seeds[: int(rule["first"])])
     a, b = rule["pair"]
     base = {"seed": first, "experiment": decl.experiments, **decl.setting, "epochs_planned": decl.budgets[0]}
-    runs = _every_axis(runs) if not runs.empty else runs
+    runs = _every_axis(runs)  # before any run: its columns, no rows
     accuracy = {}
     for point in (a, b):
-        side = _side(runs, decl.points[point], base) if not runs.empty else pd.DataFrame(columns=["seed", "status"])
+        side = _side(runs, decl.points[point], base)
         if set(side.loc[~side["status"].isin(OPEN), "seed"]) != set(first):
             return first, (f"the seed rule's first {len(first)} seeds (the pair {a}, {b} has not ended at all "
                            f"of them)")
@@ -358,7 +358,7 @@ def tables(decl: Declaration, runs: pd.DataFrame, before: pd.DataFrame | None = 
 
 
 def _overall(each: dict[int, str], by_budget: dict[int, list[str]],
-             directions: dict[int, list[str | None]] | None = None) -> str:
+             directions: dict[int, list[str | None]]) -> str:
     """A finding's verdict over its budgets (``each``: its verdict at each, ``by_budget``: its
     comparisons' outcomes at each, ``directions``: their relations, ``_relation``): pending while
     any budget is; the verdict where every comparison has the same outcome, in the same
@@ -370,7 +370,6 @@ def _overall(each: dict[int, str], by_budget: dict[int, list[str]],
     if unjudged:
         return each[first] if len(each) == 1 else "pending: " + "; ".join(
             f"{b} epochs {each[b].removeprefix('pending ')}" for b in unjudged)
-    directions = directions or {b: [None] * len(o) for b, o in by_budget.items()}
     if all(len(set(outcomes)) == 1 for outcomes in zip(*by_budget.values())) and all(
             len(set(ways)) == 1 for ways in zip(*directions.values())):
         return each[first]

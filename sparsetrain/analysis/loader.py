@@ -1027,9 +1027,9 @@ def curves_of(runs: pd.DataFrame, kind: str = "epoch", include_failed: bool = Fa
         if not isinstance(run["run_dir"], str) or not (Path(run["run_dir"]) / "metrics.jsonl").is_file():
             continue
         raw = list(_read_metrics(Path(run["run_dir"]) / "metrics.jsonl"))
-        for split in ("test", "val"):  # an epoch not evaluated: its repeated numbers are blanked
-            for record, new in list(_evaluated(raw, split)):
-                if not new:
+        for split in ("test", "val") if kind == "epoch" else ():  # an epoch not evaluated: blanked
+            for record, new in _evaluated(raw, split):
+                if not new:  # (its key was taken before this change)
                     record.update({f"{split}_accuracy": None, f"{split}_loss": None})
         records = []
         for record in raw:
