@@ -19,6 +19,7 @@ from conftest import ROOT, SCHEME_TARGETS, TINY, compressor_for, read_json, run_
 from test_ddp_hook import CAP_MB, _free_port, batch, net
 
 from sparsetrain.comm import build_reducer
+from sparsetrain.comm.periodic import PeriodicSync
 from sparsetrain.compress import Layout, Memory, RandomK, TopK
 from sparsetrain.errors import CheckpointError
 from sparsetrain.timing import NULL_TIMER
@@ -319,6 +320,159 @@ def test_the_command_line_stops_an_undeclared_state_at_the_first_step(path, tmp_
     assert proc.returncode != 0, proc.stderr[-3000:]
     route = "pieces / adopt" if path == "ddp" else "state_dict / load_state_dict"
     want = f"Drifting.prev changed in the first compressed step but Drifting's {route} does not carry it"
+    assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
+    summary = read_json(tmp_path / "run" / "summary.json")
+    assert summary["status"] == "failed" and want in summary["error"], summary
+
+
+# ---- state first written mid-run: watched again after every epoch's end -----------------------
+class LateDrifting(Drifting):
+    """Drifting's ``prev``, kept only once ``keep`` is set: a phase of the method that starts
+    mid-run, so the first compressed step changes nothing undeclared."""
+
+    keep = False
+
+    def select(self, acc, seed):
+        return super().select(acc, seed) if self.keep else TopK.select(self, acc, seed)
+
+
+class DeclaredLateDrifting(LateDrifting):
+    state_dict = DeclaredDrifting.state_dict
+    load_state_dict = DeclaredDrifting.load_state_dict
+
+
+def _late(compressor):
+    """Two steps, the phase started, a step unwatched, then one watched (``watch_kept_state``, as
+    the trainer asks at every epoch's end); the reducer."""
+    red = _steps(compressor, steps=2)
+    assert red._kept is True  # the first step passed: nothing was kept yet
+    red.compressor.keep = True
+    gen = torch.Generator().manual_seed(1)
+    red.reduce(torch.randn(sum(SIZES), generator=gen), 2, NULL_TIMER)  # the first-step check alone stops here
+    red.watch_kept_state()
+    red.reduce(torch.randn(sum(SIZES), generator=gen), 3, NULL_TIMER)
+    return red
+
+
+def test_state_first_written_mid_run_is_refused_on_the_step_watched_after_an_epoch_end():
+    with pytest.raises(CheckpointError, match=r"^LateDrifting\.prev changed in compressed step 3 but "
+                                              r"LateDrifting's state_dict / load_state_dict does not carry it"):
+        _late(LateDrifting)
+    assert _late(DeclaredLateDrifting)._kept is True  # declared: watched, and it passes
+
+
+# ---- a sync of one's own (scheme.sync._target_: a PeriodicSync subclass) ----------------------
+class AdaptivePeriod(PeriodicSync):
+    """Local SGD whose period doubles after each synchronisation, up to 8 (communication growing
+    rarer as training settles); the period is kept in an attribute its state_dict does not carry,
+    so a resumed run would synchronise every ``period`` steps again."""
+
+    def after_optimizer(self, step, timer):
+        synced = self.syncs
+        super().after_optimizer(step, timer)
+        if self.syncs > synced:
+            self.period = min(2 * self.period, 8)
+
+
+class DeclaredAdaptivePeriod(AdaptivePeriod):
+    def state_dict(self):
+        return {**super().state_dict(), "period": self.period}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.period = state["period"]
+
+
+class LateSync(PeriodicSync):
+    """Counts its synchronisations in an undeclared attribute only once ``keep`` is set."""
+
+    keep = False
+
+    def after_optimizer(self, step, timer):
+        super().after_optimizer(step, timer)
+        if self.keep and self.syncs_at(step):
+            self.counted = getattr(self, "counted", 0) + 1
+
+
+def _sync_steps(sync, steps, watch_after=None):
+    """``steps`` train steps of test_periodic's small CNN, one rank, local SGD through ``sync``;
+    ``watch_after``: the step after which the phase starts and the check is asked again."""
+    from test_periodic import _batches, _net
+
+    from sparsetrain.comm.build import build_exchange
+    from sparsetrain.timing import PhaseTimer
+    from sparsetrain.train.step import TrainStep
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    flat, params, red = build_exchange(list(model.parameters()), "none", "layerwise", "allreduce", 0.25,
+                                       world_size=1, rank=0, seed=1, dtype=torch.float64)
+    red = sync(params, list(model.buffers()), red)
+    step = TrainStep(model, opt, red, flat, PhaseTimer("cpu", warmup_steps=0), "cpu")
+    batches = _batches(0)
+    for i in range(steps):
+        step(batches, i)
+        if i == watch_after:
+            red.keep = True
+            red.watch_kept_state()
+    return red
+
+
+def test_a_sync_keeping_state_undeclared_is_refused_after_its_first_synchronisation():
+    from functools import partial
+
+    with pytest.raises(CheckpointError, match=r"^AdaptivePeriod\.period changed in steps 0-1 \(its first "
+                                              r"synchronisation\) but AdaptivePeriod's state_dict / "
+                                              r"load_state_dict does not carry it"):
+        _sync_steps(partial(AdaptivePeriod, period=2), steps=3)
+    assert _sync_steps(partial(DeclaredAdaptivePeriod, period=2), steps=8)._kept is True
+    # the built-in syncs pass: local SGD, DiLoCo (outer momentum), post-local SGD (warm-up)
+    for sync in (partial(PeriodicSync, period=2), partial(PeriodicSync, period=2, outer_lr=0.7, outer_momentum=0.9),
+                 partial(PeriodicSync, period=2, warmup_steps=2)):
+        assert _sync_steps(sync, steps=6)._kept is True
+    # watched again: state first written mid-run
+    with pytest.raises(CheckpointError, match=r"^LateSync\.counted changed in steps 4-5 \(the synchronisation "
+                                              r"after an epoch's end\)"):
+        _sync_steps(partial(LateSync, period=2), steps=8, watch_after=3)
+
+
+SYNC_MODULE = '''\
+from sparsetrain.comm.periodic import PeriodicSync
+
+
+class Counting(PeriodicSync):
+    """From its third synchronisation on, counts them in an attribute of its own."""
+
+    def after_optimizer(self, step, timer):
+        super().after_optimizer(step, timer)
+        if self.syncs >= 3 and self.syncs_at(step):
+            self.counted = getattr(self, "counted", 0) + 1
+'''
+SYNC_YAML = """\
+defaults:
+  - base_scheme
+  - _self_
+name: counting
+sync:
+  _target_: counting.Counting
+  _partial_: true
+  period: 2
+"""
+
+
+def test_the_command_line_stops_a_sync_state_first_written_mid_run_after_the_epoch_end(tmp_path):
+    """Through the trainer: an epoch of 8 steps (2 ranks), a synchronisation every 2; the state
+    starts at the third (step 5), after the first check (steps 0-1); the trainer watches again at
+    the epoch's end, and the run stops at the step after the next synchronisation."""
+    (tmp_path / "conf" / "scheme").mkdir(parents=True)
+    (tmp_path / "conf" / "scheme" / "counting.yaml").write_text(SYNC_YAML)
+    (tmp_path / "counting.py").write_text(SYNC_MODULE)
+    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=counting", "world_size=2",
+                   "train.epochs=2", f"hydra.run.dir={tmp_path / 'run'}",
+                   env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    want = ("Counting.counted changed in steps 8-9 (the synchronisation after an epoch's end) but Counting's "
+            "state_dict / load_state_dict does not carry it")
     assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["status"] == "failed" and want in summary["error"], summary

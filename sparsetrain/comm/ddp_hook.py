@@ -404,13 +404,19 @@ class SparseHookState:
         return work.get_future().then(finish)
 
     def check_kept_state(self) -> None:
-        """Each bucket's compressor and memory, once after its first compressed step: refused
-        (``CheckpointError``) where it keeps a tensor that ``pieces`` / ``BUFFERS`` do not carry
-        (``SparseReducer.check_kept_state``). The hook checks at each iteration's start; the
+        """Each bucket's compressor and memory, after its first compressed step (and the first
+        after each ``watch_kept_state``): refused (``CheckpointError``) where it keeps a tensor
+        that ``pieces`` / ``BUFFERS`` do not carry (``SparseReducer.check_kept_state``). The hook checks at each iteration's start; the
         trainer right after each step."""
         for plan in list(self._buckets.values()):
             if plan.reducer is not None:
                 plan.reducer.check_kept_state()
+
+    def watch_kept_state(self) -> None:
+        """Every bucket's check once more, over the next iteration (``Reducer.watch_kept_state``)."""
+        for plan in list(self._buckets.values()):
+            if plan.reducer is not None:
+                plan.reducer.watch_kept_state()
 
     # --- what the trainer reads --------------------------------------------------------------
     def plan(self, bucket: dist.GradBucket) -> None:

@@ -51,6 +51,7 @@ import torch.distributed as dist
 from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.protocol import ExchangeStats, ReducerBase, split_by_collective
 from sparsetrain.compress import Layout
+from sparsetrain.compress.kept import check_kept, snapshot
 from sparsetrain.timing import PhaseTimer
 
 
@@ -77,7 +78,20 @@ class PeriodicSync(ReducerBase):
     entries). ``period`` (H >= 1), ``outer_lr`` (> 0), ``outer_momentum`` (in [0, 1)),
     ``nesterov``. ``reduce`` leaves the gradient local (it averages it only during warm-up);
     ``after_optimizer`` synchronises on the last step of each period.
+
+    A subclass (a sync of one's own: ``scheme.sync._target_``) keeps what it changes across steps
+    in ``state_dict`` / ``load_state_dict`` (calling this class's), or names a cache in
+    ``transient``: the kept-state check (``compress.kept``) compares, from the first step after
+    warm-up to the step after the first synchronisation (and again after every epoch's end), the
+    object with a copy of it into which its ``state_dict`` was loaded, as a resume does.
     """
+
+    #: left out of the kept-state check: the model's tensors (the trainer's checkpoint holds
+    #: them), views and scratch rebuilt or rewritten before they are read, the inner exchange and
+    #: DDP's (checked or saved on their own), and the check's own record
+    transient = ("params", "buffers", "_anchor_views", "_delta_views", "delta", "inner", "gradients",
+                 "_kept", "_kept_again")
+    _MODEL = ("params", "buffers")  # not copied by the check's snapshot: no load_state_dict writes them
 
     ranks_diverge = True  # each rank's model and optimizer are its own within a period
 
@@ -135,6 +149,11 @@ class PeriodicSync(ReducerBase):
         split["allreduce"] = split.get("allreduce", 0) + buffer_bytes
         self.bytes_by_collective_per_sync = split
         self.bytes_by_collective = {c: n / self.period for c, n in split.items()}
+        # the kept-state check: None (to start at the next step), [snapshot, its step, the step of
+        # the synchronisation since (None: none yet)], or True (checked); ``_kept_again``: started
+        # by ``watch_kept_state``
+        self._kept: list | bool | None = None
+        self._kept_again = False
 
     @staticmethod
     def check_options(*, period: int = 1, outer_lr: float = 1.0, outer_momentum: float = 0.0, **_) -> None:
@@ -159,6 +178,7 @@ class PeriodicSync(ReducerBase):
         local); the step's bytes are the synchronisation's on the last step of a period."""
         if not self.anchored:
             self._anchor()
+        self._check_kept(step, timer)
         if self.gradients is not None:  # DDP's hook ran in backward: its time out of backward
             stats = self.gradients.reduce(flat_grad, step, timer, want_stats)
             if step < self.warmup_steps:
@@ -205,9 +225,37 @@ class PeriodicSync(ReducerBase):
                         self.anchor_buffers[i].copy_(b)
                         pos += n
         self.syncs += 1
+        if isinstance(self._kept, list) and self._kept[2] is None:
+            self._kept[2] = step  # the check compares at the next step, after all of this one
         if getattr(timer, "counting", False):  # counted in its means
             self.sync_ms += self._phases_ms(timer) - before
             self.syncs_timed += 1
+
+    def _check_kept(self, step: int, timer: PhaseTimer) -> None:
+        """The kept-state check (``compress.kept``), at the start of a step: where a
+        synchronisation ran since the snapshot, ``CheckpointError`` for a value this object
+        changed that its ``state_dict`` / ``load_state_dict`` do not bring back; then, where one
+        is due (the first step after warm-up, the first after ``watch_kept_state``), a snapshot."""
+        kept = self._kept
+        if isinstance(kept, list) and kept[2] is not None:
+            self._kept = True
+            over = (f"steps {kept[1]}-{kept[2]} (its first synchronisation)" if not self._kept_again else
+                    f"steps {kept[1]}-{kept[2]} (the synchronisation after an epoch's end)")
+            with timer.untimed():
+                check_kept(self, kept[0], lambda r: r.load_state_dict(self.state_dict()),
+                           "state_dict / load_state_dict", over, share=self._MODEL)
+        if self._kept is None and step >= self.warmup_steps:
+            with timer.untimed():
+                self._kept = [snapshot(self, share=self._MODEL), step, None]
+
+    def watch_kept_state(self) -> None:
+        """The kept-state check once more, from the next step to the one after the next
+        synchronisation; the inner exchange's and DDP's over their next step."""
+        if self._kept is True:
+            self._kept, self._kept_again = None, True
+        self.inner.watch_kept_state()
+        if self.gradients is not None:
+            self.gradients.watch_kept_state()
 
     @staticmethod
     def _phases_ms(timer: PhaseTimer) -> float:

@@ -115,6 +115,12 @@ class Reducer(Protocol):
         """summary.json's ``sync`` (a synchronisation's bytes and time); None: every step syncs."""
         ...
 
+    def watch_kept_state(self) -> None:
+        """Check once more, over the next compressed step (or synchronisation), that the state
+        the exchange's parts keep across steps is declared (``compress.kept``): the trainer asks
+        at every epoch's end, so state first written mid-run is caught before a resume loses it."""
+        ...
+
 
 def _members(protocol: type) -> tuple[str, ...]:
     """The names ``protocol`` declares: its annotated attributes and its methods."""
@@ -156,6 +162,9 @@ class ReducerBase:
 
     def sync_summary(self) -> dict | None:
         return None
+
+    def watch_kept_state(self) -> None:
+        pass  # nothing kept across steps
 
 
 def split_by_collective(reducer) -> dict[str, int]:

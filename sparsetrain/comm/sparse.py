@@ -235,9 +235,10 @@ class SparseReducer(ReducerBase):
         self.flat_placement = Placement.flat(self.compressed_numel, self.uncompressed_numel)
         self._decoded: torch.Tensor | None = None  # decoding buffer for a placement of several runs
         self.kept_route = "state_dict"
-        # the kept-state check: None (not started), [compressor, memory snapshots, step done], or
-        # True (checked)
+        # the kept-state check: None (not started), [compressor, memory snapshots, step done, step],
+        # or True (checked); ``_watched``: started again (``watch_kept_state``), not the first
         self._kept: list | bool | None = None
+        self._watched = False
         self.decode_checked = False  # the decode check (comm.probe), before the first compressed step
 
         rounds = list(compressor.rounds(aggregation))
@@ -343,9 +344,9 @@ class SparseReducer(ReducerBase):
             self.decode_checked = True
             with timer.untimed():
                 check_decode(self, step)
-        if self._kept is None:  # the first compressed step: what the two hold before it
+        if self._kept is None:  # the first compressed step (or the first one watched again): what the two hold
             with timer.untimed():
-                self._kept = [snapshot(self.compressor), snapshot(self.memory), False]
+                self._kept = [snapshot(self.compressor), snapshot(self.memory), False, step]
         pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
         # the fused kernels measure no compression error; they take the gradient as one tensor
         # (a DDP bucket's compressed tensors, where they lie in several runs, copied into one)
@@ -426,21 +427,28 @@ class SparseReducer(ReducerBase):
             self._kept[2] = True
 
     def check_kept_state(self) -> None:
-        """Once the first compressed step is done (and once only): raise ``CheckpointError`` when
-        the compressor or the memory changed a tensor that its declared state (``kept_route``)
-        would not bring back on a resume (``compress.kept``)."""
+        """Once the first compressed step is done (and each one ``watch_kept_state`` asks for):
+        raise ``CheckpointError`` when the compressor or the memory changed a tensor that its
+        declared state (``kept_route``) would not bring back on a resume (``compress.kept``)."""
         if not (isinstance(self._kept, list) and self._kept[2]):
             return
-        comp, mem, _ = self._kept
+        comp, mem, _, step = self._kept
+        over = "the first compressed step" if not self._watched else f"compressed step {step}"
         self._kept = True
         c, m = self.compressor, self.memory
         if self.kept_route == "pieces":  # the DDP hook moves and saves these
-            check_kept(c, comp, lambda r: r.adopt(c.pieces()), "pieces / adopt")
+            check_kept(c, comp, lambda r: r.adopt(c.pieces()), "pieces / adopt", over)
             check_kept(m, mem, lambda r: [b.copy_(m.buffers()[n]) for n, b in r.buffers().items()],
-                       "BUFFERS (per-entry tensors: all a DDP bucket keeps)")
+                       "BUFFERS (per-entry tensors: all a DDP bucket keeps)", over)
         else:
-            check_kept(c, comp, lambda r: r.load_state_dict(c.state_dict()), "state_dict / load_state_dict")
-            check_kept(m, mem, lambda r: r.load_state_dict(m.state_dict()), "BUFFERS (or state_dict / load_state_dict)")
+            check_kept(c, comp, lambda r: r.load_state_dict(c.state_dict()), "state_dict / load_state_dict", over)
+            check_kept(m, mem, lambda r: r.load_state_dict(m.state_dict()), "BUFFERS (or state_dict / load_state_dict)",
+                       over)
+
+    def watch_kept_state(self) -> None:
+        """The kept-state check once more, over the next compressed step (``Reducer``)."""
+        if self._kept is True:
+            self._kept, self._watched = None, True
 
     def _receive(self, i: int, pending: SparseStep, out) -> None:
         """Round ``i``'s result to the compressor, and the whole tensors (averaged) back into the

@@ -4,8 +4,10 @@ A resumed run (and, with ``dist.ddp=true``, a bucket DDP rebuilt) gets a fresh o
 declared state loaded: a memory's ``state_dict`` (its ``BUFFERS``), a compressor's
 ``state_dict`` / ``load_state_dict`` or, under DDP, ``pieces`` / ``adopt``. A tensor the object
 changed and did not declare would be lost there, and the run would go on from other numbers
-without a word. So the exchange checks each compressor and memory once, over its first
-compressed step:
+without a word. So the exchange checks each compressor and memory over its first compressed
+step, and again over the first one after every epoch's end (state first written later: a phase
+of the method that starts mid-run); a sync (``comm.periodic``) likewise over its first
+synchronisation and again after every epoch's end:
 
 - at the step's start, ``snapshot`` copies the object's state: its own attributes' tensors,
   numpy arrays, numbers and strings (a step counter), a ``torch.Generator``'s state, a numpy
@@ -64,6 +66,8 @@ def _clone(value, memo: dict | None = None):
         return gen
     if isinstance(value, (np.random.Generator, np.random.RandomState)):
         return copy.deepcopy(value)
+    if isinstance(value, torch.optim.Optimizer):  # loading into the copy must leave the live one as it is
+        return memo.setdefault(id(value), copy.deepcopy(value))
     if isinstance(value, (list, tuple)):
         items = [_clone(v, memo) for v in value]
         return items if isinstance(value, list) else tuple(items)
@@ -128,14 +132,16 @@ def _same(a, b) -> bool:
     return bool(torch.equal(a, b))
 
 
-def snapshot(obj):
+def snapshot(obj, share: tuple[str, ...] = ()):
     """A copy of ``obj`` as it is now: a shallow copy whose state (tensors, generators, plain
     objects, and containers of them) is copied, so that loading state into it leaves ``obj``
-    untouched."""
+    untouched. ``share``: attributes left as they are, not copied (the model's own tensors, which
+    the trainer's checkpoint holds and no ``load_state_dict`` writes)."""
     out = copy.copy(obj)
     memo = {id(obj): out}
     for name, value in vars(obj).items():
-        setattr(out, name, _clone(value, memo))
+        if name not in share:
+            setattr(out, name, _clone(value, memo))
     return out
 
 
@@ -159,12 +165,13 @@ def transient_names(cls) -> set[str]:
     return {name for klass in cls.__mro__ for name in vars(klass).get("transient", ())}
 
 
-def check_kept(live, snap, load: Callable[[object], None], route: str) -> None:
-    """Refuse ``live`` (a compressor or memory after its first compressed step; ``snap``: its
-    ``snapshot`` from before it) when it keeps a tensor its declared state does not carry.
+def check_kept(live, snap, load: Callable[[object], None], route: str,
+               over: str = "the first compressed step", share: tuple[str, ...] = ()) -> None:
+    """Refuse ``live`` (a compressor, memory or sync after the steps ``over`` names; ``snap``: its
+    ``snapshot`` from before them) when it keeps a tensor its declared state does not carry.
     ``load(restored)`` loads the live object's declared state into a copy of ``snap``, as a
-    resume does; ``route``: what declares it (said in the error)."""
-    restored = snapshot(snap)
+    resume does; ``route``: what declares it (said in the error); ``share``: as ``snapshot``'s."""
+    restored = snapshot(snap, share)
     load(restored)
     lost = undeclared(live, restored, transient_names(type(live)))
     if not lost:
@@ -172,7 +179,7 @@ def check_kept(live, snap, load: Callable[[object], None], route: str) -> None:
     cls = type(live).__name__
     shown = ", ".join(f"{cls}.{p}" for p in lost[:4]) + (f" (+{len(lost) - 4} more)" if len(lost) > 4 else "")
     raise CheckpointError(
-        f"{shown} changed in the first compressed step but {cls}'s {route} does not carry it, so a "
+        f"{shown} changed in {over} but {cls}'s {route} does not carry it, so a "
         f"resumed run (or a DDP bucket rebuild) would lose it; declare it in {route}, or, for a cache "
         f"rewritten before it is read, name it in {cls}.transient (docs/own_compressor.md, 'Kept state')"
     )

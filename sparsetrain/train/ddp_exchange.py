@@ -290,7 +290,7 @@ class DDPExchange(ReducerBase):
         timer.move("backward", "exchange", waited - decompress + inside)
         compressing = self.compresses and step >= self.warmup_steps
         if self.sparse is not None and compressing:
-            with timer.untimed():  # once, after the first compressed step: state kept undeclared
+            with timer.untimed():  # after the first compressed step (and those watched again): state kept undeclared
                 self.sparse.check_kept_state()
         if self.sparse is not None:
             sent = self.sparse.bytes_sent_per_step  # as the hook sent it in this iteration
@@ -312,6 +312,10 @@ class DDPExchange(ReducerBase):
         """Per DDP bucket (launch order) its share of the entries and how long before backward's
         end it was handed to the hook (mean ms; ``timing.BucketClock``); None: not overlapped."""
         return self.timed.clock.means() if self.timed.clock is not None else None
+
+    def watch_kept_state(self) -> None:
+        if self.sparse is not None:  # torch's own hooks' state is saved whole (state_dict below)
+            self.sparse.watch_kept_state()
 
     def state_dict(self) -> dict:
         if self.sparse is not None:

@@ -203,6 +203,7 @@ class Trainer:
         train_loss, train_accuracy = self.tally.close_epoch()
         final = self._finished()
         self._check_replicas()  # before anything is scored or saved from the ranks' models
+        self.reducer.watch_kept_state()  # state first written mid-run: checked over the next step
         if final or (full and self.epoch % self.cfg.train.eval_every == 0):
             with self._synchronised():
                 # the final evaluation keeps each test image's prediction (after training: no
