@@ -4,7 +4,7 @@
 # TUNING_CHECKOUT (a clean worktree on the tuning's commit) whatever the tuning still needs:
 #   1. the declared grid and every round of the edge rule, as `python -m sparsetrain.analysis.tuning
 #      --declared <yaml> --commands` gives them, until the tuning is complete;
-#   2. writes and commits the choices (conf/tuned2/<sweep>/);
+#   2. writes and commits the choices (conf/tuned2/<sweep>/; a folder already there must hold them);
 #   3. with VERDICTS=tuning-commit (local2.yaml: every run on one commit), the verdict runs there too
 #      (scripts/verdict2_runs.sh with TUNING_CHECKOUT); otherwise it stops and says what runs them
 #      (verdicts2.yaml: on a later commit, docs/protocol.md section 5).
@@ -40,10 +40,22 @@ while :; do
   done 3<<<"$lines"
 done
 echo "== $study: the tuning is complete"
+# The choices as the tuning gives them now; a folder already there must hold the same (one left
+# from another declaration or an earlier round would send the verdict runs to other rates).
+fresh=$(mktemp -d) || exit 1
+said=$(tuning --write-tuned "$fresh/$study" 2>&1 > /dev/null) || { echo "$said" >&2; exit 1; }
+apart=""
 if [ ! -d "conf/tuned2/$study" ]; then
-  tuning --write-tuned "conf/tuned2/$study" > /dev/null || exit 1
+  mkdir -p conf/tuned2 && cp -r "$fresh/$study" "conf/tuned2/$study" || exit 1
   git add "conf/tuned2/$study" && git commit -q -m "conf/tuned2/$study: the choices of $DECL's tuning" -- "conf/tuned2/$study" || exit 1
   echo "== $study: the choices committed in conf/tuned2/$study"
+else
+  apart=$(diff -rq "$fresh/$study" "conf/tuned2/$study" | sed "s|$fresh/||" | head -n1)
+fi
+rm -rf "$fresh"
+if [ -n "$apart" ]; then
+  echo "error: conf/tuned2/$study holds other choices than $DECL's tuning gives ($apart); allowed: the tuning's own (git checkout the committed folder, or remove it to write them)" >&2
+  exit 2
 fi
 if [ "${VERDICTS:-}" = tuning-commit ]; then
   exec env TUNING_CHECKOUT="$WT" bash scripts/verdict2_runs.sh "$DECL"

@@ -474,9 +474,10 @@ exec "$REAL_PY" "$@"
 """
 
 
-def _study_script(tmp_path: Path, answers: list[str], verdicts: str = ""):
+def _study_script(tmp_path: Path, answers: list[str], verdicts: str = "", tuned: str | None = None):
     """scripts/study.sh conf/declared/local2.yaml from a copy of this checkout's script (a git
-    repository), the tuning's answers scripted; returns (the process, what ran, the checkout)."""
+    repository), the tuning's answers scripted; ``tuned``: conf/tuned2/local2/dense.yaml committed
+    before it starts. Returns (the process, what ran, the checkout)."""
     import os
     import shutil
     import subprocess
@@ -489,6 +490,9 @@ def _study_script(tmp_path: Path, answers: list[str], verdicts: str = ""):
     (here / "scripts" / "verdict2_runs.sh").write_text('echo "verdicts $1 on $TUNING_CHECKOUT" >> "$LOG"\n')
     (here / "conf" / "declared").mkdir(parents=True)
     shutil.copy(LOCAL2, here / "conf" / "declared" / "local2.yaml")
+    if tuned is not None:
+        (here / "conf" / "tuned2" / "local2").mkdir(parents=True)
+        (here / "conf" / "tuned2" / "local2" / "dense.yaml").write_text(tuned)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(here)]
     subprocess.run(["git", "init", "-q", str(here)], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
@@ -526,6 +530,21 @@ def test_the_study_driver_stops_after_the_choices_without_verdicts_on_the_tuning
     assert done.returncode == 0 and ran == [] and (here / "conf" / "tuned2" / "local2" / "dense.yaml").exists()
     assert done.stdout.strip().endswith("next, the verdict runs: bash scripts/verdict2_runs.sh conf/declared/local2.yaml "
                                         "(docs/protocol.md)")
+
+
+def test_the_study_driver_goes_on_with_committed_choices_and_refuses_other_ones(tmp_path):
+    """A conf/tuned2 folder already there (a study resumed after its choices were committed) is
+    checked against what the tuning gives: the same, the verdicts follow; other choices (left from
+    another declaration or round) stop the driver in one line before any verdict run."""
+    done, ran, _ = _study_script(tmp_path / "same", ["0|"], verdicts="tuning-commit", tuned="lr: 0.1\n")
+    assert done.returncode == 0, done.stderr
+    assert ran == [f"verdicts conf/declared/local2.yaml on {tmp_path / 'same' / 'wt'}"]
+    done, ran, here = _study_script(tmp_path / "other", ["0|"], verdicts="tuning-commit", tuned="lr: 0.4\n")
+    assert done.returncode == 2 and ran == []
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(
+        "error: conf/tuned2/local2 holds other choices than conf/declared/local2.yaml's tuning gives (Files "), done.stderr
+    assert "allowed: the tuning's own" in done.stderr and "/tmp" not in done.stderr.replace(str(tmp_path), "")
+    assert (here / "conf" / "tuned2" / "local2" / "dense.yaml").read_text() == "lr: 0.4\n"  # left as it was
 
 
 @pytest.mark.parametrize("answers,error", [
