@@ -461,17 +461,18 @@ sync:
 
 
 def test_the_command_line_stops_a_sync_state_first_written_mid_run_after_the_epoch_end(tmp_path):
-    """Through the trainer: an epoch of 8 steps (2 ranks), a synchronisation every 2; the state
-    starts at the third (step 5), after the first check (steps 0-1); the trainer watches again at
-    the epoch's end, and the run stops at the step after the next synchronisation."""
+    """Through the trainer: an epoch of 16 steps (one rank: the check is each rank's own), a
+    synchronisation every 2; the state starts at the third (step 5), after the first check (steps
+    0-1); the trainer watches again at the epoch's end, and the run stops at the step after the
+    next synchronisation."""
     (tmp_path / "conf" / "scheme").mkdir(parents=True)
     (tmp_path / "conf" / "scheme" / "counting.yaml").write_text(SYNC_YAML)
     (tmp_path / "counting.py").write_text(SYNC_MODULE)
-    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=counting", "world_size=2",
+    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=counting", "world_size=1",
                    "train.epochs=2", f"hydra.run.dir={tmp_path / 'run'}",
                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    want = ("Counting.counted changed in steps 8-9 (the synchronisation after an epoch's end) but Counting's "
+    want = ("Counting.counted changed in steps 16-17 (the synchronisation after an epoch's end) but Counting's "
             "state_dict / load_state_dict does not carry it")
     assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
     summary = read_json(tmp_path / "run" / "summary.json")
