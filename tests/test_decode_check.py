@@ -72,6 +72,24 @@ def test_repeated_indices_are_refused_naming_the_repeats():
     assert "torch.randperm, not torch.randint" in message
 
 
+class LockedRandK(RandKWithReplacement):
+    """The same, holding what deepcopy refuses (a lock, as a logging helper would)."""
+
+    def __init__(self, *args, **kw):
+        import threading
+
+        super().__init__(*args, **kw)
+        self.lock = threading.Lock()
+
+
+def test_a_compressor_deepcopy_refuses_is_checked_all_the_same():
+    """The check copies the compressor to run it; one that deepcopy cannot copy was let through
+    unchecked (a lock, an open file), and trained on repeated indices without a word."""
+    red = SparseReducer(LockedRandK(0.3, [1000], "layerwise"), aggregation="allgather", world_size=1,
+                        rank=0, seed=0, dtype=torch.float64)
+    assert _refusal(red).startswith("LockedRandK's update is ")
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_sum_not_divided_by_the_ranks_is_refused(world):
     """No collective runs: the check is local, before the step's first round."""

@@ -56,7 +56,6 @@ re-homing loads a checkpoint into any bucket layout.
 
 # no `from __future__ import annotations`: DDP compares the hook's annotations to the real types
 import contextlib
-import copy
 import functools
 import math
 import time
@@ -78,6 +77,7 @@ from sparsetrain.compress import (
     step_seed,
     uncompressed_flags,
 )
+from sparsetrain.compress.kept import probe_copy
 from sparsetrain.errors import ConfigError
 from sparsetrain.scheme_catalog import is_dense
 
@@ -333,11 +333,8 @@ class SparseHookState:
         if list(segments) == list(range(len(self._segment))):
             return  # the bucket is the model, in its order: nothing to compare
         whole = self._model_compressor(buf.device)
-        try:
-            model_copy = copy.deepcopy(whole)
-            bucket_copy = copy.deepcopy(red.compressor, {id(whole): model_copy})
-        except Exception:  # noqa: BLE001  (a compressor that cannot be copied is not checked)
-            return
+        model_copy = probe_copy(whole)
+        bucket_copy = probe_copy(red.compressor, {id(whole): model_copy})
         key = (buf.device, buf.dtype)
         if self._probe is None or self._probe[0] != key:
             gen = torch.Generator().manual_seed(0x5EED)

@@ -20,7 +20,6 @@ place (none waits in a collective for one that stopped).
 
 from __future__ import annotations
 
-import copy
 import random
 
 import numpy as np
@@ -28,6 +27,7 @@ import torch
 
 from sparsetrain.compress import step_seed
 from sparsetrain.compress.base import Message, StepState
+from sparsetrain.compress.kept import probe_copy
 from sparsetrain.errors import ConfigError
 
 _PROBE_SEED = 0x5EED_DEC0
@@ -37,10 +37,7 @@ def check_decode(reducer, step: int) -> None:
     """Raise ``ConfigError`` where ``reducer.compressor``'s update, for ``reducer.world_size``
     ranks sending the same message, differs from what its ``forget`` subtracts (the decoded
     message where the memory keeps nothing). Step ``step``'s shared seed, rank 0's part."""
-    try:
-        comp = copy.deepcopy(reducer.compressor)
-    except Exception:  # noqa: BLE001  (a compressor that cannot be copied is not checked)
-        return
+    comp = probe_copy(reducer.compressor)
     world, dtype, device = reducer.world_size, reducer.dtype, reducer.device
     gen = torch.Generator().manual_seed(_PROBE_SEED)
     acc = torch.randn(comp.numel, generator=gen, dtype=torch.float64).to(dtype).to(device)

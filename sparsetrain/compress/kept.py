@@ -132,6 +132,20 @@ def _same(a, b) -> bool:
     return bool(torch.equal(a, b))
 
 
+def probe_copy(obj, memo: dict | None = None):
+    """A copy of ``obj`` for a check that runs it (the decode check, the DDP buckets' draws
+    check): ``copy.deepcopy``, or, where something in it cannot be deep-copied (a lock, an open
+    file, a logger), a ``snapshot`` that shares those, so that the check still runs."""
+    try:
+        return copy.deepcopy(obj, dict(memo or {}))
+    except Exception:  # noqa: BLE001  (whatever deepcopy raises: TypeError, pickling errors)
+        out = copy.copy(obj)
+        inner = {**(memo or {}), id(obj): out}
+        for name, value in vars(obj).items():
+            setattr(out, name, _clone(value, inner))
+        return out
+
+
 def snapshot(obj, share: tuple[str, ...] = ()):
     """A copy of ``obj`` as it is now: a shallow copy whose state (tensors, generators, plain
     objects, and containers of them) is copied, so that loading state into it leaves ``obj``
@@ -185,4 +199,4 @@ def check_kept(live, snap, load: Callable[[object], None], route: str,
     )
 
 
-__all__ = ["check_kept", "snapshot", "transient_names", "undeclared"]
+__all__ = ["check_kept", "probe_copy", "snapshot", "transient_names", "undeclared"]
