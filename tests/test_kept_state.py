@@ -394,6 +394,15 @@ class LateSync(PeriodicSync):
             self.counted = getattr(self, "counted", 0) + 1
 
 
+class SyncsCounted(PeriodicSync):
+    total = 0  # every instance's synchronisations, in the class
+
+    def after_optimizer(self, step, timer):
+        super().after_optimizer(step, timer)
+        if self.syncs_at(step):
+            type(self).total += 1
+
+
 def _sync_steps(sync, steps, watch_after=None):
     """``steps`` train steps of test_periodic's small CNN, one rank, local SGD through ``sync``;
     ``watch_after``: the step after which the phase starts and the check is asked again."""
@@ -430,6 +439,10 @@ def test_a_sync_keeping_state_undeclared_is_refused_after_its_first_synchronisat
     for sync in (partial(PeriodicSync, period=2), partial(PeriodicSync, period=2, outer_lr=0.7, outer_momentum=0.9),
                  partial(PeriodicSync, period=2, warmup_steps=2)):
         assert _sync_steps(sync, steps=6)._kept is True
+    # a class attribute of its own
+    with pytest.raises(CheckpointError, match=r"^SyncsCounted changed state outside itself in steps 0-1 \(its first "
+                                              r"synchronisation\) \(class attribute SyncsCounted\.total\)"):
+        _sync_steps(partial(SyncsCounted, period=2), steps=3)
     # watched again: state first written mid-run
     with pytest.raises(CheckpointError, match=r"^LateSync\.counted changed in steps 4-5 \(the synchronisation "
                                               r"after an epoch's end\)"):
@@ -477,3 +490,78 @@ def test_the_command_line_stops_a_sync_state_first_written_mid_run_after_the_epo
     assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["status"] == "failed" and want in summary["error"], summary
+
+
+# ---- state outside the object: globals, class attributes, global random states; containers ------
+_SEEN = {"calls": 0}  # a module global one of the classes below counts in
+
+
+class GlobalCounting(TopK):
+    def compress(self, acc, seed=0, out=None, wire=None):
+        _SEEN["calls"] += 1
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class ClassCounting(TopK):
+    calls = 0
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        type(self).calls += 1
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class NumpyGlobalDrawn(RandomK):
+    """Positions from numpy's global random state (seeded once, as a script would)."""
+
+    def select(self, acc, seed):
+        idx = torch.from_numpy(np.sort(np.random.choice(self.numel, self.k, replace=False)))
+        return idx, idx
+
+
+class PythonGlobalDrawn(RandomK):
+    def select(self, acc, seed):
+        import random
+
+        idx = torch.tensor(sorted(random.sample(range(self.numel), self.k)))
+        return idx, idx
+
+
+class DequeKept(TopK):
+    """The last norms in a deque (no ``__dict__``: it was not looked into)."""
+
+    def __init__(self, *args, **kw):
+        import collections
+
+        super().__init__(*args, **kw)
+        self.norms = collections.deque(maxlen=3)
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        self.norms.append(float(acc.norm()))
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class ModuleKept(TopK):
+    """A running statistic in a torch module's buffer (torch's own objects were not looked into)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.stat = torch.nn.BatchNorm1d(1)
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        self.stat(acc[:8].reshape(-1, 1).float())
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+def test_state_outside_the_object_and_inside_torch_objects_and_deques_is_refused():
+    """A resume builds the compressor afresh: a module global, a class attribute, numpy's or
+    Python's global random state, a deque, a torch module's buffers are not brought back either."""
+    assert _refusal(GlobalCounting).startswith(
+        "GlobalCounting changed state outside itself in the first compressed step (module global "
+        "test_kept_state._SEEN['calls']): a resume builds it afresh and restores neither"), _refusal(GlobalCounting)
+    assert "(class attribute ClassCounting.calls)" in _refusal(ClassCounting)
+    np.random.seed(0)
+    assert "(numpy's global random state (np.random))" in _refusal(NumpyGlobalDrawn)
+    assert "(Python's global random state (random))" in _refusal(PythonGlobalDrawn)
+    assert _refusal(DequeKept).startswith("DequeKept.norms[0] changed in the first compressed step")
+    msg = _refusal(ModuleKept)
+    assert msg.startswith("ModuleKept.stat['running_mean'], ") and "changed in the first compressed step" in msg

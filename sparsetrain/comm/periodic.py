@@ -51,7 +51,7 @@ import torch.distributed as dist
 from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.protocol import ExchangeStats, ReducerBase, split_by_collective
 from sparsetrain.compress import Layout
-from sparsetrain.compress.kept import check_kept, snapshot
+from sparsetrain.compress.kept import changed_outside, check_kept, outside, refuse_outside, snapshot
 from sparsetrain.timing import PhaseTimer
 
 
@@ -150,7 +150,7 @@ class PeriodicSync(ReducerBase):
         self.bytes_by_collective_per_sync = split
         self.bytes_by_collective = {c: n / self.period for c, n in split.items()}
         # the kept-state check: None (to start at the next step), [snapshot, its step, the step of
-        # the synchronisation since (None: none yet)], or True (checked); ``_kept_again``: started
+        # the synchronisation since (None: none yet), what lies outside it], or True (checked); ``_kept_again``: started
         # by ``watch_kept_state``
         self._kept: list | bool | None = None
         self._kept_again = False
@@ -242,11 +242,14 @@ class PeriodicSync(ReducerBase):
             over = (f"steps {kept[1]}-{kept[2]} (its first synchronisation)" if not self._kept_again else
                     f"steps {kept[1]}-{kept[2]} (the synchronisation after an epoch's end)")
             with timer.untimed():
+                # its class attributes and module globals too (numpy's and Python's random states
+                # are not read: the window holds whole steps, the data's and the model's)
+                refuse_outside(changed_outside(kept[3], (self,), rngs=False), self, over)
                 check_kept(self, kept[0], lambda r: r.load_state_dict(self.state_dict()),
                            "state_dict / load_state_dict", over, share=self._MODEL)
         if self._kept is None and step >= self.warmup_steps:
             with timer.untimed():
-                self._kept = [snapshot(self, share=self._MODEL), step, None]
+                self._kept = [snapshot(self, share=self._MODEL), step, None, outside((self,), rngs=False)]
 
     def watch_kept_state(self) -> None:
         """The kept-state check once more, from the next step to the one after the next

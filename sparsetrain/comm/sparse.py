@@ -39,7 +39,14 @@ from sparsetrain.comm.protocol import ExchangeStats, ReducerBase
 from sparsetrain.comm.rules import check_aggregation
 from sparsetrain.compress import ErrorFeedback, compressed_first, compression_stats, step_seed
 from sparsetrain.compress.base import Message, Round, StepState
-from sparsetrain.compress.kept import check_kept, snapshot
+from sparsetrain.compress.kept import (
+    changed_outside,
+    check_kept,
+    outside,
+    own_classes,
+    refuse_outside,
+    snapshot,
+)
 from sparsetrain.timing import NULL_TIMER, PhaseTimer
 
 
@@ -346,7 +353,8 @@ class SparseReducer(ReducerBase):
                 check_decode(self, step)
         if self._kept is None:  # the first compressed step (or the first one watched again): what the two hold
             with timer.untimed():
-                self._kept = [snapshot(self.compressor), snapshot(self.memory), False, step]
+                self._kept = [snapshot(self.compressor), snapshot(self.memory), False, step,
+                              outside((self.compressor, self.memory))]
         pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
         # the fused kernels measure no compression error; they take the gradient as one tensor
         # (a DDP bucket's compressed tensors, where they lie in several runs, copied into one)
@@ -423,8 +431,9 @@ class SparseReducer(ReducerBase):
             if len(runs) > 1:
                 for a, f, n in runs:
                     buf[a : a + n].copy_(out[f : f + n])
-        if isinstance(self._kept, list):
-            self._kept[2] = True
+        if isinstance(self._kept, list) and self._kept[2] is False:
+            self._kept[2] = True  # what changed outside the two: read here, the step's end (no other code ran)
+            self._kept[4] = changed_outside(self._kept[4], (self.compressor, self.memory))
 
     def check_kept_state(self) -> None:
         """Once the first compressed step is done (and each one ``watch_kept_state`` asks for):
@@ -432,10 +441,11 @@ class SparseReducer(ReducerBase):
         declared state (``kept_route``) would not bring back on a resume (``compress.kept``)."""
         if not (isinstance(self._kept, list) and self._kept[2]):
             return
-        comp, mem, _, step = self._kept
+        comp, mem, _, step, changed = self._kept
         over = "the first compressed step" if not self._watched else f"compressed step {step}"
         self._kept = True
         c, m = self.compressor, self.memory
+        refuse_outside(changed, next((o for o in (c, m) if own_classes(o)), c), over)
         if self.kept_route == "pieces":  # the DDP hook moves and saves these
             check_kept(c, comp, lambda r: r.adopt(c.pieces()), "pieces / adopt", over)
             check_kept(m, mem, lambda r: [b.copy_(m.buffers()[n]) for n, b in r.buffers().items()],

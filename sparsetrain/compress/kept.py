@@ -24,8 +24,10 @@ it is not compared.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
+import random
 import types
 from collections.abc import Callable
 
@@ -66,8 +68,12 @@ def _clone(value, memo: dict | None = None):
         return gen
     if isinstance(value, (np.random.Generator, np.random.RandomState)):
         return copy.deepcopy(value)
-    if isinstance(value, torch.optim.Optimizer):  # loading into the copy must leave the live one as it is
+    if isinstance(value, (torch.optim.Optimizer, torch.nn.Module)):  # their state: compared, so copied
         return memo.setdefault(id(value), copy.deepcopy(value))
+    if isinstance(value, collections.deque):
+        return collections.deque((_clone(v, memo) for v in value), maxlen=value.maxlen)
+    if isinstance(value, (set, frozenset)):
+        return type(value)(value)  # hashable members: immutable
     if isinstance(value, (list, tuple)):
         items = [_clone(v, memo) for v in value]
         return items if isinstance(value, list) else tuple(items)
@@ -93,11 +99,17 @@ def _leaves(value, path: str = "", seen: frozenset = frozenset()) -> dict[str, o
         return {path: value.bit_generator.state}  # a dict of numbers and names
     if isinstance(value, np.random.RandomState):
         return {path: value.get_state(legacy=False)}  # ... and an array
+    if isinstance(value, (set, frozenset)):
+        return {path: repr(sorted(value, key=repr))}
+    if isinstance(value, torch.optim.Optimizer):  # its per-parameter state (momentum), in order
+        return _leaves(value.state_dict()["state"], f"{path}.state", seen)
+    if isinstance(value, torch.nn.Module):
+        return _leaves(dict(value.state_dict()), path, seen)
     if id(value) in seen:  # a cycle (a helper pointing back at its owner)
         return {}
     seen = seen | {id(value)}
     out: dict[str, object] = {}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, collections.deque)):
         for i, v in enumerate(value):
             out.update(_leaves(v, f"{path}[{i}]", seen))
     elif isinstance(value, dict):
@@ -173,6 +185,50 @@ def undeclared(live, restored, transient=()) -> list[str]:
     return out
 
 
+def own_classes(obj) -> list[type]:
+    """The classes of ``obj`` written outside sparsetrain, torch and numpy (a method of one's own)."""
+    return [c for c in type(obj).__mro__
+            if (c.__module__ or "").split(".")[0] not in ("sparsetrain", "torch", "numpy", "builtins", "abc")]
+
+
+def outside(objs, rngs: bool = True) -> dict[str, object]:
+    """The state that a resume of ``objs`` (compressors, memories, a sync) does not rebuild and
+    that they may change: numpy's and Python's global random states (``rngs``; torch's is in the
+    trainer's checkpoints), and the class attributes and module globals of their own classes
+    (numbers, strings, tensors, arrays, containers, helpers: ``_leaves``), copied; names in
+    ``transient`` left out."""
+    out: dict[str, object] = {}
+    if rngs:
+        out["numpy's global random state (np.random)"] = np.random.get_state(legacy=False)
+        out["Python's global random state (random)"] = random.getstate()
+    for obj in objs:
+        skip = transient_names(type(obj))
+        for cls in own_classes(obj):
+            module = __import__("sys").modules.get(cls.__module__)
+            for where, names in ((f"class attribute {cls.__name__}", vars(cls)),
+                                 (f"module global {cls.__module__}", vars(module) if module else {})):
+                for name, value in list(names.items()):
+                    if name.startswith("__") or name in skip:
+                        continue
+                    for path, leaf in _leaves(value, f"{where}.{name}").items():
+                        out[path] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else \
+                            leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+    return out
+
+
+def changed_outside(before: dict[str, object], objs, rngs: bool = True) -> list[str]:
+    """What ``outside(objs, rngs)`` holds now that differs from ``before`` (new names included)."""
+    now = outside(objs, rngs)
+    return [p for p in dict.fromkeys([*before, *now])
+            if p not in before or p not in now or not _same_outside(before[p], now[p])]
+
+
+def _same_outside(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):  # Python's random state: numbers in tuples
+        return a == b
+    return _same(a, b)
+
+
 def transient_names(cls) -> set[str]:
     """The ``transient`` attributes of ``cls`` and of every class it derives from (a subclass
     names only its own)."""
@@ -199,4 +255,18 @@ def check_kept(live, snap, load: Callable[[object], None], route: str,
     )
 
 
-__all__ = ["check_kept", "probe_copy", "snapshot", "transient_names", "undeclared"]
+def refuse_outside(changed: list[str], owner, over: str = "the first compressed step") -> None:
+    """``CheckpointError`` naming what ``changed_outside`` found (nothing when empty)."""
+    if not changed:
+        return
+    cls = type(owner).__name__
+    shown = "; ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
+    raise CheckpointError(
+        f"{cls} changed state outside itself in {over} ({shown}): a resume builds it afresh and "
+        f"restores neither, so a resumed run would go on from other numbers; keep such state on the "
+        f"instance and declare it (draws: a torch.Generator seeded by the step's seed), or, for a "
+        f"cache, name it in {cls}.transient (docs/own_compressor.md, 'Kept state')"
+    )
+
+
+__all__ = ["changed_outside", "check_kept", "outside", "own_classes", "refuse_outside", "probe_copy", "snapshot", "transient_names", "undeclared"]
