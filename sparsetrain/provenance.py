@@ -28,7 +28,9 @@ import inspect
 import os
 import platform
 import subprocess
+import sys
 import sysconfig
+import types
 from pathlib import Path
 
 CODE_PATHS = ("sparsetrain", "conf", "hydra_plugins", "pyproject.toml")
@@ -145,6 +147,27 @@ def _own_files(target: str | None) -> list[Path]:
             continue
         if path not in files:
             files.append(path)
+    # ... and the modules of one's own that those files import, and theirs in turn (a helper
+    # module: `from mine_helpers import order`), so that an edit there is another version too
+    queue = [m for k in getattr(cls, "__mro__", (cls,)) if (m := sys.modules.get(getattr(k, "__module__", "")))
+             and getattr(m, "__file__", None) and Path(m.__file__).resolve() in files]
+    seen: set[str] = set()
+    while queue:
+        module = queue.pop(0)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        for value in list(vars(module).values()):
+            used = value if isinstance(value, types.ModuleType) else sys.modules.get(getattr(value, "__module__", None) or "")
+            path = Path(getattr(used, "__file__", None) or "")
+            if used is None or used.__name__ in seen or not path.is_file():
+                continue
+            path = path.resolve()
+            if own in path.parents or any(str(path).startswith(root + os.sep) for root in installed):
+                continue
+            if path not in files:
+                files.append(path)
+            queue.append(used)
     return files
 
 

@@ -182,6 +182,25 @@ def test_an_out_of_tree_compressors_source_is_recorded_and_two_versions_are_two_
     assert sorted(table.display["compressor_code"]) == sorted(digests) and "repeat" not in table.display
 
 
+def test_a_helper_module_ones_class_imports_is_part_of_its_source(tmp_path, monkeypatch):
+    """An edit in a module of one's own that the class imports (random-k's positions turned into
+    top-k's in `helpers.order`) changes what runs: it is another version, not the same digest
+    (a resume took it, and the analysis pooled the two, without a word). Installed packages and
+    sparsetrain are not digested."""
+    from sparsetrain.provenance import compressor_code
+
+    code_dir = tmp_path / "code"
+    code_dir.mkdir()
+    monkeypatch.syspath_prepend(str(code_dir))
+    (code_dir / "mine_order.py").write_text("import torch\n\ndef order(x, g):\n    return torch.randperm(x.numel(), generator=g)\n")
+    (code_dir / "mine_hk.py").write_text("from mine_order import order\nfrom sparsetrain.compress import TopK\n\n\nclass Mine(TopK):\n    pass\n")
+    first = compressor_code("mine_hk.Mine")
+    assert first["files"] == [str(code_dir / "mine_hk.py"), str(code_dir / "mine_order.py")]
+    (code_dir / "mine_order.py").write_text("import torch\n\ndef order(x, g):\n    return x.abs().argsort(descending=True)\n")
+    assert compressor_code("mine_hk.Mine")["digest"] != first["digest"]
+    sys.modules.pop("mine_hk", None), sys.modules.pop("mine_order", None)
+
+
 def test_summary_json_says_its_schema_version(tmp_path):
     from sparsetrain.results import SCHEMA_VERSION
 
