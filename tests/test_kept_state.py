@@ -449,6 +449,23 @@ def test_a_sync_keeping_state_undeclared_is_refused_after_its_first_synchronisat
         _sync_steps(partial(LateSync, period=2), steps=8, watch_after=3)
 
 
+def test_a_sync_on_a_schedule_of_its_own_reports_the_bytes_it_sent():
+    """A period that grows (2, 4, 8: synchronisations at steps 1, 3, 7, 15) sends 4 synchronisations
+    in 16 steps, not one every 2 steps: the sizes per step were a period's as built (twice what it
+    sent here) without a word. Now they are the measured means, and sync_summary says so; a sync
+    on its period keeps its sizes to the bit, a last period cut short included."""
+    from functools import partial
+
+    red = _sync_steps(partial(DeclaredAdaptivePeriod, period=2), steps=16)
+    assert red.syncs == 4 and red.own_schedule
+    assert red.bytes_sent_per_step == red.bytes_per_sync * 4 / 16
+    assert red.density == red.inner.density * 4 / 16
+    assert red.sync_summary()["schedule"] == "own" and red.sync_summary()["mean_period"] == 4.0
+    plain = _sync_steps(partial(PeriodicSync, period=2), steps=15)
+    assert not plain.own_schedule and "schedule" not in plain.sync_summary()
+    assert plain.bytes_sent_per_step == plain.bytes_per_sync / 2 and plain.density == plain.inner.density / 2
+
+
 SYNC_MODULE = '''\
 from sparsetrain.comm.periodic import PeriodicSync
 
@@ -565,3 +582,37 @@ def test_state_outside_the_object_and_inside_torch_objects_and_deques_is_refused
     assert _refusal(DequeKept).startswith("DequeKept.norms[0] changed in the first compressed step")
     msg = _refusal(ModuleKept)
     assert msg.startswith("ModuleKept.stat['running_mean'], ") and "changed in the first compressed step" in msg
+
+
+ADAPTIVE_MODULE = '''\
+from sparsetrain.comm.periodic import PeriodicSync
+
+
+class AdaptivePeriod(PeriodicSync):
+    def after_optimizer(self, step, timer):
+        synced = self.syncs
+        super().after_optimizer(step, timer)
+        if self.syncs > synced:
+            self.period = min(2 * self.period, 8)
+
+    def state_dict(self):
+        return {**super().state_dict(), "period": self.period}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.period = state["period"]
+'''
+
+
+def test_the_summary_of_a_sync_on_a_schedule_of_its_own_holds_the_bytes_it_sent(tmp_path):
+    (tmp_path / "conf" / "scheme").mkdir(parents=True)
+    (tmp_path / "conf" / "scheme" / "adaptive.yaml").write_text(SYNC_YAML.replace("counting.Counting", "adaptive.AdaptivePeriod")
+                                                                .replace("name: counting", "name: adaptive"))
+    (tmp_path / "adaptive.py").write_text(ADAPTIVE_MODULE)
+    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=adaptive", "world_size=1",
+                   "train.epochs=1", f"hydra.run.dir={tmp_path / 'run'}",
+                   env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = read_json(tmp_path / "run" / "summary.json")
+    assert s["steps"] == 16 and s["sync"]["syncs"] == 4 and s["sync"]["schedule"] == "own"
+    assert s["bytes_sent_per_step"] == s["bytes_sent_total"] / 16 == s["sync"]["bytes_per_sync"] / 4

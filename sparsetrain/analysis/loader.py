@@ -493,7 +493,8 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
         test_accuracy_running_bn=_num(summary.get("test_accuracy_running_bn")),
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
         collective=summary.get("collective"),  # None: the summary does not say
-        sync_period=_num((summary.get("sync") or {}).get("period")),  # NaN: synchronises every step
+        # NaN: synchronises every step; a schedule of its own: the measured mean
+        sync_period=_num((summary.get("sync") or {}).get("mean_period", (summary.get("sync") or {}).get("period"))),
         # an exchange inside backward: ((share, lead ms), ...) per bucket; None: after backward,
         # or not recorded
         overlap_buckets=tuple((float(b["share"]), float(b["lead_ms"])) for b in summary["overlap_buckets"])

@@ -90,7 +90,8 @@ class PeriodicSync(ReducerBase):
     #: them), views and scratch rebuilt or rewritten before they are read, the inner exchange and
     #: DDP's (checked or saved on their own), and the check's own record
     transient = ("params", "buffers", "_anchor_views", "_delta_views", "delta", "inner", "gradients",
-                 "_kept", "_kept_again")
+                 "_kept", "_kept_again", "own_schedule", "bytes_sent_per_step", "density",
+                 "uncompressed_bytes_per_step", "bytes_by_collective", "_done")  # the last six: from syncs, step
     _MODEL = ("params", "buffers")  # not copied by the check's snapshot: no load_state_dict writes them
 
     ranks_diverge = True  # each rank's model and optimizer are its own within a period
@@ -149,6 +150,9 @@ class PeriodicSync(ReducerBase):
         split["allreduce"] = split.get("allreduce", 0) + buffer_bytes
         self.bytes_by_collective_per_sync = split
         self.bytes_by_collective = {c: n / self.period for c, n in split.items()}
+        # a sync of one's own may synchronise on a schedule of its own (a period that grows, a
+        # syncs_at of its own): then the sizes per step above are the measured means instead
+        self._period0, self.own_schedule = self.period, False
         # the kept-state check: None (to start at the next step), [snapshot, its step, the step of
         # the synchronisation since (None: none yet), what lies outside it], or True (checked); ``_kept_again``: started
         # by ``watch_kept_state``
@@ -196,7 +200,28 @@ class PeriodicSync(ReducerBase):
         """After the optimizer's step: during warm-up the anchor follows the model; on the last
         step of a period, the synchronisation (the delta as ``compress``, the scheme's exchange
         with its own phases, the outer step as ``optimizer``, the buffers' AllReduce as
-        ``exchange``)."""
+        ``exchange``). Then the sizes per step, where the synchronisations left the schedule
+        of ``period``."""
+        self._after_optimizer(step, timer)
+        if step >= self.warmup_steps:
+            self._account(step - self.warmup_steps + 1)
+
+    def _account(self, done: int) -> None:
+        """After ``done`` steps past warm-up: where ``syncs`` is not what one every ``period``
+        (as built) gives, the sizes per step become the measured means (``syncs / done`` of a
+        synchronisation's), and ``sync_summary`` says so: the bytes a run reports are what it sent."""
+        if not self.own_schedule and self.syncs == done // self._period0:
+            return
+        self.own_schedule = True
+        share = self.syncs / done
+        inner_uncompressed = self.bytes_per_sync - self.inner.bytes_sent_per_step + self.inner.uncompressed_bytes_per_step
+        self.bytes_sent_per_step = self.bytes_per_sync * share
+        self.density = self.inner.density * share
+        self.uncompressed_bytes_per_step = inner_uncompressed * share
+        self.bytes_by_collective = {c: n * share for c, n in self.bytes_by_collective_per_sync.items()}
+        self._done = done
+
+    def _after_optimizer(self, step: int, timer: PhaseTimer) -> None:
         if step < self.warmup_steps:
             self._anchor()
             return
@@ -269,8 +294,10 @@ class PeriodicSync(ReducerBase):
         """For summary.json's ``sync``: the period, a synchronisation's bytes and its mean time
         (its phases: the delta, the scheme's exchange, the outer step, the buffers), next to the
         per-step means every scheme records."""
+        own = {"schedule": "own", "mean_period": self._done / self.syncs if self.syncs else None} \
+            if self.own_schedule else {}
         return {"period": self.period, "syncs": self.syncs, "bytes_per_sync": self.bytes_per_sync,
-                "time_ms_per_sync": self.sync_ms / self.syncs_timed if self.syncs_timed else None}
+                "time_ms_per_sync": self.sync_ms / self.syncs_timed if self.syncs_timed else None, **own}
 
     def _model_to_anchor(self) -> None:
         """Every parameter takes its slice of the anchor (under ``no_grad``)."""

@@ -323,7 +323,14 @@ class RunRecord:
         chosen_on = ev.get("val_accuracy", ev.get("test_accuracy"))
         sync = self.parts.reducer.sync_summary()  # local SGD / DiLoCo
         buckets = self.parts.reducer.overlap_buckets  # an exchange inside backward
+        red = self.parts.reducer
+        # a sync on a schedule of its own: the sizes per step measured, not a period's
+        measured = {"bytes_sent_per_step": red.bytes_sent_per_step,
+                    "wire_bytes_per_step": tally.wire_bytes(red.collective, red.bytes_sent_per_step,
+                                                            red.bytes_by_collective),
+                    **self._exchange_fields()} if (sync or {}).get("schedule") == "own" else {}
         return {
+            **measured,
             **({"sync": sync} if sync is not None else {}),  # a synchronisation's bytes and time
             "steps": step,
             "epochs": step / len(self.parts.loader),
