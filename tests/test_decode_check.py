@@ -16,7 +16,7 @@ from conftest import ROOT, SCHEME_TARGETS, compressor_for, on_gloo_ranks
 from sparsetrain.comm import build_reducer
 from sparsetrain.comm.probe import check_decode
 from sparsetrain.comm.sparse import SparseReducer
-from sparsetrain.compress import Layout, RandomK, SignSGD, kernels
+from sparsetrain.compress import Layout, RandomK, SignSGD, TopK, kernels
 from sparsetrain.errors import ConfigError
 from sparsetrain.timing import NULL_TIMER
 
@@ -199,3 +199,21 @@ def _ddp_refused(rank, world):
 def test_the_ddp_hook_runs_the_check_and_every_rank_stops(tmp_path):
     for message in on_gloo_ranks(_ddp_refused, tmp_path):
         assert message is not None and "SumRandK's update is 2x" in message
+
+
+class RatioBlindTopK(TopK):
+    """Says its message does not depend on ratio, yet sends k of n."""
+
+    ratio_applies = False
+
+
+def test_a_sparsifier_saying_ratio_does_not_apply_is_refused():
+    """The analysis shows such a class at ratio 1.0: its runs at 0.1 and 0.5 were pooled into one
+    row (the bytes a mean of the two) without a word."""
+    with pytest.raises(ConfigError) as err:
+        SparseReducer(RatioBlindTopK(0.1, [1000, 30], "layerwise"), aggregation="allgather", world_size=1, rank=0,
+                      seed=0)
+    assert str(err.value) == (
+        "RatioBlindTopK.ratio_applies is False (its message does not depend on ratio: every entry is sent) but it "
+        "sends k=103 of 1,030 entries at ratio=0.1, so the analysis would pool its runs at every ratio as one; "
+        "allowed: ratio_applies = True, or k = numel (docs/own_compressor.md, 'Class attributes')")

@@ -47,6 +47,7 @@ from sparsetrain.compress.kept import (
     refuse_outside,
     snapshot,
 )
+from sparsetrain.errors import ConfigError
 from sparsetrain.timing import NULL_TIMER, PhaseTimer
 
 
@@ -267,6 +268,13 @@ class SparseReducer(ReducerBase):
         # which of the run's axes change what is sent (the summary records them for the analysis):
         # aggregation does not where the compressor's rounds are the same for both (PowerSGD)
         self.ratio_applies = bool(compressor.ratio_applies)
+        if not self.ratio_applies and compressor.k != compressor.numel:
+            cls = type(compressor).__name__
+            raise ConfigError(
+                f"{cls}.ratio_applies is False (its message does not depend on ratio: every entry is sent) "
+                f"but it sends k={compressor.k:,} of {compressor.numel:,} entries at ratio={compressor.ratio}, so "
+                f"the analysis would pool its runs at every ratio as one; allowed: ratio_applies = True, or "
+                f"k = numel (docs/own_compressor.md, 'Class attributes')")
         self.aggregation_applies = not (compressor.shared_positions
                                         and compressor.rounds("allreduce") == compressor.rounds("allgather"))
 
