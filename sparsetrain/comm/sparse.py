@@ -25,6 +25,8 @@ message.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,47 @@ def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group=None, async_o
 
 def _world(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+# torch.distributed's collectives and point-to-point calls, as a compressor of one's own might call them
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "broadcast", "reduce",
+                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
+                "send", "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
+                "scatter_object_list")
+_exchange_calls = threading.local()  # .own: the exchange's own collective is being called
+
+
+@contextlib.contextmanager
+def _foreign_collectives():
+    """Within: the names of the torch.distributed calls made other than by the exchange's rounds
+    (``_own_collective``), in order: a compressor that communicates by itself sends bytes no
+    round accounts for (the first compressed step is watched: ``SparseReducer.reduce``)."""
+    calls: list[str] = []
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def watched(name, fn):
+        def call(*args, **kwargs):
+            if not getattr(_exchange_calls, "own", False):
+                calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, watched(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def _own_collective():
+    _exchange_calls.own = True
+    try:
+        yield
+    finally:
+        _exchange_calls.own = False
 
 
 @dataclass(frozen=True)
@@ -153,10 +196,11 @@ class _RoundBuffers:
         """The round's collective; its ``Work`` when ``async_op`` (None on one rank)."""
         op = self.round.op
         if self.world > 1:
-            if op == "gather":
-                return _all_gather_single(self.recv, self.send, group=group, async_op=async_op)
-            red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-            return dist.all_reduce(self.buffer, op=red, group=group, async_op=async_op)
+            with _own_collective():
+                if op == "gather":
+                    return _all_gather_single(self.recv, self.send, group=group, async_op=async_op)
+                red = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+                return dist.all_reduce(self.buffer, op=red, group=group, async_op=async_op)
         if op == "gather":
             self.recv[: self.nbytes].copy_(self.send)
         return None
@@ -330,9 +374,20 @@ class SparseReducer(ReducerBase):
             raise ValueError(f"the flat gradient has {flat_grad.numel()} entries, the reducer {self.numel}")
         if step < self.warmup_steps:
             return self._dense_step(flat_grad, world, timer)
-        pending = self.start(flat_grad, step, placement=placement, want_stats=want_stats, timer=timer,
-                             async_op=False)
-        self.finish(pending, timer)
+        # the steps the kept-state check watches: any collective but the rounds' is refused after
+        watching = _foreign_collectives() if self._kept is None else contextlib.nullcontext([])
+        with watching as foreign:
+            pending = self.start(flat_grad, step, placement=placement, want_stats=want_stats, timer=timer,
+                                 async_op=False)
+            self.finish(pending, timer)
+        if foreign:
+            cls = type(self.compressor).__name__ if own_classes(self.compressor) or not own_classes(self.memory) \
+                else type(self.memory).__name__
+            raise ConfigError(
+                f"{cls} called torch.distributed ({', '.join(dict.fromkeys(foreign))}) in "
+                f"compressed step {step} outside the rounds it declares: the bytes the run reports are its rounds' "
+                f"alone, so bytes per step (and time to accuracy) would leave them out; allowed: every message "
+                f"through a round (docs/own_compressor.md, 'A communication of its own: rounds')")
         with timer.untimed():
             self.check_kept_state()
         error, norm = pending.stats or (None, None)
