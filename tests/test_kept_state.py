@@ -308,21 +308,33 @@ compressor:
 """
 
 
-@pytest.mark.parametrize("path", ["trainer", pytest.param("ddp", marks=pytest.mark.slow)])  # ddp: full tier
-def test_the_command_line_stops_an_undeclared_state_at_the_first_step(path, tmp_path):
+def _own_scheme_run(tmp_path, scheme: str, yaml: str, module: str, source: str, *overrides: str):
+    """The command line on ``scheme`` (conf/scheme/<scheme>.yaml: ``yaml``) whose class lives in a
+    module of one's own (``module``.py: ``source``), outside the checkout; the process."""
     (tmp_path / "conf" / "scheme").mkdir(parents=True)
-    (tmp_path / "conf" / "scheme" / "drifting.yaml").write_text(DRIFT_YAML)
-    (tmp_path / "drift.py").write_text(DRIFT_MODULE)
-    extra = ("dist.ddp=true", "dist.bucket_cap_mb=0.05") if path == "ddp" else ()
-    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=drifting", "world_size=2",
-                   "train.max_steps=3", f"hydra.run.dir={tmp_path / 'run'}", *extra,
+    (tmp_path / "conf" / "scheme" / f"{scheme}.yaml").write_text(yaml)
+    (tmp_path / f"{module}.py").write_text(source)
+    return run_cli("--config-dir", str(tmp_path / "conf"), *TINY, f"scheme={scheme}", *overrides,
+                   f"hydra.run.dir={tmp_path / 'run'}",
                    env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
+
+
+def _assert_stopped(proc, tmp_path, want: str) -> None:
+    """The run stopped with ``want`` in its one error line and in its failed summary."""
     assert proc.returncode != 0, proc.stderr[-3000:]
-    route = "pieces / adopt" if path == "ddp" else "state_dict / load_state_dict"
-    want = f"Drifting.prev changed in the first compressed step but Drifting's {route} does not carry it"
     assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
     summary = read_json(tmp_path / "run" / "summary.json")
     assert summary["status"] == "failed" and want in summary["error"], summary
+
+
+@pytest.mark.parametrize("path", ["trainer", pytest.param("ddp", marks=pytest.mark.slow)])  # ddp: full tier
+def test_the_command_line_stops_an_undeclared_state_at_the_first_step(path, tmp_path):
+    extra = ("dist.ddp=true", "dist.bucket_cap_mb=0.05") if path == "ddp" else ()
+    proc = _own_scheme_run(tmp_path, "drifting", DRIFT_YAML, "drift", DRIFT_MODULE, "world_size=2",
+                           "train.max_steps=3", *extra)
+    route = "pieces / adopt" if path == "ddp" else "state_dict / load_state_dict"
+    _assert_stopped(proc, tmp_path,
+                    f"Drifting.prev changed in the first compressed step but Drifting's {route} does not carry it")
 
 
 # ---- state first written mid-run: watched again after every epoch's end -----------------------
@@ -362,11 +374,16 @@ def test_state_first_written_mid_run_is_refused_on_the_step_watched_after_an_epo
 
 
 # ---- a sync of one's own (scheme.sync._target_: a PeriodicSync subclass) ----------------------
-class AdaptivePeriod(PeriodicSync):
-    """Local SGD whose period doubles after each synchronisation, up to 8 (communication growing
-    rarer as training settles); the period is kept in an attribute its state_dict does not carry,
-    so a resumed run would synchronise every ``period`` steps again."""
+# Local SGD whose period doubles after each synchronisation, up to 8 (communication growing rarer
+# as training settles). AdaptivePeriod keeps the period in an attribute its state_dict does not
+# carry (a resumed run would synchronise every ``period`` steps again); DeclaredAdaptivePeriod
+# declares it. One source: these tests build the classes from it, and the command line's run
+# imports it as a module of one's own.
+ADAPTIVE_MODULE = '''\
+from sparsetrain.comm.periodic import PeriodicSync
 
+
+class AdaptivePeriod(PeriodicSync):
     def after_optimizer(self, step, timer):
         synced = self.syncs
         super().after_optimizer(step, timer)
@@ -381,6 +398,10 @@ class DeclaredAdaptivePeriod(AdaptivePeriod):
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self.period = state["period"]
+'''
+_adaptive: dict = {"__name__": "adaptive"}
+exec(ADAPTIVE_MODULE, _adaptive)
+AdaptivePeriod, DeclaredAdaptivePeriod = _adaptive["AdaptivePeriod"], _adaptive["DeclaredAdaptivePeriod"]
 
 
 class LateSync(PeriodicSync):
@@ -495,18 +516,9 @@ def test_the_command_line_stops_a_sync_state_first_written_mid_run_after_the_epo
     synchronisation every 2; the state starts at the third (step 5), after the first check (steps
     0-1); the trainer watches again at the epoch's end, and the run stops at the step after the
     next synchronisation."""
-    (tmp_path / "conf" / "scheme").mkdir(parents=True)
-    (tmp_path / "conf" / "scheme" / "counting.yaml").write_text(SYNC_YAML)
-    (tmp_path / "counting.py").write_text(SYNC_MODULE)
-    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=counting", "world_size=1",
-                   "train.epochs=2", f"hydra.run.dir={tmp_path / 'run'}",
-                   env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
-    assert proc.returncode != 0, proc.stderr[-3000:]
-    want = ("Counting.counted changed in steps 16-17 (the synchronisation after an epoch's end) but Counting's "
-            "state_dict / load_state_dict does not carry it")
-    assert any(want in line for line in proc.stderr.splitlines() if line.startswith("error:")), proc.stderr[-3000:]
-    summary = read_json(tmp_path / "run" / "summary.json")
-    assert summary["status"] == "failed" and want in summary["error"], summary
+    proc = _own_scheme_run(tmp_path, "counting", SYNC_YAML, "counting", SYNC_MODULE, "world_size=1", "train.epochs=2")
+    _assert_stopped(proc, tmp_path, "Counting.counted changed in steps 16-17 (the synchronisation after an epoch's "
+                                    "end) but Counting's state_dict / load_state_dict does not carry it")
 
 
 # ---- state outside the object: globals, class attributes, global random states; containers ------
@@ -584,34 +596,10 @@ def test_state_outside_the_object_and_inside_torch_objects_and_deques_is_refused
     assert msg.startswith("ModuleKept.stat['running_mean'], ") and "changed in the first compressed step" in msg
 
 
-ADAPTIVE_MODULE = '''\
-from sparsetrain.comm.periodic import PeriodicSync
-
-
-class AdaptivePeriod(PeriodicSync):
-    def after_optimizer(self, step, timer):
-        synced = self.syncs
-        super().after_optimizer(step, timer)
-        if self.syncs > synced:
-            self.period = min(2 * self.period, 8)
-
-    def state_dict(self):
-        return {**super().state_dict(), "period": self.period}
-
-    def load_state_dict(self, state):
-        super().load_state_dict(state)
-        self.period = state["period"]
-'''
-
-
 def test_the_summary_of_a_sync_on_a_schedule_of_its_own_holds_the_bytes_it_sent(tmp_path):
-    (tmp_path / "conf" / "scheme").mkdir(parents=True)
-    (tmp_path / "conf" / "scheme" / "adaptive.yaml").write_text(SYNC_YAML.replace("counting.Counting", "adaptive.AdaptivePeriod")
-                                                                .replace("name: counting", "name: adaptive"))
-    (tmp_path / "adaptive.py").write_text(ADAPTIVE_MODULE)
-    proc = run_cli("--config-dir", str(tmp_path / "conf"), *TINY, "scheme=adaptive", "world_size=1",
-                   "train.epochs=1", f"hydra.run.dir={tmp_path / 'run'}",
-                   env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}, timeout=300)
+    yaml = SYNC_YAML.replace("counting.Counting", "adaptive.DeclaredAdaptivePeriod").replace("name: counting",
+                                                                                             "name: adaptive")
+    proc = _own_scheme_run(tmp_path, "adaptive", yaml, "adaptive", ADAPTIVE_MODULE, "world_size=1", "train.epochs=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = read_json(tmp_path / "run" / "summary.json")
     assert s["steps"] == 16 and s["sync"]["syncs"] == 4 and s["sync"]["schedule"] == "own"
