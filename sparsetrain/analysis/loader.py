@@ -469,6 +469,7 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
     recorded = summary.get("config") or config or {}
     config = legacy.upgrade_config(recorded, version)
     summary = legacy.upgrade_summary(summary, version)
+    sync = summary.get("sync") or {}  # local SGD / DiLoCo: a synchronisation's sizes
     row = _axes_from_config(config, summary.get("applies"))
     row[CONFIG_FIELDS] = config_fields(recorded)  # into columns by load_runs (_config_columns)
     row[CONFIG_DIGEST] = config_digest(recorded)
@@ -494,7 +495,7 @@ def row_from_summary(summary: dict | None, config: dict | None, where: str | Pat
         bytes_sent_total=_num(summary.get("bytes_sent_total")),
         collective=summary.get("collective"),  # None: the summary does not say
         # NaN: synchronises every step; a schedule of its own: the measured mean
-        sync_period=_num((summary.get("sync") or {}).get("mean_period", (summary.get("sync") or {}).get("period"))),
+        sync_period=_num(sync.get("mean_period", sync.get("period"))),
         # an exchange inside backward: ((share, lead ms), ...) per bucket; None: after backward,
         # or not recorded
         overlap_buckets=tuple((float(b["share"]), float(b["lead_ms"])) for b in summary["overlap_buckets"])

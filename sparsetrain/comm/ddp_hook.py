@@ -403,8 +403,8 @@ class SparseHookState:
     def check_kept_state(self) -> None:
         """Each bucket's compressor and memory, after its first compressed step (and the first
         after each ``watch_kept_state``): refused (``CheckpointError``) where it keeps a tensor
-        that ``pieces`` / ``BUFFERS`` do not carry (``SparseReducer.check_kept_state``). The hook checks at each iteration's start; the
-        trainer right after each step."""
+        that ``pieces`` / ``BUFFERS`` do not carry (``SparseReducer.check_kept_state``). The hook
+        checks at each iteration's start; the trainer right after each step."""
         for plan in list(self._buckets.values()):
             if plan.reducer is not None:
                 plan.reducer.check_kept_state()

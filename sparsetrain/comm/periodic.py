@@ -91,7 +91,8 @@ class PeriodicSync(ReducerBase):
     #: DDP's (checked or saved on their own), and the check's own record
     transient = ("params", "buffers", "_anchor_views", "_delta_views", "delta", "inner", "gradients",
                  "_kept", "_kept_again", "own_schedule", "bytes_sent_per_step", "density",
-                 "uncompressed_bytes_per_step", "bytes_by_collective", "_done")  # the last six: from syncs, step
+                 "uncompressed_bytes_per_step", "bytes_by_collective", "_done")  # the last six: from syncs
+    # and the step (``_account``)
     _MODEL = ("params", "buffers")  # not copied by the check's snapshot: no load_state_dict writes them
 
     ranks_diverge = True  # each rank's model and optimizer are its own within a period
@@ -154,8 +155,8 @@ class PeriodicSync(ReducerBase):
         # syncs_at of its own): then the sizes per step above are the measured means instead
         self._period0, self.own_schedule = self.period, False
         # the kept-state check: None (to start at the next step), [snapshot, its step, the step of
-        # the synchronisation since (None: none yet), what lies outside it], or True (checked); ``_kept_again``: started
-        # by ``watch_kept_state``
+        # the synchronisation since (None: none yet), what lies outside it], or True (checked);
+        # ``_kept_again``: started by ``watch_kept_state``
         self._kept: list | bool | None = None
         self._kept_again = False
 

@@ -45,7 +45,7 @@ from sparsetrain.compress.kept import (
     changed_outside,
     check_kept,
     outside,
-    own_classes,
+    own_part,
     refuse_outside,
     snapshot,
 )
@@ -381,8 +381,7 @@ class SparseReducer(ReducerBase):
                                  async_op=False)
             self.finish(pending, timer)
         if foreign:
-            cls = type(self.compressor).__name__ if own_classes(self.compressor) or not own_classes(self.memory) \
-                else type(self.memory).__name__
+            cls = type(own_part(self.compressor, self.memory)).__name__
             raise ConfigError(
                 f"{cls} called torch.distributed ({', '.join(dict.fromkeys(foreign))}) in "
                 f"compressed step {step} outside the rounds it declares: the bytes the run reports are its rounds' "
@@ -414,7 +413,7 @@ class SparseReducer(ReducerBase):
             self.decode_checked = True
             with timer.untimed():
                 check_decode(self, step)
-        if self._kept is None:  # the first compressed step (or the first one watched again): what the two hold
+        if self._kept is None:  # the first compressed step (or one watched again): what the two hold
             with timer.untimed():
                 self._kept = [snapshot(self.compressor), snapshot(self.memory), False, step,
                               outside((self.compressor, self.memory))]
@@ -495,7 +494,7 @@ class SparseReducer(ReducerBase):
                 for a, f, n in runs:
                     buf[a : a + n].copy_(out[f : f + n])
         if isinstance(self._kept, list) and self._kept[2] is False:
-            self._kept[2] = True  # what changed outside the two: read here, the step's end (no other code ran)
+            self._kept[2] = True  # what changed outside the two: read at the step's end (no other code ran)
             self._kept[4] = changed_outside(self._kept[4], (self.compressor, self.memory))
 
     def check_kept_state(self) -> None:
@@ -508,7 +507,7 @@ class SparseReducer(ReducerBase):
         over = "the first compressed step" if not self._watched else f"compressed step {step}"
         self._kept = True
         c, m = self.compressor, self.memory
-        refuse_outside(changed, next((o for o in (c, m) if own_classes(o)), c), over)
+        refuse_outside(changed, own_part(c, m), over)
         if self.kept_route == "pieces":  # the DDP hook moves and saves these
             check_kept(c, comp, lambda r: r.adopt(c.pieces()), "pieces / adopt", over)
             check_kept(m, mem, lambda r: [b.copy_(m.buffers()[n]) for n, b in r.buffers().items()],

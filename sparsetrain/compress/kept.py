@@ -151,20 +151,17 @@ def probe_copy(obj, memo: dict | None = None):
     try:
         return copy.deepcopy(obj, dict(memo or {}))
     except Exception:  # noqa: BLE001  (whatever deepcopy raises: TypeError, pickling errors)
-        out = copy.copy(obj)
-        inner = {**(memo or {}), id(obj): out}
-        for name, value in vars(obj).items():
-            setattr(out, name, _clone(value, inner))
-        return out
+        return snapshot(obj, memo=memo)
 
 
-def snapshot(obj, share: tuple[str, ...] = ()):
+def snapshot(obj, share: tuple[str, ...] = (), memo: dict | None = None):
     """A copy of ``obj`` as it is now: a shallow copy whose state (tensors, generators, plain
     objects, and containers of them) is copied, so that loading state into it leaves ``obj``
     untouched. ``share``: attributes left as they are, not copied (the model's own tensors, which
-    the trainer's checkpoint holds and no ``load_state_dict`` writes)."""
+    the trainer's checkpoint holds and no ``load_state_dict`` writes); ``memo``: objects already
+    copied (``id`` to copy), as ``copy.deepcopy``'s."""
     out = copy.copy(obj)
-    memo = {id(obj): out}
+    memo = {**(memo or {}), id(obj): out}
     for name, value in vars(obj).items():
         if name not in share:
             setattr(out, name, _clone(value, memo))
@@ -189,6 +186,12 @@ def own_classes(obj) -> list[type]:
     """The classes of ``obj`` written outside sparsetrain, torch and numpy (a method of one's own)."""
     return [c for c in type(obj).__mro__
             if (c.__module__ or "").split(".")[0] not in ("sparsetrain", "torch", "numpy", "builtins", "abc")]
+
+
+def own_part(*objs):
+    """The first of ``objs`` (a compressor, a memory) that is a method of one's own, else the
+    first: what an error about their step names."""
+    return next((o for o in objs if own_classes(o)), objs[0])
 
 
 def outside(objs, rngs: bool = True) -> dict[str, object]:
@@ -269,4 +272,4 @@ def refuse_outside(changed: list[str], owner, over: str = "the first compressed 
     )
 
 
-__all__ = ["changed_outside", "check_kept", "outside", "own_classes", "refuse_outside", "probe_copy", "snapshot", "transient_names", "undeclared"]
+__all__ = ["changed_outside", "check_kept", "outside", "own_classes", "own_part", "refuse_outside", "probe_copy", "snapshot", "transient_names", "undeclared"]
