@@ -248,3 +248,24 @@ def test_a_collective_outside_the_rounds_is_refused_after_the_first_compressed_s
             plain.reduce(torch.randn(plain.numel), step, NULL_TIMER)
     finally:
         dist.destroy_process_group()
+
+
+class NarrowWireTopK(TopK):
+    """Sends its positions as int16, which holds 32,767 at most."""
+
+    @property
+    def wire_dtype(self):
+        return torch.int16
+
+
+def test_a_wire_dtype_too_narrow_for_the_positions_is_refused():
+    """Positions above 32,767 wrapped on the wire (40,000 became -25,536): every rank stopped with
+    an IndexError in the first compressed step, or decoded another entry where the wrap stayed in
+    range. Refused when the exchange is built; a tensor whose positions fit passes."""
+    SparseReducer(NarrowWireTopK(0.1, [1000, 30], "layerwise"), aggregation="allgather", world_size=1, rank=0, seed=0)
+    with pytest.raises(ConfigError) as err:
+        SparseReducer(NarrowWireTopK(0.1, [40_000], "layerwise"), aggregation="allgather", world_size=1, rank=0, seed=0)
+    assert str(err.value) == (
+        "NarrowWireTopK.wire_dtype=torch.int16 cannot carry its positions (max_position=39,999, above 32,767): they "
+        "would wrap on the wire and decode to other entries; allowed: an integer dtype that holds max_position "
+        "(torch.int32 below 2**31, the default) (docs/own_compressor.md, 'Methods')")

@@ -604,3 +604,107 @@ def test_the_summary_of_a_sync_on_a_schedule_of_its_own_holds_the_bytes_it_sent(
     s = read_json(tmp_path / "run" / "summary.json")
     assert s["steps"] == 16 and s["sync"]["syncs"] == 4 and s["sync"]["schedule"] == "own"
     assert s["bytes_sent_per_step"] == s["bytes_sent_total"] / 16 == s["sync"]["bytes_per_sync"] / 4
+
+
+TALLY_MODULE = '''\
+counts = {"calls": 0}
+
+
+def bump():
+    counts["calls"] += 1
+'''
+
+VIA_HELPERS_MODULE = '''\
+import tally
+from tally import bump
+
+from sparsetrain.compress import TopK
+
+steps = 0
+
+
+def _count():
+    global steps
+    steps += 1
+
+
+class ViaModule(TopK):
+    def compress(self, acc, seed=0, out=None, wire=None):
+        tally.counts["calls"] += 1
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class ViaFunction(TopK):
+    def compress(self, acc, seed=0, out=None, wire=None):
+        bump()
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class ViaLocalFunction(TopK):
+    def compress(self, acc, seed=0, out=None, wire=None):
+        _count()
+        return super().compress(acc, seed, out=out, wire=wire)
+'''
+
+
+def test_state_a_helper_function_or_module_of_ones_own_changes_is_refused(tmp_path, monkeypatch):
+    """The module globals the class's code uses are followed into the functions and helper
+    modules of one's own that it calls: a counter there is state a resume does not rebuild."""
+    (tmp_path / "tally.py").write_text(TALLY_MODULE)
+    (tmp_path / "via_helpers.py").write_text(VIA_HELPERS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import via_helpers
+
+    assert "(module global tally.counts['calls'])" in _refusal(via_helpers.ViaModule), _refusal(via_helpers.ViaModule)
+    assert "(module global tally.counts['calls'])" in _refusal(via_helpers.ViaFunction)
+    assert "(module global via_helpers.steps)" in _refusal(via_helpers.ViaLocalFunction)
+
+
+SCRIPT = '''\
+"""docs/library.md's loop across ranks (one here), with a compressor class of one's own beside it."""
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from sparsetrain.comm import build_reducer
+from sparsetrain.compress import Layout, TopK
+from sparsetrain.timing import NULL_TIMER
+
+
+class HalfTopK(TopK):
+    """Top-k of half the accumulator: keeps nothing."""
+
+    def select(self, acc, seed):
+        return super().select(acc * 0.5, seed)
+
+
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+params = list(model.parameters())
+reducer = build_reducer("half", "layerwise", "allgather", 0.1, Layout.from_tensors(params), world_size=1,
+                        rank=0, seed=0, compressor=HalfTopK)
+for step in range(4):
+    x, y = torch.randn(32, 20), torch.randint(0, 2, (32,))
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    reducer.reduce(grad, step, NULL_TIMER)
+    opt.step()
+print(f"ok {step}")
+'''
+
+
+def test_a_scripts_own_loop_beside_its_class_is_not_state_of_the_class(tmp_path):
+    """A class defined in a script (or a notebook) shares ``__main__`` with the loop's model,
+    optimizer, reducer and step: those change every step and are not the class's state (they were
+    refused, naming ``__main__.reducer``); only the globals the class's code uses are watched."""
+    import subprocess
+    import sys
+
+    (tmp_path / "loop.py").write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(tmp_path / "loop.py")], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok 3", proc.stderr[-3000:]

@@ -319,6 +319,17 @@ class SparseReducer(ReducerBase):
                 f"but it sends k={compressor.k:,} of {compressor.numel:,} entries at ratio={compressor.ratio}, so "
                 f"the analysis would pool its runs at every ratio as one; allowed: ratio_applies = True, or "
                 f"k = numel (docs/own_compressor.md, 'Class attributes')")
+        # positions cast to a narrower wire dtype would wrap (int16: 40,000 becomes -25,536): a
+        # receiver's index out of range, or another entry's, so refuse it before the first step
+        wire = compressor.wire_dtype
+        top = torch.iinfo(wire).max if not (wire.is_floating_point or wire.is_complex or wire == torch.bool) else None
+        if top is None or compressor.max_position > top:
+            cls = type(compressor).__name__
+            raise ConfigError(
+                f"{cls}.wire_dtype={wire} cannot carry its positions (max_position={compressor.max_position:,}"
+                + (f", above {top:,}" if top is not None else ", not an integer type") + "): they would wrap "
+                "on the wire and decode to other entries; allowed: an integer dtype that holds max_position "
+                "(torch.int32 below 2**31, the default) (docs/own_compressor.md, 'Methods')")
         self.aggregation_applies = not (compressor.shared_positions
                                         and compressor.rounds("allreduce") == compressor.rounds("allgather"))
 

@@ -27,7 +27,10 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import os
 import random
+import sys
+import sysconfig
 import types
 from collections.abc import Callable
 
@@ -182,10 +185,12 @@ def undeclared(live, restored, transient=()) -> list[str]:
     return out
 
 
+_NOT_OWN = ("sparsetrain", "torch", "numpy", "builtins", "abc")
+
+
 def own_classes(obj) -> list[type]:
     """The classes of ``obj`` written outside sparsetrain, torch and numpy (a method of one's own)."""
-    return [c for c in type(obj).__mro__
-            if (c.__module__ or "").split(".")[0] not in ("sparsetrain", "torch", "numpy", "builtins", "abc")]
+    return [c for c in type(obj).__mro__ if (c.__module__ or "").split(".")[0] not in _NOT_OWN]
 
 
 def own_part(*objs):
@@ -194,28 +199,110 @@ def own_part(*objs):
     return next((o for o in objs if own_classes(o)), objs[0])
 
 
+@functools.cache
+def _installed() -> tuple[str, ...]:
+    """Where the standard library and installed packages live (their modules are not one's own)."""
+    paths = sysconfig.get_paths()
+    return tuple(os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := paths.get(key)))
+
+
+def _own_module(name: str | None) -> bool:
+    """Whether module ``name`` is one's own: not sparsetrain, torch, numpy or the standard library,
+    and not installed (a script, a notebook's ``__main__``, a helper module beside one's class)."""
+    top = (name or "").split(".")[0]
+    if not top or top in _NOT_OWN or top in sys.stdlib_module_names:
+        return False
+    path = getattr(sys.modules.get(name), "__file__", None)
+    return path is None or not os.path.realpath(path).startswith(_installed())
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a function's code uses, its nested functions' included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def _functions(cls: type) -> list[types.FunctionType]:
+    """The functions a class defines: methods, static and class methods, properties' accessors."""
+    out = []
+    for value in vars(cls).values():
+        if isinstance(value, (staticmethod, classmethod)):
+            value = value.__func__
+        if isinstance(value, property):
+            out.extend(f for f in (value.fget, value.fset, value.fdel) if isinstance(f, types.FunctionType))
+        elif isinstance(value, types.FunctionType):
+            out.append(value)
+    return out
+
+
+def globals_used(classes) -> dict[str, object]:
+    """The module globals that the code of ``classes`` uses by name (``global calls``, a
+    module-level dict it fills), and in turn those of the functions and helper modules of one's
+    own that it calls (``helpers.bump()``, ``helpers.counter``): ``{"module.name": value}``.
+
+    Only what the code names: a script or notebook that defines a class beside its training loop
+    holds the model, the reducer and the loop's step in its globals too, and those are not the
+    method's state (the trainer's checkpoint holds the model; the loop's step is the loop's)."""
+    queue = [f for cls in classes for f in _functions(cls)]
+    seen: set[int] = set()
+    out: dict[str, object] = {}
+
+    def visit(module_name: str, names: set[str], space: dict, modules: set[str]) -> None:
+        for name in names & space.keys():
+            value = space[name]
+            if name.startswith("__"):
+                continue
+            if isinstance(value, types.FunctionType):
+                if _own_module(value.__module__):
+                    queue.append(value)
+            elif isinstance(value, type):
+                if _own_module(value.__module__):  # a helper class: its methods' globals
+                    queue.extend(_functions(value))
+                    out.update({f"{value.__module__}.{value.__name__}.{k}": v for k, v in vars(value).items()
+                                if not k.startswith("__")})
+            elif isinstance(value, types.ModuleType):
+                if _own_module(value.__name__) and value.__name__ not in modules:  # ``helpers.counter``
+                    visit(value.__name__, names, vars(value), modules | {value.__name__})
+            else:
+                out[f"{module_name}.{name}"] = value
+
+    while queue:
+        fn = queue.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        module_name = fn.__globals__.get("__name__", "?")
+        visit(module_name, _code_names(fn.__code__), fn.__globals__, {module_name})
+    return out
+
+
 def outside(objs, rngs: bool = True) -> dict[str, object]:
     """The state that a resume of ``objs`` (compressors, memories, a sync) does not rebuild and
     that they may change: numpy's and Python's global random states (``rngs``; torch's is in the
-    trainer's checkpoints), and the class attributes and module globals of their own classes
-    (numbers, strings, tensors, arrays, containers, helpers: ``_leaves``), copied; names in
-    ``transient`` left out."""
+    trainer's checkpoints), the class attributes of their own classes, and the module globals
+    their code uses (``globals_used``): numbers, strings, tensors, arrays, containers, helpers
+    (``_leaves``), copied; names in ``transient`` left out."""
     out: dict[str, object] = {}
     if rngs:
         out["numpy's global random state (np.random)"] = np.random.get_state(legacy=False)
         out["Python's global random state (random)"] = random.getstate()
     for obj in objs:
         skip = transient_names(type(obj))
-        for cls in own_classes(obj):
-            module = __import__("sys").modules.get(cls.__module__)
-            for where, names in ((f"class attribute {cls.__name__}", vars(cls)),
-                                 (f"module global {cls.__module__}", vars(module) if module else {})):
-                for name, value in list(names.items()):
-                    if name.startswith("__") or name in skip:
-                        continue
-                    for path, leaf in _leaves(value, f"{where}.{name}").items():
-                        out[path] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else \
-                            leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+        classes = own_classes(obj)
+        found = [(f"class attribute {cls.__name__}.{name}", value)
+                 for cls in classes for name, value in vars(cls).items()]
+        found += [(f"module global {path}", value) for path, value in globals_used(classes).items()]
+        for where, value in found:
+            name = where.rpartition(".")[2]
+            if name.startswith("__") or name in skip:
+                continue
+            for path, leaf in _leaves(value, where).items():
+                out[path] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else \
+                    leaf.copy() if isinstance(leaf, np.ndarray) else leaf
     return out
 
 
@@ -272,4 +359,4 @@ def refuse_outside(changed: list[str], owner, over: str = "the first compressed 
     )
 
 
-__all__ = ["changed_outside", "check_kept", "outside", "own_classes", "own_part", "refuse_outside", "probe_copy", "snapshot", "transient_names", "undeclared"]
+__all__ = ["changed_outside", "check_kept", "globals_used", "outside", "own_classes", "own_part", "refuse_outside", "probe_copy", "snapshot", "transient_names", "undeclared"]
