@@ -28,8 +28,9 @@ data:  ## make Fashion-MNIST available offline (Debian package when apt and root
 run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 ranks, Fashion-MNIST
 	$(PY) -m sparsetrain.benchmarks.compare
 
-# The two test tiers (docs/testing.md); each prints its 15 slowest tests, so a slow one shows.
-PYTEST = $(PY) -m pytest -q --durations=15
+# The two test tiers (docs/testing.md); each prints its 15 slowest tests, so a slow one shows,
+# and the stacks of a test still running after 20 minutes (a hang says where it hangs).
+PYTEST = $(PY) -m pytest -q --durations=15 -o faulthandler_timeout=1200
 
 test: venv data  ## the fast test tier: every part of the package once (9 minutes on 2 quiet cores)
 	$(PYTEST) -m "not slow"
