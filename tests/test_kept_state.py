@@ -7,6 +7,7 @@ built-in scheme."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -708,3 +709,56 @@ def test_a_scripts_own_loop_beside_its_class_is_not_state_of_the_class(tmp_path)
     proc = subprocess.run([sys.executable, str(tmp_path / "loop.py")], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok 3", proc.stderr[-3000:]
+
+
+def _make_counter():
+    calls = 0
+
+    def bump():
+        nonlocal calls
+        calls += 1
+        return calls
+
+    return bump
+
+
+class ClosureCounting(TopK):
+    """Counts its steps in a closure's cell (``nonlocal``), which no ``state_dict`` carries."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.bump = _make_counter()
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        self.bump()
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class IteratorCounting(TopK):
+    """Counts its steps in an ``itertools.count``."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.ticks = itertools.count()
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        next(self.ticks)
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+_BUMP = _make_counter()  # a module-level closure one of the classes below calls
+
+
+class GlobalClosureCounting(TopK):
+    def compress(self, acc, seed=0, out=None, wire=None):
+        _BUMP()
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+def test_a_closures_cells_and_an_iterators_count_are_state():
+    """A counter kept in a closure (on the object or a module global it calls) or in an
+    ``itertools.count`` goes on from 0 after a resume: refused, naming it."""
+    assert _refusal(ClosureCounting).startswith(
+        "ClosureCounting.bump.<closure calls> changed in the first compressed step"), _refusal(ClosureCounting)
+    assert _refusal(IteratorCounting).startswith("IteratorCounting.ticks changed in the first compressed step")
+    assert "(module global test_kept_state._BUMP.<closure calls>)" in _refusal(GlobalClosureCounting)
