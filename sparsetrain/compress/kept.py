@@ -12,8 +12,8 @@ synchronisation and again after every epoch's end:
 - at the step's start, ``snapshot`` copies the object's state: its own attributes' tensors,
   numpy arrays, numbers and strings (a step counter), a ``torch.Generator``'s state, a numpy
   ``Generator``'s (``bit_generator.state``), an ``itertools.count``'s next value, and the same
-  inside lists, tuples, dicts, plain objects' attributes (a helper holding a running statistic)
-  and the cells of a closure of one's own (a counter kept by ``nonlocal``);
+  inside lists, tuples, dicts and plain objects' attributes (a helper holding a running
+  statistic);
 - after the step, ``undeclared`` loads the live object's declared state into that copy (what a
   resume does) and names every value on which the two differ (``calls``, ``rng``, ``ema.v``).
 
@@ -79,12 +79,6 @@ def _clone(value, memo: dict | None = None):
         return collections.deque((_clone(v, memo) for v in value), maxlen=value.maxlen)
     if isinstance(value, itertools.count):  # its next value, in its repr: count(5) or count(5, 2)
         return eval(repr(value), {"count": itertools.count})  # noqa: S307  (a repr of numbers)
-    if _own_closure(value):  # a closure of one's own: its cells copied
-        out = memo[id(value)] = types.FunctionType(
-            value.__code__, value.__globals__, value.__name__, value.__defaults__,
-            tuple(types.CellType(_clone(_cell(c), memo)) for c in value.__closure__))
-        out.__kwdefaults__, out.__dict__ = value.__kwdefaults__, dict(value.__dict__)
-        return out
     if isinstance(value, (set, frozenset)):
         return type(value)(value)  # hashable members: immutable
     if isinstance(value, (list, tuple)):
@@ -100,9 +94,20 @@ def _clone(value, memo: dict | None = None):
     return value
 
 
-def _own_closure(value) -> bool:
-    """A function of one's own module with a closure (torch's and sparsetrain's are not looked into)."""
-    return isinstance(value, types.FunctionType) and bool(value.__closure__) and _own_module(value.__module__)
+_DATA = (*_SCALARS, torch.Tensor, np.ndarray, list, tuple, dict, collections.deque, set, frozenset,
+         itertools.count, torch.Generator, np.random.Generator, np.random.RandomState)
+
+
+def _closure_data(fn: types.FunctionType) -> dict[str, object]:
+    """The cells of ``fn``'s closure that hold data (a counter kept by ``nonlocal``, a list it
+    fills): ``{"<closure name>": value}``. Objects it closes over (an owner, a trainer) are not
+    its state, and are left out."""
+    out = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        value = _cell(cell)
+        if isinstance(value, _DATA):
+            out[f"<closure {name}>"] = value
+    return out
 
 
 def _cell(cell):
@@ -143,9 +148,6 @@ def _leaves(value, path: str = "", seen: frozenset = frozenset()) -> dict[str, o
     elif isinstance(value, dict):
         for k, v in value.items():
             out.update(_leaves(v, f"{path}[{k!r}]", seen))
-    elif _own_closure(value):  # a counter kept by ``nonlocal``
-        for name, cell in zip(value.__code__.co_freevars, value.__closure__, strict=True):
-            out.update(_leaves(_cell(cell), f"{path}.<closure {name}>", seen))
     elif _plain(value):  # a helper's caches: its class's ``transient``, as for the owner
         skip = transient_names(type(value))
         for k, v in vars(value).items():
@@ -287,8 +289,8 @@ def globals_used(classes) -> dict[str, object]:
             if isinstance(value, types.FunctionType):
                 if _own_module(value.__module__):
                     queue.append(value)
-                    if value.__closure__:  # ``bump = make_counter()``: its cells are state
-                        out[f"{module_name}.{name}"] = value
+                    for var, data in _closure_data(value).items():  # ``bump = make_counter()``
+                        out[f"{module_name}.{name}.{var}"] = data
             elif isinstance(value, type):
                 if _own_module(value.__module__):  # a helper class: its methods' globals
                     queue.extend(_functions(value))
