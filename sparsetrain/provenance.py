@@ -22,6 +22,7 @@ No torch, no Hydra: the CLI checks a checkpoint with it before any rank starts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import inspect
@@ -121,6 +122,15 @@ def compressor_code(targets: str | list[str] | None) -> dict | None:
             "digest": digest.hexdigest()[:16]}
 
 
+@functools.cache
+def installed_roots() -> tuple[str, ...]:
+    """Where the standard library and installed packages live, each ending in the path separator:
+    a file under one of them is not one's own code (``str.startswith`` takes the tuple)."""
+    paths = sysconfig.get_paths()
+    return tuple(os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := paths.get(key)))
+
+
 def _own_files(target: str | None) -> list[Path]:
     """The files outside sparsetrain that define the class ``target`` and its bases (see
     ``compressor_code``); [] for sparsetrain's classes, no target, or one that cannot be imported."""
@@ -131,8 +141,7 @@ def _own_files(target: str | None) -> list[Path]:
         cls = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError):
         return []
-    installed = {str(Path(p).resolve()) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                 if (p := sysconfig.get_paths().get(key))}
+    installed = installed_roots()
     own = Path(__file__).resolve().parent  # the sparsetrain package
     files: list[Path] = []
     for i, klass in enumerate(getattr(cls, "__mro__", (cls,))):
@@ -143,7 +152,7 @@ def _own_files(target: str | None) -> list[Path]:
         if not path.is_file() or own in path.parents:
             continue
         # the class named is always its own code; a base only outside installed packages
-        if i and any(str(path).startswith(root + os.sep) for root in installed):
+        if i and str(path).startswith(installed):
             continue
         if path not in files:
             files.append(path)
@@ -163,7 +172,7 @@ def _own_files(target: str | None) -> list[Path]:
             if used is None or used.__name__ in seen or not path.is_file():
                 continue
             path = path.resolve()
-            if own in path.parents or any(str(path).startswith(root + os.sep) for root in installed):
+            if own in path.parents or str(path).startswith(installed):
                 continue
             if path not in files:
                 files.append(path)

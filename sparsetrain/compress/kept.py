@@ -32,7 +32,6 @@ import itertools
 import os
 import random
 import sys
-import sysconfig
 import types
 from collections.abc import Callable
 
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 from sparsetrain.errors import CheckpointError
+from sparsetrain.provenance import installed_roots
 
 # Values compared as they are: numbers, strings, flags (a step counter, a phase's name)
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
@@ -229,14 +229,6 @@ def own_part(*objs):
     return next((o for o in objs if own_classes(o)), objs[0])
 
 
-@functools.cache
-def _installed() -> tuple[str, ...]:
-    """Where the standard library and installed packages live (their modules are not one's own)."""
-    paths = sysconfig.get_paths()
-    return tuple(os.path.realpath(p) + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                 if (p := paths.get(key)))
-
-
 def _own_module(name: str | None) -> bool:
     """Whether module ``name`` is one's own: not sparsetrain, torch, numpy or the standard library,
     and not installed (a script, a notebook's ``__main__``, a helper module beside one's class)."""
@@ -244,7 +236,7 @@ def _own_module(name: str | None) -> bool:
     if not top or top in _NOT_OWN or top in sys.stdlib_module_names:
         return False
     path = getattr(sys.modules.get(name), "__file__", None)
-    return path is None or not os.path.realpath(path).startswith(_installed())
+    return path is None or not os.path.realpath(path).startswith(installed_roots())
 
 
 def _code_names(code: types.CodeType) -> set[str]:
