@@ -30,7 +30,10 @@ run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 
 
 # The two test tiers (docs/testing.md); each prints its 15 slowest tests, so a slow one shows,
 # and the stacks of a test still running after 20 minutes (a hang says where it hangs).
-PYTEST = $(PY) -m pytest -q --durations=15 -o faulthandler_timeout=1200
+# TEST_JOBS pytest-xdist workers, each taking whole test files (a module's fixtures are built
+# once); TEST_JOBS=0 runs every test in one process, TEST_JOBS=auto one worker per core.
+TEST_JOBS ?= 2
+PYTEST = $(PY) -m pytest -q --durations=15 -o faulthandler_timeout=1200 -n $(TEST_JOBS) --dist loadfile
 
 test: venv data  ## the fast test tier: every part of the package once (9 minutes on 2 quiet cores)
 	$(PYTEST) -m "not slow"

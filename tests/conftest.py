@@ -319,20 +319,29 @@ def pytest_runtest_protocol(item, nextitem):
 # the summary names every one: a slow CI machine then lands with a list of what did not run,
 # instead of being cut off at the limit with no report at all.
 _DEADLINE = float(os.environ.get("SPARSETRAIN_TEST_DEADLINE") or "inf")
-_PAST_DEADLINE: list[str] = []
+_PAST_DEADLINE = "not run: past CI's time budget (SPARSETRAIN_TEST_DEADLINE)"
 
 
 def pytest_runtest_setup(item):
     if time.time() > _DEADLINE:
-        _PAST_DEADLINE.append(item.nodeid)
-        pytest.skip("not run: past CI's time budget (SPARSETRAIN_TEST_DEADLINE)")
+        pytest.skip(_PAST_DEADLINE)
+
+
+def _skip_reason(report) -> str:
+    """A skipped test's reason, as the process that ran it sent it (a tuple (path, line, reason)
+    in-process and from pytest-xdist's workers alike)."""
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _PAST_DEADLINE:
-        terminalreporter.write_line(f"time budget: {len(_PAST_DEADLINE)} tests not run, past "
+    # Read from the reports, not from a list the hook fills: under pytest-xdist the skips happen in
+    # the workers, and only their reports reach this process.
+    past = [r.nodeid for r in terminalreporter.stats.get("skipped", []) if _PAST_DEADLINE in _skip_reason(r)]
+    if past:
+        terminalreporter.write_line(f"time budget: {len(past)} tests not run, past "
                                     "SPARSETRAIN_TEST_DEADLINE:", red=True)
-        for nodeid in _PAST_DEADLINE:
+        for nodeid in sorted(past):
             terminalreporter.write_line(f"  {nodeid}")
     if not _COST_FILE or not Path(_COST_FILE).exists():
         return
