@@ -51,7 +51,14 @@ import torch.distributed as dist
 from sparsetrain.comm.dense import average_dense
 from sparsetrain.comm.protocol import ExchangeStats, ReducerBase, split_by_collective
 from sparsetrain.compress import Layout
-from sparsetrain.compress.kept import changed_outside, check_kept, outside, refuse_outside, snapshot
+from sparsetrain.compress.kept import (
+    Window,
+    changed_outside,
+    check_kept,
+    outside,
+    refuse_outside,
+    snapshot,
+)
 from sparsetrain.timing import PhaseTimer
 
 
@@ -154,10 +161,10 @@ class PeriodicSync(ReducerBase):
         # a sync of one's own may synchronise on a schedule of its own (a period that grows, a
         # syncs_at of its own): then the sizes per step above are the measured means instead
         self._period0, self.own_schedule = self.period, False
-        # the kept-state check: None (to start at the next step), [snapshot, its step, the step of
-        # the synchronisation since (None: none yet), what lies outside it], or True (checked);
-        # ``_kept_again``: started by ``watch_kept_state``
-        self._kept: list | bool | None = None
+        # the kept-state check: None (to start at the next step), a ``Window`` (closed by the step
+        # of the next synchronisation), or True (checked); ``_kept_again``: started by
+        # ``watch_kept_state``
+        self._kept: Window | bool | None = None
         self._kept_again = False
 
     @staticmethod
@@ -251,8 +258,8 @@ class PeriodicSync(ReducerBase):
                         self.anchor_buffers[i].copy_(b)
                         pos += n
         self.syncs += 1
-        if isinstance(self._kept, list) and self._kept[2] is None:
-            self._kept[2] = step  # the check compares at the next step, after all of this one
+        if isinstance(self._kept, Window) and self._kept.end is None:
+            self._kept.end = step  # the check compares at the next step, after all of this one
         if getattr(timer, "counting", False):  # counted in its means
             self.sync_ms += self._phases_ms(timer) - before
             self.syncs_timed += 1
@@ -263,19 +270,19 @@ class PeriodicSync(ReducerBase):
         changed that its ``state_dict`` / ``load_state_dict`` do not bring back; then, where one
         is due (the first step after warm-up, the first after ``watch_kept_state``), a snapshot."""
         kept = self._kept
-        if isinstance(kept, list) and kept[2] is not None:
+        if isinstance(kept, Window) and kept.end is not None:
             self._kept = True
-            over = (f"steps {kept[1]}-{kept[2]} (its first synchronisation)" if not self._kept_again else
-                    f"steps {kept[1]}-{kept[2]} (the synchronisation after an epoch's end)")
+            over = (f"steps {kept.start}-{kept.end} (its first synchronisation)" if not self._kept_again else
+                    f"steps {kept.start}-{kept.end} (the synchronisation after an epoch's end)")
             with timer.untimed():
                 # its class attributes and module globals too (numpy's and Python's random states
                 # are not read: the window holds whole steps, the data's and the model's)
-                refuse_outside(changed_outside(kept[3], (self,), rngs=False), self, over)
-                check_kept(self, kept[0], lambda r: r.load_state_dict(self.state_dict()),
+                refuse_outside(changed_outside(kept.outside_before, (self,), rngs=False), self, over)
+                check_kept(self, kept.snapshots[0], lambda r: r.load_state_dict(self.state_dict()),
                            "state_dict / load_state_dict", over, share=self._MODEL)
         if self._kept is None and step >= self.warmup_steps:
             with timer.untimed():
-                self._kept = [snapshot(self, share=self._MODEL), step, None, outside((self,), rngs=False)]
+                self._kept = Window((snapshot(self, share=self._MODEL),), step, outside((self,), rngs=False))
 
     def watch_kept_state(self) -> None:
         """The kept-state check once more, from the next step to the one after the next

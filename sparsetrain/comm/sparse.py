@@ -42,6 +42,7 @@ from sparsetrain.comm.rules import check_aggregation
 from sparsetrain.compress import ErrorFeedback, compressed_first, compression_stats, step_seed
 from sparsetrain.compress.base import Message, Round, StepState
 from sparsetrain.compress.kept import (
+    Window,
     changed_outside,
     check_kept,
     outside,
@@ -287,9 +288,9 @@ class SparseReducer(ReducerBase):
         self.flat_placement = Placement.flat(self.compressed_numel, self.uncompressed_numel)
         self._decoded: torch.Tensor | None = None  # decoding buffer for a placement of several runs
         self.kept_route = "state_dict"
-        # the kept-state check: None (not started), [compressor, memory snapshots, step done, step],
-        # or True (checked); ``_watched``: started again (``watch_kept_state``), not the first
-        self._kept: list | bool | None = None
+        # the kept-state check: None (not started), a ``Window`` (its step under way, or done and
+        # to be checked), or True (checked); ``_watched``: started again (``watch_kept_state``)
+        self._kept: Window | bool | None = None
         self._watched = False
         self.decode_checked = False  # the decode check (comm.probe), before the first compressed step
 
@@ -426,8 +427,8 @@ class SparseReducer(ReducerBase):
                 check_decode(self, step)
         if self._kept is None:  # the first compressed step (or one watched again): what the two hold
             with timer.untimed():
-                self._kept = [snapshot(self.compressor), snapshot(self.memory), False, step,
-                              outside((self.compressor, self.memory))]
+                self._kept = Window((snapshot(self.compressor), snapshot(self.memory)), step,
+                                    outside((self.compressor, self.memory)))
         pieces = [(f, buf[a : a + n]) for a, f, n in placement.grad_runs]
         # the fused kernels measure no compression error; they take the gradient as one tensor
         # (a DDP bucket's compressed tensors, where they lie in several runs, copied into one)
@@ -504,18 +505,20 @@ class SparseReducer(ReducerBase):
             if len(runs) > 1:
                 for a, f, n in runs:
                     buf[a : a + n].copy_(out[f : f + n])
-        if isinstance(self._kept, list) and self._kept[2] is False:
-            self._kept[2] = True  # what changed outside the two: read at the step's end (no other code ran)
-            self._kept[4] = changed_outside(self._kept[4], (self.compressor, self.memory))
+        if isinstance(self._kept, Window) and self._kept.end is None:
+            # its one step is done: what changed outside the two is read now (no other code ran)
+            self._kept.end = self._kept.start
+            self._kept.changed = changed_outside(self._kept.outside_before, (self.compressor, self.memory))
 
     def check_kept_state(self) -> None:
         """Once the first compressed step is done (and each one ``watch_kept_state`` asks for):
         raise ``CheckpointError`` when the compressor or the memory changed a tensor that its
         declared state (``kept_route``) would not bring back on a resume (``compress.kept``)."""
-        if not (isinstance(self._kept, list) and self._kept[2]):
+        window = self._kept
+        if not (isinstance(window, Window) and window.end is not None):
             return
-        comp, mem, _, step, changed = self._kept
-        over = "the first compressed step" if not self._watched else f"compressed step {step}"
+        (comp, mem), changed = window.snapshots, window.changed
+        over = "the first compressed step" if not self._watched else f"compressed step {window.start}"
         self._kept = True
         c, m = self.compressor, self.memory
         refuse_outside(changed, own_part(c, m), over)

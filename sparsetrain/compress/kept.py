@@ -34,6 +34,7 @@ import random
 import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -349,6 +350,19 @@ def transient_names(cls) -> set[str]:
     return {name for klass in cls.__mro__ for name in vars(klass).get("transient", ())}
 
 
+@dataclass
+class Window:
+    """One kept-state check under way: the copies taken when its window opened (``snapshot``, one
+    per object watched), the step it opened at, what lay outside the objects then (``outside``),
+    and, once the window closed, the step that closed it and what outside had changed by then
+    (``changed_outside``; a check that reads it later leaves it None)."""
+    snapshots: tuple
+    start: int
+    outside_before: dict
+    end: int | None = None
+    changed: list[str] | None = None
+
+
 def check_kept(live, snap, load: Callable[[object], None], route: str,
                over: str = "the first compressed step", share: tuple[str, ...] = ()) -> None:
     """Refuse ``live`` (a compressor, memory or sync after the steps ``over`` names; ``snap``: its
@@ -383,4 +397,4 @@ def refuse_outside(changed: list[str], owner, over: str = "the first compressed 
     )
 
 
-__all__ = ["changed_outside", "check_kept", "globals_used", "outside", "own_classes", "own_part", "refuse_outside", "probe_copy", "snapshot", "transient_names", "undeclared"]
+__all__ = ["Window", "changed_outside", "check_kept", "globals_used", "outside", "own_classes", "own_part", "refuse_outside", "probe_copy", "snapshot", "transient_names", "undeclared"]
