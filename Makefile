@@ -35,7 +35,7 @@ run: venv data  ## the main job: dense vs top-k vs random-k vs block-k at 1%, 2 
 TEST_JOBS ?= 2
 PYTEST = $(PY) -m pytest -q --durations=15 -o faulthandler_timeout=1200 -n $(TEST_JOBS) --dist loadfile
 
-test: venv data  ## the fast test tier: every part of the package once (9 minutes on 2 quiet cores)
+test: venv data  ## the fast test tier: every part of the package once (about 7 minutes on 2 cores)
 	$(PYTEST) -m "not slow"
 
 test-full: venv data  ## every test: the fast tier and the full matrices, notebooks, install, netns, SLURM
