@@ -750,3 +750,79 @@ def test_a_closures_cells_and_an_iterators_count_are_state():
     over the trainer and fills a list of its own.)"""
     assert _refusal(IteratorCounting).startswith("IteratorCounting.ticks changed in the first compressed step")
     assert "(module global test_kept_state._BUMP.<closure calls>)" in _refusal(GlobalClosureCounting)
+
+
+def _density_warmup():
+    """DGC's sparsity warm-up as a generator: 25%, 6.25%, ..., then the ratio for good."""
+    density = 0.25
+    while True:
+        yield density
+        density = max(density / 4, 0.01)
+
+
+class GeneratorWarmup(TopK):
+    """Reads its warm-up from a generator it keeps: a resume would start it over at 25%."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.schedule = _density_warmup()
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        next(self.schedule)
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class ListWarmup(TopK):
+    """The same warm-up from an iterator over a list."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.schedule = iter([0.25, 0.0625, 0.015625] + [0.01] * 100)
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        next(self.schedule)
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+class DeclaredListWarmup(ListWarmup):
+    """The same, its position declared: ``load_state_dict`` rebuilds the iterator where it stood."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.taken = 0
+
+    def compress(self, acc, seed=0, out=None, wire=None):
+        self.taken += 1
+        return super().compress(acc, seed, out=out, wire=wire)
+
+    def state_dict(self):
+        return {"taken": self.taken}
+
+    def load_state_dict(self, state):
+        self.taken = state["taken"]
+        self.schedule = iter([0.25, 0.0625, 0.015625] + [0.01] * 100)
+        for _ in range(self.taken):
+            next(self.schedule)
+
+
+_RATIOS = iter([0.25, 0.0625, 0.015625] + [0.01] * 100)  # a module global one of the classes below reads
+
+
+class GlobalIteratorWarmup(TopK):
+    def compress(self, acc, seed=0, out=None, wire=None):
+        next(_RATIOS)
+        return super().compress(acc, seed, out=out, wire=wire)
+
+
+def test_a_generators_and_an_iterators_position_are_state():
+    """A schedule kept in a generator or in an iterator over a list restarts from its first item
+    after a resume: refused, naming it (a generator when the exchange first copies the compressor:
+    it cannot be copied; an iterator over a list by its index, which moved). One whose
+    ``load_state_dict`` rebuilds it at its position passes, and the checks' copies did not move
+    the live one (the third step read the list's fourth item)."""
+    assert _refusal(GeneratorWarmup).startswith("GeneratorWarmup.schedule is a generator kept across steps: "
+                                                "neither a checkpoint nor the checks' copies can hold one")
+    assert _refusal(ListWarmup).startswith("ListWarmup.schedule.<index> changed in the first compressed step")
+    red = _steps(DeclaredListWarmup, steps=3)
+    assert red._kept is True and red.compressor.taken == red.compressor.schedule.__reduce__()[2] == 3
+    assert "(module global test_kept_state._RATIOS.<index>)" in _refusal(GlobalIteratorWarmup)

@@ -11,9 +11,11 @@ synchronisation and again after every epoch's end:
 
 - at the step's start, ``snapshot`` copies the object's state: its own attributes' tensors,
   numpy arrays, numbers and strings (a step counter), a ``torch.Generator``'s state, a numpy
-  ``Generator``'s (``bit_generator.state``), an ``itertools.count``'s next value, and the same
-  inside lists, tuples, dicts and plain objects' attributes (a helper holding a running
-  statistic);
+  ``Generator``'s (``bit_generator.state``), an ``itertools.count``'s next value, an iterator's
+  index into its list, tuple, range or string, and the same inside lists, tuples, dicts and plain
+  objects' attributes (a helper holding a running statistic); a Python generator cannot be
+  copied, and one kept across steps is refused when the exchange first copies the object
+  (``probe_copy``);
 - after the step, ``undeclared`` loads the live object's declared state into that copy (what a
   resume does) and names every value on which the two differ (``calls``, ``rng``, ``ema.v``).
 
@@ -46,6 +48,11 @@ from sparsetrain.provenance import installed_roots
 _SCALARS = (bool, int, float, complex, str, bytes, type(None), np.generic)
 
 
+# What a closure's cell or a generator's local holds that is state (not an owner, not a trainer)
+_DATA = (*_SCALARS, torch.Tensor, np.ndarray, list, tuple, dict, collections.deque, set, frozenset,
+         itertools.count, torch.Generator, np.random.Generator, np.random.RandomState)
+
+
 def _plain(value) -> bool:
     """An object of a Python class whose attributes are state (a helper holding a running
     statistic): not a class, module, function, torch's or numpy's own objects."""
@@ -56,6 +63,44 @@ def _plain(value) -> bool:
     if module.split(".")[0] in ("torch", "numpy", "builtins", "numba"):
         return False
     return hasattr(value, "__dict__")
+
+
+# Iterators whose position reads through ``__reduce__`` (an index into their sequence: copied as
+# they stand, sharing the sequence), and Python generators (a frame: where it stopped, and its
+# locals), which cannot be copied: a snapshot holds their position instead (``_Position``).
+_SEQUENCE_ITERATORS = tuple({type(iter(x)) for x in ([], (), range(0), "", "\u00e9", b"")}
+                            | {type(reversed([])), type(reversed(()))})
+_POSITIONED = (types.GeneratorType, *_SEQUENCE_ITERATORS)
+
+
+class _Position:
+    """A generator's position when it was copied (``_position``): compared, never run."""
+
+    __slots__ = ("leaves",)
+
+    def __init__(self, leaves: dict[str, object]):
+        self.leaves = leaves
+
+
+def _position(it) -> dict[str, object]:
+    """Where ``it`` stands, as leaves by path suffix: a generator's last instruction
+    (``.<position>``) and the data among its locals (``.<local i>``), copied; an iterator's index
+    into its sequence (``.<index>``). A resume
+    builds the object afresh, so a generator or iterator that moved in a step and is not rebuilt
+    at its position by ``load_state_dict`` restarts from its first item."""
+    if isinstance(it, types.GeneratorType):
+        frame = it.gi_frame
+        if frame is None:
+            return {".<position>": "finished"}
+        out: dict[str, object] = {".<position>": frame.f_lasti}
+        for name, value in frame.f_locals.items():
+            if isinstance(value, _DATA):
+                for path, leaf in _leaves(value, f".<local {name}>").items():
+                    out[path] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else \
+                        leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+        return out
+    reduced = it.__reduce__()  # (iter, (sequence,), index), or (iter, ((),)) once exhausted
+    return {".<index>": reduced[2] if len(reduced) > 2 else "finished"}
 
 
 def _clone(value, memo: dict | None = None):
@@ -78,6 +123,10 @@ def _clone(value, memo: dict | None = None):
         return memo.setdefault(id(value), copy.deepcopy(value))
     if isinstance(value, collections.deque):
         return collections.deque((_clone(v, memo) for v in value), maxlen=value.maxlen)
+    if isinstance(value, types.GeneratorType):
+        return _Position(_position(value))
+    if isinstance(value, _SEQUENCE_ITERATORS):
+        return copy.copy(value)
     if isinstance(value, itertools.count):  # its next value, in its repr: count(5) or count(5, 2)
         return eval(repr(value), {"count": itertools.count})  # noqa: S307  (a repr of numbers)
     if isinstance(value, (set, frozenset)):
@@ -95,8 +144,6 @@ def _clone(value, memo: dict | None = None):
     return value
 
 
-_DATA = (*_SCALARS, torch.Tensor, np.ndarray, list, tuple, dict, collections.deque, set, frozenset,
-         itertools.count, torch.Generator, np.random.Generator, np.random.RandomState)
 
 
 def _closure_data(fn: types.FunctionType) -> dict[str, object]:
@@ -135,6 +182,10 @@ def _leaves(value, path: str = "", seen: frozenset = frozenset()) -> dict[str, o
         return {path: repr(sorted(value, key=repr))}
     if isinstance(value, itertools.count):
         return {path: repr(value)}
+    if isinstance(value, _POSITIONED):
+        return {path + k: v for k, v in _position(value).items()}
+    if isinstance(value, _Position):
+        return {path + k: v for k, v in value.leaves.items()}
     if isinstance(value, torch.optim.Optimizer):  # its per-parameter state (momentum), in order
         return _leaves(value.state_dict()["state"], f"{path}.state", seen)
     if isinstance(value, torch.nn.Module):
@@ -185,7 +236,16 @@ def probe_copy(obj, memo: dict | None = None):
     try:
         return copy.deepcopy(obj, dict(memo or {}))
     except Exception:  # noqa: BLE001  (whatever deepcopy raises: TypeError, pickling errors)
-        return snapshot(obj, memo=memo)
+        out = snapshot(obj, memo=memo)
+    generators = [path.removesuffix(".<position>") for name, value in vars(obj).items()
+                  for path in _leaves(value, f"{type(obj).__name__}.{name}") if path.endswith(".<position>")]
+    if generators:  # a snapshot holds only their positions: it could not run them
+        raise CheckpointError(
+            f"{generators[0]} is a generator kept across steps: neither a checkpoint nor the checks' "
+            f"copies can hold one, so a resumed run would start it over; keep its position in a number "
+            f"(a step counter, in state_dict) and compute each item from it (docs/own_compressor.md, "
+            f"'Kept state')")
+    return out
 
 
 def snapshot(obj, share: tuple[str, ...] = (), memo: dict | None = None):
