@@ -85,9 +85,9 @@ class _Position:
 def _position(it) -> dict[str, object]:
     """Where ``it`` stands, as leaves by path suffix: a generator's last instruction
     (``.<position>``) and the data among its locals (``.<local i>``), copied; an iterator's index
-    into its sequence (``.<index>``). A resume
-    builds the object afresh, so a generator or iterator that moved in a step and is not rebuilt
-    at its position by ``load_state_dict`` restarts from its first item."""
+    into its sequence (``.<index>``). A resume builds the object afresh, so a generator or an
+    iterator that moved in a step, unless ``load_state_dict`` rebuilds it where it stood, starts
+    over from its first item."""
     if isinstance(it, types.GeneratorType):
         frame = it.gi_frame
         if frame is None:
@@ -142,8 +142,6 @@ def _clone(value, memo: dict | None = None):
             object.__setattr__(out, name, _clone(attr, memo))  # frozen dataclasses too
         return out
     return value
-
-
 
 
 def _closure_data(fn: types.FunctionType) -> dict[str, object]:
