@@ -760,28 +760,31 @@ def _density_warmup():
         density = max(density / 4, 0.01)
 
 
+_WARMUP = [0.25, 0.0625, 0.015625] + [0.01] * 100  # the same warm-up, as a list
+
+
 class GeneratorWarmup(TopK):
     """Reads its warm-up from a generator it keeps: a resume would start it over at 25%."""
 
+    @staticmethod
+    def make_schedule():
+        return _density_warmup()
+
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.schedule = _density_warmup()
+        self.schedule = self.make_schedule()
 
     def compress(self, acc, seed=0, out=None, wire=None):
         next(self.schedule)
         return super().compress(acc, seed, out=out, wire=wire)
 
 
-class ListWarmup(TopK):
+class ListWarmup(GeneratorWarmup):
     """The same warm-up from an iterator over a list."""
 
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.schedule = iter([0.25, 0.0625, 0.015625] + [0.01] * 100)
-
-    def compress(self, acc, seed=0, out=None, wire=None):
-        next(self.schedule)
-        return super().compress(acc, seed, out=out, wire=wire)
+    @staticmethod
+    def make_schedule():
+        return iter(_WARMUP)
 
 
 class DeclaredListWarmup(ListWarmup):
@@ -800,12 +803,12 @@ class DeclaredListWarmup(ListWarmup):
 
     def load_state_dict(self, state):
         self.taken = state["taken"]
-        self.schedule = iter([0.25, 0.0625, 0.015625] + [0.01] * 100)
+        self.schedule = self.make_schedule()
         for _ in range(self.taken):
             next(self.schedule)
 
 
-_RATIOS = iter([0.25, 0.0625, 0.015625] + [0.01] * 100)  # a module global one of the classes below reads
+_RATIOS = iter(_WARMUP)  # a module global one of the classes below reads
 
 
 class GlobalIteratorWarmup(TopK):

@@ -82,6 +82,14 @@ class _Position:
         self.leaves = leaves
 
 
+def _frozen(leaf):
+    """A leaf of ``_leaves`` that later steps cannot change: tensors and arrays copied (numbers,
+    strings and the generators' states it returns are immutable or fresh already)."""
+    if isinstance(leaf, torch.Tensor):
+        return leaf.detach().clone()
+    return leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+
+
 def _position(it) -> dict[str, object]:
     """Where ``it`` stands, as leaves by path suffix: a generator's last instruction
     (``.<position>``) and the data among its locals (``.<local i>``), copied; an iterator's index
@@ -95,9 +103,7 @@ def _position(it) -> dict[str, object]:
         out: dict[str, object] = {".<position>": frame.f_lasti}
         for name, value in frame.f_locals.items():
             if isinstance(value, _DATA):
-                for path, leaf in _leaves(value, f".<local {name}>").items():
-                    out[path] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else \
-                        leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+                out.update({path: _frozen(leaf) for path, leaf in _leaves(value, f".<local {name}>").items()})
         return out
     reduced = it.__reduce__()  # (iter, (sequence,), index), or (iter, ((),)) once exhausted
     return {".<index>": reduced[2] if len(reduced) > 2 else "finished"}
@@ -383,9 +389,7 @@ def outside(objs, rngs: bool = True) -> dict[str, object]:
             name = where.rpartition(".")[2]
             if name.startswith("__") or name in skip:
                 continue
-            for path, leaf in _leaves(value, where).items():
-                out[path] = leaf.detach().clone() if isinstance(leaf, torch.Tensor) else \
-                    leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+            out.update({path: _frozen(leaf) for path, leaf in _leaves(value, where).items()})
     return out
 
 
